@@ -1,0 +1,19 @@
+"""eae_func: Explicit Adjoint Exposure as a functional library over torch.func.
+
+    chain, params = ef.from_module(model, loss=loss_fn)
+    res = ef.sweep(chain, params, x, target, passes=ef.compose(...), key=0)
+    res.loss, res.grads, res.adjoints, res.buffers, res.pass_state, res.stats
+"""
+
+from . import passes
+from .adjoint import AdjointState, fold_in
+from .chain import Chain, Stage, from_module, stage, write_grads
+from .passes import StatefulPass, compose, identity
+from .sweep import SweepResult, grad, sweep, value_and_grad
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdjointState", "Chain", "Stage", "StatefulPass", "SweepResult", "compose", "fold_in", "from_module",
+    "grad", "identity", "passes", "stage", "sweep", "value_and_grad", "write_grads",
+]

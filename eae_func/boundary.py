@@ -1,0 +1,119 @@
+"""Boundary states: splitting a pytree into differentiable and integer leaves,
+and storing it in a lower dtype and/or on the CPU between the sweeps."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import optree
+import torch
+
+from .adjoint import NAMESPACE
+
+
+def is_differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def leaves(tree: Any, where: str) -> tuple[list, Any]:
+    """Leaves and treespec of a boundary state; every leaf must be a tensor."""
+    flat, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    for t in flat:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: boundary states must be tensors or pytrees of tensors, "
+                            f"found a leaf of type {type(t).__name__}")
+    return flat, spec
+
+
+def split(tree: Any, where: str) -> tuple[list, Callable[[list], Any], Callable[[list], Any]]:
+    """``(floats, rebuild, costate_like)`` for a boundary state.
+
+    ``floats`` are its differentiable leaves; ``rebuild(floats)`` puts new ones
+    back beside the integer leaves; ``costate_like(floats)`` builds the matching
+    costate tree with ``None`` where a leaf has no costate.
+    """
+    flat, spec = leaves(tree, where)
+    mask = [is_differentiable(t) for t in flat]
+
+    def fill(new: list, other: Callable[[torch.Tensor], Any]) -> Any:
+        it = iter(new)
+        return spec.unflatten([next(it) if m else other(t) for t, m in zip(flat, mask)])
+
+    return ([t for t, m in zip(flat, mask) if m],
+            lambda new: fill(new, lambda t: t),
+            lambda new: fill(new, lambda t: None))
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Where boundary states live between the forward and the reverse sweep.
+
+    dtype:   store differentiable leaves in this dtype (e.g. ``torch.bfloat16``);
+             the forward feeds the next stage the stored value, so the reverse
+             recomputes exactly what the forward ran.
+    offload: keep them on the CPU (pinned when the compute device is CUDA) and
+             copy each back to the device one stage ahead of its use.
+    """
+
+    dtype: torch.dtype | None = None
+    offload: bool = False
+
+    def store(self, tree: Any) -> Any:
+        def one(t: torch.Tensor) -> torch.Tensor:
+            if self.dtype is not None and is_differentiable(t):
+                t = t.to(self.dtype)
+            if self.offload and t.device.type != "cpu":
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+                host.copy_(t, non_blocking=True)
+                t = host
+            return t
+
+        return optree.tree_map(one, tree, namespace=NAMESPACE)
+
+    def load(self, stored: Any, like: "Layout") -> Any:
+        """The stored state back in the compute dtype and on the compute device."""
+        return optree.tree_map(lambda t, d: t.to(device=d[0], dtype=d[1], non_blocking=True),
+                               stored, like.placement, namespace=NAMESPACE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Shape, dtype and device of every leaf of a boundary state, for loads and checks."""
+
+    spec: Any
+    placement: Any  # pytree of (device, dtype)
+    shapes: tuple
+
+    @staticmethod
+    def of(tree: Any) -> "Layout":
+        flat, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+        return Layout(spec, spec.unflatten([(t.device, t.dtype) for t in flat]), tuple(t.shape for t in flat))
+
+    def nbytes(self, stored: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in optree.tree_leaves(stored, namespace=NAMESPACE))
+
+
+class Prefetcher:
+    """Copies offloaded boundaries to the device on a side CUDA stream, one stage ahead."""
+
+    def __init__(self, policy: Policy, device: torch.device):
+        self.policy = policy
+        self.stream = torch.cuda.Stream(device) if policy.offload and device.type == "cuda" else None
+        self.pending: dict[int, Any] = {}
+
+    def start(self, index: int, stored: Any, like: Layout) -> None:
+        if self.stream is None:
+            return
+        with torch.cuda.stream(self.stream):
+            self.pending[index] = self.policy.load(stored, like)
+
+    def get(self, index: int, stored: Any, like: Layout) -> Any:
+        if index not in self.pending:
+            return self.policy.load(stored, like)
+        current = torch.cuda.current_stream(self.stream.device)
+        current.wait_stream(self.stream)
+        tree = self.pending.pop(index)
+        for t in optree.tree_leaves(tree, namespace=NAMESPACE):
+            t.record_stream(current)
+        return tree

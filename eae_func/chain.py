@@ -1,0 +1,186 @@
+"""Stages and chains: a network as a list of pure functions ``fn(params_l, h) -> h'``.
+
+``from_module`` turns each child of an ``nn.Sequential`` / ``nn.ModuleList`` (or
+each module of a list) into one stage through ``torch.func.functional_call``;
+``stage`` wraps a plain function. A ``Chain`` is the stages plus the loss
+``loss(x_L, *loss_args) -> scalar``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One block ``h_l = fn(params_l, h_{l-1})`` of the chain.
+
+    For a module stage, ``module`` is run with ``functional_call`` on the given
+    params and on fresh clones of ``buffers`` (the module's own buffers by
+    default), so running stats are returned, never written into the caller's
+    tensors.
+    """
+
+    fn: Callable | None
+    name: str | None = None
+    physical: bool = False
+    module: nn.Module | None = None
+    param_names: tuple[str, ...] | None = None
+
+    def call(self, params: Any, buffers: Mapping[str, torch.Tensor], h: Any):
+        """``(h', updated_buffers)``: the stage applied to ``h``; ``buffers`` are not modified."""
+        if self.module is None:
+            return self.fn(params, h), {}
+        fresh = {name: b.clone() for name, b in buffers.items()}
+        return functional_call(self.module, {**params, **fresh}, (h,), strict=True), fresh
+
+    def default_buffers(self) -> dict[str, torch.Tensor]:
+        if self.module is None:
+            return {}
+        return {name: b.detach() for name, b in self.module.named_buffers()}
+
+
+def stage(fn: Callable, name: str | None = None, physical: bool = False) -> Stage:
+    """A stage from a pure function ``fn(params, h) -> h'`` (``params`` any pytree of tensors)."""
+    if isinstance(fn, nn.Module):
+        raise TypeError("stage: expected a pure function fn(params, h); wrap modules with ef.from_module")
+    if not callable(fn):
+        raise TypeError(f"stage: expected a callable fn(params, h), got {type(fn).__name__}")
+    return Stage(fn=fn, name=name, physical=physical)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """``x_l = h_l(params_l, x_{l-1})`` for l = 1..L, then ``loss(x_L, *loss_args)``.
+
+    ``ties`` lists groups of ``(stage_index, param_name)`` that are one tensor
+    (a tied embedding and head); their gradients are summed.
+    """
+
+    stages: tuple[Stage, ...]
+    loss: Callable
+    ties: tuple[tuple[tuple[int, str], ...], ...] = ()
+
+    def __init__(self, stages: Iterable[Stage | Callable], loss: Callable, ties: Iterable = ()):
+        stages = tuple(s if isinstance(s, Stage) else stage(s) for s in stages)
+        if not stages:
+            raise ValueError("Chain: expected at least one stage, got an empty chain")
+        if not callable(loss):
+            raise TypeError(f"Chain: loss must be callable loss(output, *loss_args), got {type(loss).__name__}")
+        named = tuple(dataclasses.replace(s, name=s.name or f"{_base_name(s)}_{i}") for i, s in enumerate(stages))
+        names = [s.name for s in named]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"Chain: stage names must be unique, repeated: {duplicates}")
+        object.__setattr__(self, "stages", named)
+        object.__setattr__(self, "loss", loss)
+        object.__setattr__(self, "ties", tuple(tuple((int(i), str(n)) for i, n in group) for group in ties))
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.stages)
+
+    def index(self, name_or_index: str | int) -> int:
+        """Stage index of a stage given by name or index."""
+        if isinstance(name_or_index, int):
+            if not -len(self) <= name_or_index < len(self):
+                raise IndexError(f"Chain: no stage {name_or_index}; the chain has {len(self)} stages")
+            return name_or_index % len(self)
+        if name_or_index not in self.names:
+            raise KeyError(f"Chain: no stage named {name_or_index!r}; stages are {list(self.names)}")
+        return self.names.index(name_or_index)
+
+    def buffers(self) -> tuple[dict[str, torch.Tensor], ...]:
+        """The modules' current buffers, one dict per stage (detached, sharing storage)."""
+        return tuple(s.default_buffers() for s in self.stages)
+
+
+def _base_name(s: Stage) -> str:
+    target = s.module if s.module is not None else s.fn
+    return type(target).__name__ if isinstance(target, nn.Module) else getattr(target, "__name__", "stage")
+
+
+def _children(model: nn.Module | Sequence) -> list:
+    if isinstance(model, (nn.Sequential, nn.ModuleList)):
+        return list(model.children())
+    if isinstance(model, (list, tuple)):
+        return list(model)
+    if isinstance(model, nn.Module):
+        return [model]
+    raise TypeError("from_module: expected an nn.Sequential, an nn.ModuleList, a list of modules or functions, "
+                    f"or one nn.Module, got {type(model).__name__}")
+
+
+def _function_stage(f: Callable) -> Callable:
+    def apply(params, h):
+        return f(h)
+
+    apply.__name__ = getattr(f, "__name__", "function")
+    return apply
+
+
+def from_module(model: nn.Module | Sequence, loss: Callable, physical: Iterable[int | str] = ()):
+    """``(chain, params)`` with one stage per child of ``model``.
+
+    ``params`` is a tuple of ``{name: tensor}`` dicts, detached but sharing
+    storage with the module's parameters, so an optimizer stepping the module
+    is seen by the next sweep. A parameter shared by two stages is the same
+    tensor object in both dicts and recorded in ``chain.ties``. Parameter-free
+    plain functions ``f(h)`` may appear in the list too.
+    """
+    named_children = (list(model.named_children()) if isinstance(model, nn.Sequential)
+                      else [(None, c) for c in _children(model)])
+    detached: dict[int, torch.Tensor] = {}
+    positions: dict[int, list] = {}
+    stages, params = [], []
+    for i, (child_name, child) in enumerate(named_children):
+        name = child_name if child_name and not child_name.isdigit() else None
+        if isinstance(child, nn.Module):
+            names = tuple(n for n, _ in child.named_parameters())
+            stages.append(Stage(fn=None, name=name, module=child, param_names=names))
+            stage_params = {}
+            for n, p in child.named_parameters():
+                stage_params[n] = detached.setdefault(id(p), p.detach())
+                positions.setdefault(id(p), []).append((i, n))
+            params.append(stage_params)
+        elif callable(child):
+            stages.append(Stage(fn=_function_stage(child), name=name))
+            params.append({})
+        else:
+            raise TypeError(f"from_module: child {i} is a {type(child).__name__}, not a module or function")
+    chain = Chain(stages, loss=loss, ties=[group for group in positions.values() if len(group) > 1])
+    marked = {chain.index(p) for p in physical}
+    chain = Chain([dataclasses.replace(s, physical=s.physical or i in marked) for i, s in enumerate(chain.stages)],
+                  loss=loss, ties=chain.ties)
+    return chain, tuple(params)
+
+
+def write_grads(model: nn.Module | Sequence, grads: Sequence[Mapping[str, torch.Tensor]]) -> None:
+    """Set ``.grad`` of ``model``'s parameters from ``grads`` (overwriting, like ``optimizer.zero_grad`` + backward).
+
+    A tied parameter appears in several stages' dicts; the sweep already gives
+    each of those entries the summed gradient, so it is written once.
+    """
+    children = _children(model)
+    if len(children) != len(grads):
+        raise ValueError(f"write_grads: the model has {len(children)} stages but grads has {len(grads)} entries")
+    written: set[int] = set()
+    for i, (child, stage_grads) in enumerate(zip(children, grads)):
+        if not isinstance(child, nn.Module):
+            continue
+        by_name = dict(child.named_parameters())
+        for name, g in stage_grads.items():
+            if name not in by_name:
+                raise KeyError(f"write_grads: stage {i} has no parameter {name!r}")
+            p = by_name[name]
+            if id(p) not in written:
+                p.grad = g.detach().to(dtype=p.dtype, device=p.device).clone()
+                written.add(id(p))
