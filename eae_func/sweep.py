@@ -34,7 +34,9 @@ class SweepResult:
     """loss: the scalar loss; grads: same tree as params; adjoints: one
     ``AdjointState`` per boundary, L down to 0, as they were after the passes;
     buffers: updated buffers, one dict per stage; pass_state: the threaded
-    pass state; stats: per-stage timings and bytes (``stats[name]``) and totals."""
+    pass state; stats: per stage ``stats[name]`` the forward, recompute, vjp and
+    pass seconds and the bytes of its stored input boundary, ``stats["loss"]``,
+    and ``stats["boundaries"][l]``: what the passes recorded in ``meta`` at boundary l."""
 
     loss: torch.Tensor
     grads: tuple
@@ -220,6 +222,7 @@ def _sweep_once(chain: Chain, params: tuple, buffers: tuple, x: Any, loss_args: 
         del g_in, h_in, floats
         adj, pass_state = _run_passes(opts, adj, pass_state, st, f"eae/{s.name}/passes")
     trace.append(adj.replace(boundary=None))
+    stats["boundaries"] = {a.index: dict(a.meta) for a in trace}
     return loss.detach(), tuple(grads), tuple(trace), tuple(new_buffers), pass_state, stats
 
 
@@ -238,8 +241,12 @@ def _join_adjoints(records: Sequence[AdjointState]) -> AdjointState:
 
 def _sum_stats(all_stats: Sequence[dict]) -> dict:
     total = {name: dict(entry) for name, entry in all_stats[0].items()}
+    total["boundaries"] = {i: {"microbatches": tuple(s["boundaries"][i] for s in all_stats)}
+                           for i in all_stats[0]["boundaries"]}
     for stats in all_stats[1:]:
         for name, entry in stats.items():
+            if name == "boundaries":
+                continue
             for k, v in entry.items():
                 total[name][k] = max(total[name][k], v) if k == "boundary_bytes" else total[name][k] + v
     return total
@@ -302,16 +309,15 @@ def _tie(chain: Chain, params: tuple, grads: tuple) -> tuple:
     groups: dict = {}
     for i, stage_leaves in enumerate(leaves):
         for j, t in enumerate(stage_leaves):
-            groups.setdefault(id(t), []).append((i, j))
-    for group in chain.ties:
-        positions = [(i, paths[i].index((name,))) for i, name in group]
-        groups[("ties",) + tuple(positions)] = positions
-    flat = [list(optree.tree_leaves(g, namespace=NAMESPACE)) for g in grads]
-    for positions in groups.values():
-        if len(set(positions)) > 1:
-            total = sum(flat[i][j] for i, j in set(positions))
-            for i, j in positions:
-                flat[i][j] = total
+            groups.setdefault(id(t), set()).add((i, j))
+    tied = {frozenset(g) for g in groups.values() if len(g) > 1}
+    tied |= {frozenset((i, paths[i].index((name,))) for i, name in group) for group in chain.ties}
+    original = [optree.tree_leaves(g, namespace=NAMESPACE) for g in grads]
+    flat = [list(g) for g in original]
+    for group in tied:
+        total = sum(original[i][j] for i, j in group)
+        for i, j in group:
+            flat[i][j] = total
     return tuple(spec.unflatten(f) for spec, f in zip(specs, flat))
 
 
