@@ -1,0 +1,86 @@
+"""Bad input gets a clear error that names the stage; nothing is half-updated."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import eae_func as ef
+from eae_func.passes import StatefulPass
+
+
+def small():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    return model, chain, params, torch.randn(5, 3), torch.randn(5, 2)
+
+
+def test_empty_chain():
+    with pytest.raises(ValueError, match="empty chain"):
+        ef.Chain([], loss=lambda h: h.sum())
+    with pytest.raises(ValueError, match="empty chain"):
+        ef.from_module(nn.Sequential(), loss=lambda h: h.sum())
+
+
+def test_params_that_do_not_match_the_chain():
+    _, chain, params, x, y = small()
+    with pytest.raises(ValueError, match=r"one entry per stage \(3\), got 2"):
+        ef.sweep(chain, params[:2], x, y)
+    bad = (params[0], params[1], {"weight": params[2]["weight"]})
+    with pytest.raises(ValueError, match=r"stage 2 \('Linear_2'\).*missing \['bias'\]"):
+        ef.sweep(chain, bad, x, y)
+    bad = ({**params[0], "extra": torch.zeros(1)}, params[1], params[2])
+    with pytest.raises(ValueError, match=r"stage 0 \('Linear_0'\).*unexpected \['extra'\]"):
+        ef.sweep(chain, bad, x, y)
+
+
+def test_loss_that_is_not_a_scalar():
+    model = nn.Sequential(nn.Linear(3, 2))
+    chain, params = ef.from_module(model, loss=lambda out: out.sum(0))
+    with pytest.raises(ValueError, match=r"loss: expected a scalar tensor, got \(2,\)"):
+        ef.sweep(chain, params, torch.randn(4, 3))
+
+
+def test_costate_whose_shape_differs_from_the_stage_output():
+    _, chain, params, x, y = small()
+    squash = lambda a: a.replace(value=a.value[:, :1]) if a.index == 2 else a  # noqa: E731
+    with pytest.raises(ValueError, match=r"stage 1 \('Tanh_1'\) at boundary 2: costate shape \(5, 1\) differs "
+                                         r"from the stage output shape \(5, 4\)"):
+        ef.sweep(chain, params, x, y, passes=squash)
+
+
+def test_pass_that_returns_something_else():
+    _, chain, params, x, y = small()
+    with pytest.raises(TypeError, match=r"stage 2 \('Linear_2'\).*returned Tensor, expected an AdjointState"):
+        ef.sweep(chain, params, x, y, passes=lambda a: a.value)
+
+
+def test_non_tensor_boundary_leaf():
+    chain = ef.Chain([ef.stage(lambda p, h: h * 2, name="double"), ef.stage(lambda p, h: h.tolist(), name="lister")],
+                     loss=lambda out: torch.tensor(0.0))
+    with pytest.raises(TypeError, match=r"output of stage 1 \('lister'\).*leaf of type float"):
+        ef.sweep(chain, ({}, {}), torch.randn(2))
+
+
+def test_duplicate_stage_names_and_bad_options():
+    with pytest.raises(ValueError, match="unique"):
+        ef.Chain([ef.stage(lambda p, h: h, name="a"), ef.stage(lambda p, h: h, name="a")], loss=torch.sum)
+    _, chain, params, x, y = small()
+    with pytest.raises(ValueError, match="microbatches must be a positive int"):
+        ef.sweep(chain, params, x, y, microbatches=0)
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum'"):
+        ef.sweep(chain, params, x, y, reduction="max")
+
+
+def test_a_failing_sweep_leaves_pass_state_and_inputs_alone():
+    _, chain, params, x, y = small()
+    counter = StatefulPass(init=lambda: torch.zeros(()),
+                           update=lambda a, s: (a if a.index > 0 else a.replace(value=a.value[:1]), s + 1))
+    state = torch.zeros(())
+    res = ef.sweep(chain, params, x, y, passes=counter, pass_state=state)
+    assert res.pass_state == 4 and state == 0
+    broken = StatefulPass(init=counter.init,
+                          update=lambda a, s: (a.replace(value=a.value[:1]) if a.index == 1 else a, s + 1))
+    with pytest.raises(ValueError, match="costate shape"):
+        ef.sweep(chain, params, x, y, passes=broken, pass_state=state)
+    assert state == 0

@@ -1,0 +1,136 @@
+"""Sweep options: boundary precision/offload, autocast, microbatches, keys, stats and profiler ranges."""
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import eae_func as ef
+from eae_func.adjoint import NAMESPACE
+from helpers import assert_grads_match, autograd_grads, build, mse
+
+
+class Rounded(nn.Module):
+    """``module`` followed by the boundary round trip the sweep applies: the network EAE differentiates."""
+
+    def __init__(self, module, dtype):
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, h):
+        out = self.module(h)
+        return out + (out.to(self.dtype).to(out.dtype) - out).detach()  # rounded value, exact costate
+
+
+@given(kind=st.sampled_from(["mlp", "transformer"]), depth=st.integers(2, 6), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_low_precision_boundaries_differentiate_the_rounded_network(kind, depth, seed, dtype):
+    """Documented bound: with ``boundary_dtype`` the gradients are exactly those of the network whose
+    boundaries x_1..x_{L-1} are rounded to that dtype (autograd of it, float tolerance)."""
+    model, x, target = build(kind, depth, torch.float32, seed)
+    chain, params = ef.from_module(model, loss=mse)
+    res = ef.sweep(chain, params, x, target, boundary_dtype=dtype)
+    rounded = nn.Sequential(*[Rounded(m, dtype) for m in model[:-1]], model[-1])
+    loss, reference = autograd_grads(rounded, mse, x, target)
+    torch.testing.assert_close(res.loss, loss)
+    assert_grads_match(chain, res.grads, reference, rtol=1e-4, atol=1e-6)
+    assert res.stats[chain.names[1]]["boundary_bytes"] == x.numel() * 2
+
+
+def test_offload_on_cpu_gives_the_same_gradients():
+    model, x, target = build("mlp", 4, torch.float64, 0)
+    chain, params = ef.from_module(model, loss=mse)
+    plain = ef.sweep(chain, params, x, target)
+    offloaded = ef.sweep(chain, params, x, target, offload=True, boundary_dtype=torch.float32)
+    for a, b in zip(optree.tree_leaves(plain.grads, namespace=NAMESPACE),
+                    optree.tree_leaves(offloaded.grads, namespace=NAMESPACE)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_autocast_matches_autograd_under_the_same_autocast():
+    model, x, target = build("transformer", 3, torch.float32, 1)
+    chain, params = ef.from_module(model, loss=lambda out, t: mse(out.float(), t))
+    res = ef.sweep(chain, params, x, target, autocast=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, reference = autograd_grads(model, lambda out, t: mse(out.float(), t), x, target)
+    assert all(g.dtype == torch.float32 for g in optree.tree_leaves(res.grads, namespace=NAMESPACE))
+    assert_grads_match(chain, res.grads, reference, rtol=2e-2, atol=1e-3)
+
+
+@given(k=st.integers(2, 5), reduction=st.sampled_from(["mean", "sum"]), seed=st.integers(0, 2**16))
+def test_microbatches_equal_the_full_batch(k, reduction, seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(11, 4, dtype=torch.float64), torch.randint(0, 3, (11,))
+    loss_fn = lambda out, t: F.cross_entropy(out, t, reduction=reduction)  # noqa: E731
+    chain, params = ef.from_module(model, loss=loss_fn)
+    full = ef.sweep(chain, params, x, y)
+    split = ef.sweep(chain, params, x, y, microbatches=k, reduction=reduction)
+    torch.testing.assert_close(split.loss, full.loss)
+    for a, b in zip(optree.tree_leaves(split.grads, namespace=NAMESPACE),
+                    optree.tree_leaves(full.grads, namespace=NAMESPACE)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    for a, b in zip(split.adjoints, full.adjoints):  # costates are the full batch's, concatenated
+        torch.testing.assert_close(a.value, b.value, rtol=1e-10, atol=1e-12)
+    assert len(split.stats["boundaries"][0]["microbatches"]) == k
+
+
+def noise(adj):
+    g = adj.generator()
+    return adj.applied("noise", adj.value + torch.randn(adj.value.shape, generator=g, dtype=adj.value.dtype))
+
+
+@given(key=st.integers(0, 2**62))
+def test_same_key_bit_identical_other_key_different(key):
+    model, x, target = build("mlp", 3, torch.float32, 0)
+    chain, params = ef.from_module(model, loss=mse)
+    a = ef.sweep(chain, params, x, target, passes=noise, key=key)
+    b = ef.sweep(chain, params, x, target, passes=noise, key=key)
+    c = ef.sweep(chain, params, x, target, passes=noise, key=key + 1)
+    leaves = lambda r: optree.tree_leaves((r.grads, [adj.value for adj in r.adjoints]), namespace=NAMESPACE)  # noqa
+    assert all(torch.equal(u, v) for u, v in zip(leaves(a), leaves(b)))
+    assert not all(torch.equal(u, v) for u, v in zip(leaves(a), leaves(c)))
+    assert [adj.key for adj in a.adjoints] == [ef.fold_in(key, i) for i in range(3, -1, -1)]
+    assert all(adj.history == ("noise",) for adj in a.adjoints)
+
+
+def test_stats_and_profiler_ranges_name_every_stage():
+    model, x, target = build("mlp", 3, torch.float32, 0)
+    chain, params = ef.from_module(model, loss=mse)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        res = ef.sweep(chain, params, x, target)
+    names = {e.name for e in prof.events()}
+    for stage in chain.names:
+        for part in ("forward", "recompute", "vjp", "passes"):
+            assert f"eae/{stage}/{part}" in names
+        entry = res.stats[stage]
+        assert entry["forward_s"] > 0 and entry["recompute_s"] > 0 and entry["vjp_s"] > 0
+        assert entry["boundary_bytes"] == x.numel() * 4
+    assert res.stats["loss"]["forward_s"] > 0
+
+
+def test_value_and_grad_and_grad_agree_with_sweep():
+    model, x, target = build("mlp", 2, torch.float64, 3)
+    chain, params = ef.from_module(model, loss=mse)
+    res = ef.sweep(chain, params, x, target)
+    loss, grads = ef.value_and_grad(chain, params, x, target)
+    assert torch.equal(loss, res.loss)
+    for a, b, c in zip(optree.tree_leaves(grads, namespace=NAMESPACE),
+                       optree.tree_leaves(res.grads, namespace=NAMESPACE),
+                       optree.tree_leaves(ef.grad(chain, params, x, target), namespace=NAMESPACE)):
+        assert torch.equal(a, b) and torch.equal(b, c)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for offload with prefetch")
+def test_cuda_offload_prefetch_matches():
+    model, x, target = build("transformer", 4, torch.float32, 0)
+    model, x, target = model.cuda(), x.cuda(), target.cuda()
+    chain, params = ef.from_module(model, loss=mse)
+    plain = ef.sweep(chain, params, x, target)
+    offloaded = ef.sweep(chain, params, x, target, offload=True)
+    for a, b in zip(optree.tree_leaves(plain.grads, namespace=NAMESPACE),
+                    optree.tree_leaves(offloaded.grads, namespace=NAMESPACE)):
+        torch.testing.assert_close(a, b)
