@@ -198,6 +198,7 @@ def _sweep_once(chain: Chain, params: tuple, buffers: tuple, x: Any, loss_args: 
         s, st = chain.stages[i], stats[chain.stages[i].name]
         cot = _check_costate(chain, i, adj, out_layouts[i])
         trace.append(adj.replace(boundary=None))
+        del adj  # frees x_{i+1} before stage i is recomputed
         h_in = prefetch.get(i, stored[i], layouts[i])
         stored[i] = None
         if i > 0:
