@@ -105,6 +105,7 @@ class Prefetcher:
     def start(self, index: int, stored: Any, like: Layout) -> None:
         if self.stream is None:
             return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # the forward's host copies
         with torch.cuda.stream(self.stream):
             self.pending[index] = self.policy.load(stored, like)
 
