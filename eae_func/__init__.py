@@ -9,11 +9,11 @@ from . import passes
 from .adjoint import AdjointState, fold_in
 from .chain import Chain, Stage, from_module, stage, write_grads
 from .passes import StatefulPass, compose, identity
-from .sweep import SweepResult, grad, sweep, value_and_grad
+from .sweep import Problem, SweepResult, grad, sweep, value_and_grad
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AdjointState", "Chain", "Stage", "StatefulPass", "SweepResult", "compose", "fold_in", "from_module",
+    "AdjointState", "Chain", "Problem", "Stage", "StatefulPass", "SweepResult", "compose", "fold_in", "from_module",
     "grad", "identity", "passes", "stage", "sweep", "value_and_grad", "write_grads",
 ]

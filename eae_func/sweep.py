@@ -52,6 +52,33 @@ class Options:
     key: int = 0
     boundary: B.Policy = B.Policy()
     autocast: torch.dtype | None = None
+    estimator: Any = None
+    physical: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What an estimator sees of one sweep (one microbatch).
+
+    An estimator is any object with
+      ``prepare(problem) -> prepared``: called once after the forward sweep
+          (model-level estimators probe the network here), and
+      ``stage_vjp(problem, prepared, i, h_in, costate) -> (grads_i, input_costate, cost)``:
+          the reverse step of physical stage ``i`` given its input state and the
+          (processed) costate at its output; ``input_costate`` mirrors ``h_in``
+          (``None`` at integer leaves) and ``cost`` is a dict of counters
+          (queries, forward_calls, backward_calls) added to ``res.stats[stage]``.
+    Digital stages always take the exact local vjp.
+    """
+
+    chain: Chain
+    params: tuple
+    buffers: tuple
+    x: Any
+    loss_args: tuple
+    physical: tuple[int, ...]
+    key: int
+    loss_scale: float
 
 
 def _where(chain: Chain, i: int) -> str:
@@ -191,6 +218,10 @@ def _sweep_once(chain: Chain, params: tuple, buffers: tuple, x: Any, loss_args: 
     del h, floats, p
     adj, pass_state = _run_passes(opts, adj, pass_state, stats["loss"], "eae/loss/passes")
 
+    # Estimators of physical stages probe the network once the forward sweep is done.
+    problem = Problem(chain, params, buffers, x, loss_args, opts.physical, opts.key, loss_scale)
+    prepared = opts.estimator.prepare(problem) if opts.physical else None
+
     # Reverse sweep: an explicit fold, carrying the costate, emitting one record per boundary.
     prefetch = B.Prefetcher(policy, device)
     grads, trace = [None] * L, []
@@ -208,19 +239,29 @@ def _sweep_once(chain: Chain, params: tuple, buffers: tuple, x: Any, loss_args: 
         def local(p_i, f, s=s, b=buffers[i], rebuild=rebuild):
             return s.call(p_i, b, rebuild(f))[0]
 
-        with _Timer(st, "recompute_s", f"eae/{s.name}/recompute"), _replay_rng(rng[i], device), \
-                _autocast(opts.autocast, device):
-            out, stage_vjp = vjp(local, params[i], floats)
-        out_flat, out_spec = optree.tree_flatten(out, namespace=NAMESPACE)
-        cotangent = out_spec.unflatten([torch.zeros_like(o) if c is None else c.to(o.dtype)
-                                        for o, c in zip(out_flat, cot)])
-        del out, out_flat, cot
-        with _Timer(st, "vjp_s", f"eae/{s.name}/vjp"):
-            grads[i], g_in = stage_vjp(cotangent, retain_graph=False)
-        del stage_vjp, cotangent
+        if i in opts.physical:
+            with _Timer(st, "vjp_s", f"eae/{s.name}/estimate"), _replay_rng(rng[i], device):
+                grads[i], costate_in, cost = opts.estimator.stage_vjp(
+                    problem, prepared, i, h_in, out_layouts[i].spec.unflatten(cot))
+            for k, v in cost.items():
+                st[k] = st.get(k, 0) + v
+        else:
+            with _Timer(st, "recompute_s", f"eae/{s.name}/recompute"), _replay_rng(rng[i], device), \
+                    _autocast(opts.autocast, device):
+                out, stage_vjp = vjp(local, params[i], floats)
+            out_flat, out_spec = optree.tree_flatten(out, namespace=NAMESPACE)
+            cotangent = out_spec.unflatten([torch.zeros_like(o) if c is None else c.to(o.dtype)
+                                            for o, c in zip(out_flat, cot)])
+            del out, out_flat
+            with _Timer(st, "vjp_s", f"eae/{s.name}/vjp"):
+                grads[i], g_in = stage_vjp(cotangent, retain_graph=False)
+            del stage_vjp, cotangent
+            costate_in = costate_like(list(g_in))
+            del g_in
+        del cot
         name = chain.stages[i - 1].name if i > 0 else "input"
-        adj = AdjointState(costate_like(list(g_in)), i, name, fold_in(opts.key, i), boundary=h_in)
-        del g_in, h_in, floats
+        adj = AdjointState(costate_in, i, name, fold_in(opts.key, i), boundary=h_in)
+        del costate_in, h_in, floats
         adj, pass_state = _run_passes(opts, adj, pass_state, st, f"eae/{s.name}/passes")
     trace.append(adj.replace(boundary=None))
     stats["boundaries"] = {a.index: dict(a.meta) for a in trace}
@@ -256,7 +297,7 @@ def _sum_stats(all_stats: Sequence[dict]) -> dict:
 def sweep(chain: Chain, params: Sequence, x: Any, *loss_args: Any, passes: Any = None, pass_state: Any = None,
           key: int = 0, buffers: Sequence | None = None, boundary_dtype: torch.dtype | None = None,
           offload: bool = False, autocast: torch.dtype | None = None, microbatches: int = 1,
-          reduction: str = "mean") -> SweepResult:
+          reduction: str = "mean", estimator: Any = None, physical: Sequence | None = None) -> SweepResult:
     """Loss, parameter gradients and the costate trace of ``chain`` at ``params`` on ``x``.
 
     passes:         a pass (``compose(...)``) applied to every costate p_L..p_0 before use.
@@ -270,6 +311,10 @@ def sweep(chain: Chain, params: Sequence, x: Any, *loss_args: Any, passes: Any =
     microbatches:   split x and the tensor loss_args on dim 0 into this many pieces and
                     sum their gradients; ``reduction`` ("mean" or "sum") says how the loss
                     reduces over dim 0, so the result equals the full batch's.
+    estimator:      how physical stages get their reverse step (``eae_func.estimators``);
+                    ``None`` differentiates every stage exactly.
+    physical:       names or indices of the physical stages (``None``: those made with
+                    ``physical=True``); only used with an estimator.
     """
     params = _check_params(chain, params)
     buffers = _check_buffers(chain, buffers)
@@ -277,7 +322,10 @@ def sweep(chain: Chain, params: Sequence, x: Any, *loss_args: Any, passes: Any =
         raise ValueError(f"sweep: reduction must be 'mean' or 'sum', got {reduction!r}")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"sweep: microbatches must be a positive int, got {microbatches!r}")
-    opts = Options(passes, int(key), B.Policy(boundary_dtype, offload), autocast)
+    if physical is None:
+        physical = [i for i, s in enumerate(chain.stages) if s.physical]
+    physical = tuple(sorted({chain.index(p) for p in physical})) if estimator is not None else ()
+    opts = Options(passes, int(key), B.Policy(boundary_dtype, offload), autocast, estimator, physical)
     state = C.init(passes) if pass_state is None else pass_state
     if microbatches == 1:
         loss, grads, trace, new_buffers, state, stats = _sweep_once(
