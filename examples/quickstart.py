@@ -7,8 +7,6 @@
     python examples/quickstart.py
 """
 
-import inspect
-import json
 import time
 
 import optree
@@ -17,27 +15,18 @@ import torch
 import eae_func as ef
 from eae_func import passes as P
 from eae_func.models import lm_loss, transformer_lm
-
-
-def text_batches(batch: int, seq: int, seed: int = 0):
-    """Random byte windows of a text every Python has: the json module's docstrings."""
-    text = "\n".join(inspect.getdoc(obj) or "" for obj in (json, json.dumps, json.loads, json.JSONDecoder))
-    data = torch.tensor(list(text.encode()), dtype=torch.long)
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
-        window = torch.stack([data[s:s + seq + 1] for s in starts.tolist()])
-        yield window[:, :-1], window[:, 1:]
+from text_data import batches, split_tokens, stdlib_docstrings
 
 
 def main(steps: int = 40, depth: int = 4, dim: int = 64):
     torch.manual_seed(0)
     model = transformer_lm(vocab=256, dim=dim, depth=depth, n_heads=4, n_kv_heads=2, ffn_hidden=4 * dim)
     chain, params = ef.from_module(model, loss=lm_loss)
-    batches = text_batches(batch=8, seq=64)
+    train_tokens, _ = split_tokens(stdlib_docstrings(max_bytes=200_000))
+    stream = batches(train_tokens, batch=8, seq=64, seed=0)
 
     # 1. Gradients equal plain autograd's.
-    x, y = next(batches)
+    x, y = next(stream)
     grads = ef.grad(chain, params, x, y)
     lm_loss(model(x), y).backward()
     ef_grads = {id(p): g for stage, gs in zip(chain.stages, grads)
@@ -50,7 +39,7 @@ def main(steps: int = 40, depth: int = 4, dim: int = 64):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     start = time.perf_counter()
     for step in range(1, steps + 1):
-        x, y = next(batches)
+        x, y = next(stream)
         res = ef.sweep(chain, params, x, y, passes=passes, key=step)
         ef.write_grads(model, res.grads)
         opt.step()
