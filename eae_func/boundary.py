@@ -73,8 +73,9 @@ class Policy:
 
     def load(self, stored: Any, like: "Layout") -> Any:
         """The stored state back in the compute dtype and on the compute device."""
-        return optree.tree_map(lambda t, d: t.to(device=d[0], dtype=d[1], non_blocking=True),
-                               stored, like.placement, namespace=NAMESPACE)
+        flat = optree.tree_leaves(stored, namespace=NAMESPACE)
+        return like.spec.unflatten([t.to(device=dev, dtype=dt, non_blocking=True)
+                                    for t, (dev, dt) in zip(flat, like.placements)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,13 +83,13 @@ class Layout:
     """Shape, dtype and device of every leaf of a boundary state, for loads and checks."""
 
     spec: Any
-    placement: Any  # pytree of (device, dtype)
     shapes: tuple
+    placements: tuple  # (device, dtype) per leaf
 
     @staticmethod
     def of(tree: Any) -> "Layout":
         flat, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
-        return Layout(spec, spec.unflatten([(t.device, t.dtype) for t in flat]), tuple(t.shape for t in flat))
+        return Layout(spec, tuple(t.shape for t in flat), tuple((t.device, t.dtype) for t in flat))
 
     def nbytes(self, stored: Any) -> int:
         return sum(t.numel() * t.element_size() for t in optree.tree_leaves(stored, namespace=NAMESPACE))

@@ -54,6 +54,7 @@ class Options:
     autocast: torch.dtype | None = None
     estimator: Any = None
     physical: tuple[int, ...] = ()
+    recompute: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +173,11 @@ class _Timer:
         self.range.__exit__(*exc)
 
 
+def _local(s, buffers: Mapping, rebuild):
+    """Stage ``s`` as a function of its params and its input's differentiable leaves: ``(out, buffers')``."""
+    return lambda p, f: s.call(p, buffers, rebuild(f))
+
+
 def _run_passes(opts: Options, adj: AdjointState, state: Any, stats: dict, label: str):
     with _Timer(stats, "pass_s", label):
         return C.apply(opts.passes, adj, state)
@@ -184,8 +190,9 @@ def _sweep_once(chain: Chain, params: tuple, buffers: tuple, x: Any, loss_args: 
     stats = _new_stats(chain)
     policy = opts.boundary
 
-    # Forward sweep: no graph; keep x_0..x_{L-1}, their layouts and the RNG state each stage saw.
-    stored, layouts, out_layouts, rng, new_buffers = [], [], [], [], []
+    # Forward sweep: no graph (unless recompute=False); keep x_0..x_{L-1}, their layouts and
+    # the RNG state each stage saw.
+    stored, layouts, out_layouts, rng, new_buffers, closures = [], [], [], [], [], [None] * L
     h = kept = x
     for i, s in enumerate(chain.stages):
         B.leaves(h, f"input of {_where(chain, i)}")
@@ -193,9 +200,13 @@ def _sweep_once(chain: Chain, params: tuple, buffers: tuple, x: Any, loss_args: 
         stored.append(kept)
         stats[s.name]["boundary_bytes"] = layouts[i].nbytes(kept)
         rng.append(_rng_state(device))
-        with _Timer(stats[s.name], "forward_s", f"eae/{s.name}/forward"), torch.no_grad(), \
-                _autocast(opts.autocast, device):
-            out, updated = s.call(params[i], buffers[i], h)
+        with _Timer(stats[s.name], "forward_s", f"eae/{s.name}/forward"), _autocast(opts.autocast, device):
+            if opts.recompute or i in opts.physical:
+                with torch.no_grad():
+                    out, updated = s.call(params[i], buffers[i], h)
+            else:
+                floats, rebuild, _ = B.split(h, f"input of {_where(chain, i)}")
+                out, closures[i], updated = vjp(_local(s, buffers[i], rebuild), params[i], floats, has_aux=True)
         B.leaves(out, f"output of {_where(chain, i)}")
         new_buffers.append(updated)
         out_layouts.append(B.Layout.of(out))
@@ -235,10 +246,6 @@ def _sweep_once(chain: Chain, params: tuple, buffers: tuple, x: Any, loss_args: 
         if i > 0:
             prefetch.start(i - 1, stored[i - 1], layouts[i - 1])
         floats, rebuild, costate_like = B.split(h_in, f"input of {_where(chain, i)}")
-
-        def local(p_i, f, s=s, b=buffers[i], rebuild=rebuild):
-            return s.call(p_i, b, rebuild(f))[0]
-
         if i in opts.physical:
             with _Timer(st, "vjp_s", f"eae/{s.name}/estimate"), _replay_rng(rng[i], device):
                 grads[i], costate_in, cost = opts.estimator.stage_vjp(
@@ -246,13 +253,14 @@ def _sweep_once(chain: Chain, params: tuple, buffers: tuple, x: Any, loss_args: 
             for k, v in cost.items():
                 st[k] = st.get(k, 0) + v
         else:
-            with _Timer(st, "recompute_s", f"eae/{s.name}/recompute"), _replay_rng(rng[i], device), \
-                    _autocast(opts.autocast, device):
-                out, stage_vjp = vjp(local, params[i], floats)
-            out_flat, out_spec = optree.tree_flatten(out, namespace=NAMESPACE)
-            cotangent = out_spec.unflatten([torch.zeros_like(o) if c is None else c.to(o.dtype)
-                                            for o, c in zip(out_flat, cot)])
-            del out, out_flat
+            stage_vjp, closures[i] = closures[i], None
+            if stage_vjp is None:
+                with _Timer(st, "recompute_s", f"eae/{s.name}/recompute"), _replay_rng(rng[i], device), \
+                        _autocast(opts.autocast, device):
+                    _, stage_vjp, _ = vjp(_local(s, buffers[i], rebuild), params[i], floats, has_aux=True)
+            cotangent = out_layouts[i].spec.unflatten(
+                [torch.zeros(shape, dtype=dt, device=dev) if c is None else c.to(dt)
+                 for c, shape, (dev, dt) in zip(cot, out_layouts[i].shapes, out_layouts[i].placements)])
             with _Timer(st, "vjp_s", f"eae/{s.name}/vjp"):
                 grads[i], g_in = stage_vjp(cotangent, retain_graph=False)
             del stage_vjp, cotangent
@@ -297,7 +305,8 @@ def _sum_stats(all_stats: Sequence[dict]) -> dict:
 def sweep(chain: Chain, params: Sequence, x: Any, *loss_args: Any, passes: Any = None, pass_state: Any = None,
           key: int = 0, buffers: Sequence | None = None, boundary_dtype: torch.dtype | None = None,
           offload: bool = False, autocast: torch.dtype | None = None, microbatches: int = 1,
-          reduction: str = "mean", estimator: Any = None, physical: Sequence | None = None) -> SweepResult:
+          reduction: str = "mean", estimator: Any = None, physical: Sequence | None = None,
+          recompute: bool = True) -> SweepResult:
     """Loss, parameter gradients and the costate trace of ``chain`` at ``params`` on ``x``.
 
     passes:         a pass (``compose(...)``) applied to every costate p_L..p_0 before use.
@@ -315,6 +324,9 @@ def sweep(chain: Chain, params: Sequence, x: Any, *loss_args: Any, passes: Any =
                     ``None`` differentiates every stage exactly.
     physical:       names or indices of the physical stages (``None``: those made with
                     ``physical=True``); only used with an estimator.
+    recompute:      ``True`` (the memory-saving sweep) rebuilds each stage's graph from its
+                    saved input; ``False`` keeps every stage's vjp closure from the forward
+                    (no second forward, memory like plain autograd), same results.
     """
     params = _check_params(chain, params)
     buffers = _check_buffers(chain, buffers)
@@ -325,7 +337,7 @@ def sweep(chain: Chain, params: Sequence, x: Any, *loss_args: Any, passes: Any =
     if physical is None:
         physical = [i for i, s in enumerate(chain.stages) if s.physical]
     physical = tuple(sorted({chain.index(p) for p in physical})) if estimator is not None else ()
-    opts = Options(passes, int(key), B.Policy(boundary_dtype, offload), autocast, estimator, physical)
+    opts = Options(passes, int(key), B.Policy(boundary_dtype, offload), autocast, estimator, physical, recompute)
     state = C.init(passes) if pass_state is None else pass_state
     if microbatches == 1:
         loss, grads, trace, new_buffers, state, stats = _sweep_once(
