@@ -10,10 +10,12 @@ from .adjoint import AdjointState, fold_in
 from .chain import Chain, Stage, from_module, stage, write_grads
 from .passes import StatefulPass, compose, identity
 from .sweep import Problem, SweepResult, grad, sweep, value_and_grad
+from .tree import tree_leaves, tree_map, tree_structure
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AdjointState", "Chain", "Problem", "Stage", "StatefulPass", "SweepResult", "compose", "fold_in", "from_module",
-    "grad", "identity", "passes", "stage", "sweep", "value_and_grad", "write_grads",
+    "grad", "identity", "passes", "stage", "sweep", "tree_leaves", "tree_map", "tree_structure", "value_and_grad",
+    "write_grads",
 ]

@@ -18,7 +18,7 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
-NAMESPACE = "eae_func"  # optree namespace of every pytree registration of this library
+from .tree import NAMESPACE
 
 
 class _Opaque:

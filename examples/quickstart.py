@@ -9,7 +9,6 @@
 
 import time
 
-import optree
 import torch
 
 import eae_func as ef
@@ -49,7 +48,7 @@ def main(steps: int = 40, depth: int = 4, dim: int = 64):
 
     # 3. The exposed costates, boundary L (loss side) down to 0 (token ids: no costate).
     for adj in res.adjoints:
-        norm = sum(t.norm() ** 2 for t in optree.tree_leaves(adj.value, namespace=ef.adjoint.NAMESPACE)) ** 0.5
+        norm = sum(t.norm() ** 2 for t in ef.tree_leaves(adj.value)) ** 0.5
         norm = f"{float(norm):.3e}" if adj.value is not None else "none (integer input)"
         print(f"boundary {adj.index} ({adj.stage:>12}): |p| = {norm}  passes {adj.history}")
 
