@@ -114,3 +114,53 @@ def compose(*passes: Any):
         update = _ComposedUpdate(members)
         return ComposedStateful(update.init, update)
     return Composed(members)
+
+
+def when(predicate: Callable[[AdjointState], bool], p: Any):
+    """``p`` where ``predicate(adj)`` is true, the record unchanged elsewhere. For a stateful
+    ``p`` the state passes through unchanged where it is skipped."""
+    if not callable(predicate):
+        raise TypeError(f"when: predicate must be callable adj -> bool, got {type(predicate).__name__}")
+    if not callable(p) and not is_stateful(p):
+        raise TypeError(f"when: expected a pass (callable or StatefulPass), got {type(p).__name__}")
+    if is_stateful(p):
+        def update(adj: AdjointState, state: Any):
+            return p.update(adj, state) if predicate(adj) else (adj, state)
+        return StatefulPass(p.init, update)
+
+    def conditional(adj: AdjointState) -> AdjointState:
+        return p(adj) if predicate(adj) else adj
+    conditional.__name__ = conditional.__qualname__ = f"when({getattr(p, '__name__', 'pass')})"
+    return conditional
+
+
+def only(p: Any, stages: Any = None, indices: Any = None):
+    """``p`` at the boundaries whose ``adj.stage`` is in ``stages`` or whose ``adj.index`` is in
+    ``indices`` (a name / int or a collection of them), the record unchanged elsewhere."""
+    stages = _as_set("stages", stages, str)
+    indices = _as_set("indices", indices, int)
+    if not stages and not indices:
+        raise ValueError("only: give the stages (names) and/or the boundary indices where the pass applies")
+    return when(lambda adj: adj.stage in stages or adj.index in indices, p)
+
+
+def _as_set(arg: str, value: Any, kind: type) -> frozenset:
+    if value is None:
+        return frozenset()
+    items = (value,) if isinstance(value, kind) else tuple(value)
+    bad = [v for v in items if not isinstance(v, kind) or isinstance(v, bool)]
+    if bad:
+        raise TypeError(f"only: {arg} must be {kind.__name__}s, got {bad!r}")
+    return frozenset(items)
+
+
+def tap(fn: Callable[[AdjointState], Any]):
+    """The pass that calls ``fn(adj)`` (to observe: print, plot, collect) and returns ``adj`` unchanged."""
+    if not callable(fn):
+        raise TypeError(f"tap: expected a callable fn(adj), got {type(fn).__name__}")
+
+    def observe(adj: AdjointState) -> AdjointState:
+        fn(adj)
+        return adj
+    observe.__name__ = observe.__qualname__ = f"tap({getattr(fn, '__name__', 'fn')})"
+    return observe

@@ -1,0 +1,93 @@
+"""Synthetic gradients (decoupled neural interfaces): predict the costate from the boundary state."""
+
+from __future__ import annotations
+
+import optree
+import torch
+
+from ..adjoint import NAMESPACE, AdjointState
+from ._common import check_real
+from .combinators import StatefulPass
+
+
+def _features(x: torch.Tensor) -> torch.Tensor:
+    """Rows ``[x / rms(x), 1]`` of the boundary state, ``x`` seen as ``(N, D)`` over its last dim."""
+    rows = x.detach().float().reshape(-1, x.shape[-1] if x.ndim else 1)
+    rms = rows.square().mean(-1, keepdim=True).add(1e-12).sqrt()
+    return torch.cat([rows / rms, rows.new_ones(rows.shape[0], 1)], dim=-1)
+
+
+def synthetic(lr: float = 0.5, momentum: float = 0.9, warmup: int = 100, replace: bool = False) -> StatefulPass:
+    """A linear synthetic-gradient model per boundary and per costate leaf, trained inside the pass.
+
+    Features ``phi = [x / rms(x), 1]`` of the boundary state ``x_l`` (``adj.boundary``) per
+    row of its last dim; prediction ``p_hat = phi W`` (``W`` of shape ``(D_in + 1, D_out)``,
+    zero at first). Each visit takes one normalised-LMS step with heavy-ball momentum on
+    ``1/2 mean_rows |phi W - p|^2``:
+
+        g = phi^T (phi W - p) / (N (D_in + 1)),   v <- momentum v + g,   W <- W - lr v
+
+    Every row of ``phi`` has ``|phi|^2 = D_in + 1``, so the normalised curvature is at most 1 and
+    the step is stable for any scale of ``x`` and ``p`` when ``lr < 2 (1 + momentum)``.
+    After ``warmup`` steps at a boundary, ``replace=True`` sends ``p_hat`` (from W before this
+    step's update) instead of ``p``; the true ``p`` is still the regression target, so this
+    simulates a predictor whose target arrives later. The state is
+    ``{boundary index: {"step": int, "W": (...), "v": (...)}}`` (one W and v per tensor leaf).
+    Records ``synthetic_error`` (``|p_hat - p|^2 / |p|^2``, nan when p = 0), ``synthetic_cosine``,
+    ``synthetic_step`` and ``synthetic_used``.
+    """
+    lr = check_real("synthetic", "lr", lr, low=0.0, low_open=True)
+    momentum = check_real("synthetic", "momentum", momentum, low=0.0)
+    if momentum >= 1.0:
+        raise ValueError(f"synthetic: momentum must be in [0, 1), got {momentum!r}")
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"synthetic: warmup must be an int >= 0, got {warmup!r}")
+    if not isinstance(replace, bool):
+        raise TypeError(f"synthetic: replace must be a bool, got {type(replace).__name__}")
+
+    def init() -> dict:
+        return {}
+
+    def update(adj: AdjointState, state: dict) -> tuple[AdjointState, dict]:
+        if not isinstance(state, dict):
+            raise TypeError(f"synthetic: expected a dict state (boundary index -> predictor), "
+                            f"got {type(state).__name__}")
+        if adj.boundary is None:
+            raise ValueError(f"synthetic: boundary {adj.index} has no boundary state (adj.boundary is None); "
+                             f"the pass predicts the costate from it, run it inside ef.sweep")
+        costates, spec = optree.tree_flatten(adj.value, none_is_leaf=True, namespace=NAMESPACE)
+        boundaries = optree.tree_leaves(adj.boundary, none_is_leaf=True, namespace=NAMESPACE)
+        if len(boundaries) != len(costates):
+            raise ValueError(f"synthetic: at boundary {adj.index} the costate has {len(costates)} leaves "
+                             f"but the boundary state has {len(boundaries)}")
+        entry = state.get(adj.index)
+        step = entry["step"] if entry else 0
+        use = replace and step >= warmup
+        sent, weights, velocities, sums = [], [], [], []
+        for i, (p, x) in enumerate(zip(costates, boundaries)):
+            if p is None:
+                for kept in (sent, weights, velocities):
+                    kept.append(None)
+                continue
+            phi, target = _features(x), p.detach().float().reshape(-1, p.shape[-1] if p.ndim else 1)
+            if phi.shape[0] != target.shape[0]:
+                raise ValueError(f"synthetic: at boundary {adj.index}, leaf {i}: boundary state {tuple(x.shape)} "
+                                 f"and costate {tuple(p.shape)} differ in their leading dims")
+            W = entry["W"][i] if entry else phi.new_zeros(phi.shape[1], target.shape[1])
+            v = entry["v"][i] if entry else torch.zeros_like(W)
+            prediction = phi @ W
+            error = prediction - target
+            v = momentum * v + phi.T @ error / (phi.shape[0] * phi.shape[1])
+            weights.append(W - lr * v)
+            velocities.append(v)
+            sums.append(torch.stack([error.square().sum(), target.square().sum(),
+                                     (prediction * target).sum(), prediction.square().sum()]))
+            sent.append(prediction.reshape(p.shape).to(p.dtype) if use else p)
+        err, norm2, dot, pred2 = torch.stack(sums).sum(0).tolist() if sums else (0.0, 0.0, 0.0, 0.0)
+        new_entry = {"step": step + 1, "W": tuple(weights), "v": tuple(velocities)}
+        meta = dict(synthetic_error=err / norm2 if norm2 > 0 else float("nan"),
+                    synthetic_cosine=dot / (norm2 * pred2) ** 0.5 if norm2 * pred2 > 0 else 0.0,
+                    synthetic_step=step + 1, synthetic_used=use)
+        return adj.applied("synthetic", spec.unflatten(sent), **meta), {**state, adj.index: new_entry}
+
+    return StatefulPass(init, update)

@@ -1,0 +1,481 @@
+"""Properties of the built-in passes and combinators (eae_func.passes)."""
+
+import logging
+import math
+
+import optree
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import eae_func as ef
+from eae_func import passes as P
+from eae_func.adjoint import NAMESPACE, AdjointState
+from helpers import build, mse
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+# ----------------------------------------------------------------------------- strategies
+
+def _randn(shape, magnitude, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * magnitude
+
+
+shapes = st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple)
+magnitudes = st.floats(-3, 3).map(lambda e: 10.0 ** e)
+seeds = st.integers(0, 2**31 - 1)
+tensors = st.builds(_randn, shapes, magnitudes, seeds)
+
+
+@st.composite
+def costates(draw):
+    """A tensor, a tuple with a ``None`` leaf (an integer input), or a nested dict."""
+    a, b = draw(tensors), draw(tensors)
+    return draw(st.sampled_from([a, (a, None), {"h": a, "aux": (b, None)}]))
+
+
+def record(value, index=2, key=0):
+    """A costate record with a boundary state mirroring it (integer tokens where it has no costate)."""
+    boundary = optree.tree_map(lambda t: torch.randn_like(t), value, none_is_leaf=False, namespace=NAMESPACE)
+    boundary = _fill_none(value, boundary)
+    return AdjointState(value, index, f"stage_{index}", key=key, boundary=boundary)
+
+
+def _fill_none(value, boundary):
+    flat, spec = optree.tree_flatten(boundary, none_is_leaf=True, namespace=NAMESPACE)
+    return spec.unflatten([torch.zeros(3, dtype=torch.long) if t is None else t for t in flat])
+
+
+def leaves(tree):
+    return optree.tree_leaves(tree, namespace=NAMESPACE)
+
+
+def norm(tree):
+    return math.sqrt(sum(t.double().square().sum().item() for t in leaves(tree)))
+
+
+def run(p, adj, state=None):
+    """One application of a pass of either kind; returns (record, state)."""
+    return P.apply(p, adj, P.init(p) if state is None else state)
+
+
+def counter():
+    """A stateful pass that counts visits per boundary and records the count."""
+    def update(adj, state):
+        count = state.get(adj.index, 0) + 1
+        return adj.applied("counter", adj.value, count=count), {**state, adj.index: count}
+    return P.StatefulPass(dict, update)
+
+
+def all_passes():
+    return {
+        "clip": P.clip(0.5), "scale": P.scale(-2.0), "gaussian_noise": P.gaussian_noise(0.1),
+        "cast16": P.cast(torch.float16), "castbf16": P.cast(torch.bfloat16),
+        "fp8_e4m3": P.fp8(), "fp8_e5m2": P.fp8(torch.float8_e5m2),
+        "int8": P.int8(), "int8_channel": P.int8("channel"), "int8_stochastic": P.int8(stochastic=True),
+        "topk": P.topk(0.3), "randk": P.randk(0.3),
+        "check_finite": P.check_finite("zero"), "stats": P.stats(), "log": P.log(),
+        "error_feedback": P.error_feedback(P.topk(0.3)), "synthetic": P.synthetic(warmup=0, replace=True),
+        "when": P.when(lambda a: a.index > 0, P.int8()), "only": P.only(P.clip(0.1), indices=2),
+        "tap": P.tap(lambda a: None),
+    }
+
+
+# ----------------------------------------------------------------------------- clip, scale, noise
+
+@given(value=costates(), max_norm=st.floats(1e-2, 1e2))
+def test_clip_bounds_the_global_norm_and_is_identity_below_it(value, max_norm):
+    out = P.clip(max_norm)(record(value))
+    before = norm(value)
+    assert out.meta["clip_norm"] == pytest.approx(before, rel=1e-5)
+    if before <= max_norm * (1 - 1e-5):
+        assert all(a is b for a, b in zip(leaves(out.value), leaves(value)))
+        assert out.meta["clipped"] is False
+    else:
+        assert norm(out.value) <= max_norm * (1 + 1e-5)  # float32 rounding of the scale
+    if before > max_norm * (1 + 1e-5):
+        assert out.meta["clipped"] is True
+        assert norm(out.value) == pytest.approx(max_norm, rel=1e-4)
+
+
+@given(value=costates(), factor=st.floats(-10, 10))
+def test_scale_multiplies_every_leaf(value, factor):
+    out = P.scale(factor)(record(value))
+    for a, b in zip(leaves(out.value), leaves(value)):
+        torch.testing.assert_close(a, b * factor)
+
+
+@given(value=costates(), key=seeds)
+def test_gaussian_noise_same_key_same_noise(value, key):
+    noise = P.gaussian_noise(0.5)
+    a, b, c = noise(record(value, key=key)), noise(record(value, key=key)), noise(record(value, key=key + 1))
+    assert all(torch.equal(u, v) for u, v in zip(leaves(a.value), leaves(b.value)))
+    assert not all(torch.equal(u, v) for u, v in zip(leaves(a.value), leaves(c.value)))
+
+
+def test_two_random_passes_at_one_boundary_draw_independent_noise():
+    zero = record(torch.zeros(1000))
+    once = P.gaussian_noise(1.0)(zero).value
+    twice = ef.compose(P.gaussian_noise(1.0), P.gaussian_noise(1.0))(zero).value
+    # same draws would give twice == 2 * once; independent ones have variance 2, correlation 1/sqrt(2)
+    assert not torch.allclose(twice, 2 * once)
+    assert twice.var().item() == pytest.approx(2.0, rel=0.2)
+
+
+# ----------------------------------------------------------------------------- precision
+
+@given(value=tensors, per=st.sampled_from(["tensor", "channel"]))
+def test_int8_round_trip_error_at_most_half_a_step(value, per):
+    out = P.int8(per)(record(value))
+    dims = tuple(range(value.ndim - 1)) if per == "channel" else tuple(range(value.ndim))
+    step = value.abs().amax(dim=dims, keepdim=True) / 127 if dims or per == "tensor" else value.abs() / 127
+    assert ((out.value - value).abs() <= step * (0.5 + 1e-4)).all()
+    assert out.meta["int8_scale"] == pytest.approx(step.max().item(), rel=1e-6)
+    levels = out.value / torch.where(step > 0, step, 1)  # integers in [-127, 127]
+    torch.testing.assert_close(levels, levels.round(), rtol=0, atol=1e-3)
+
+
+def test_int8_per_channel_scales_each_index_of_the_last_dim():
+    value = torch.tensor([[1.0, 100.0, 0.0], [-0.5, 3.0, 0.0]])
+    out = P.int8("channel")(record(value)).value
+    # channel 0 has its own step 1/127, so -0.5 survives to within half a step; one step
+    # of 100/127 for the whole tensor rounds it to -100/127
+    assert abs(out[1, 0].item() + 0.5) <= 0.5 / 127 * (1 + 1e-5)
+    assert P.int8("tensor")(record(value)).value[1, 0].item() == pytest.approx(-100 / 127)
+    assert torch.equal(out[:, 2], torch.zeros(2))
+
+
+@pytest.mark.parametrize("p", [P.int8(), P.int8("channel"), P.int8(stochastic=True), P.fp8(),
+                               P.fp8(torch.float8_e5m2), P.cast(torch.float16)])
+def test_quantisers_leave_zero_costates_zero(p):
+    out = p(record(torch.zeros(4, 5)))
+    assert torch.equal(out.value, torch.zeros(4, 5))
+
+
+@given(value=tensors, magnitude=st.floats(-3, 6).map(lambda e: 10.0 ** e),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16]))
+def test_cast_round_trip_is_idempotent(value, magnitude, dtype):
+    p = P.cast(dtype)
+    once = p(record(value * magnitude))
+    twice = p(once)
+    assert torch.equal(once.value, twice.value)
+    assert once.value.dtype == value.dtype
+    assert once.meta["cast_overflow"] == int((torch.isinf(once.value)).sum())
+
+
+@given(value=tensors, dtype=st.sampled_from(FP8))
+def test_fp8_round_trip_is_idempotent(value, dtype):
+    once = P.fp8(dtype)(record(value))
+    twice = P.fp8(dtype)(once)
+    torch.testing.assert_close(twice.value, once.value, rtol=1e-6, atol=0)
+
+
+@given(value=tensors, dtype=st.sampled_from(FP8))
+def test_fp8_is_a_real_float8_format(value, dtype):
+    """Entries in float8's normal range keep relative error <= eps/2 (2^-4 for e4m3fn, 2^-3 for
+    e5m2): small entries survive next to large ones, which an int8 grid would round to zero."""
+    finfo = torch.finfo(dtype)
+    out = P.fp8(dtype)(record(value)).value
+    scale = value.abs().max() / finfo.max
+    normal = value.abs() >= finfo.tiny * scale * (1 + 1e-6)
+    error = (out - value).abs()
+    assert (error[normal] <= value.abs()[normal] * (finfo.eps / 2) * (1 + 1e-5)).all()
+    spread = torch.tensor([1.0, 1e-3, -3e-4])
+    assert (P.fp8(dtype)(record(spread)).value != 0).all()
+
+
+# ----------------------------------------------------------------------------- unbiased randomness
+
+def _mean_over_keys(p, value, n_keys):
+    return torch.stack([p(record(value, key=k)).value for k in range(n_keys)]).mean(0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_int8_stochastic_rounding_is_unbiased(seed):
+    """One draw errs by less than one step s, variance <= s^2 / 4; the mean of K draws is within
+    6 standard errors s / (2 sqrt K) of p (deterministic rounding misses by up to s / 2 = 20 se)."""
+    value, n_keys = _randn((8, 8), 1.0, seed), 400
+    step = value.abs().max() / 127
+    mean = _mean_over_keys(P.int8(stochastic=True), value, n_keys)
+    assert ((mean - value).abs() <= 6 * step / (2 * math.sqrt(n_keys)) + 1e-6).all()
+    assert not torch.equal(P.int8(stochastic=True)(record(value, key=0)).value, P.int8()(record(value)).value)
+
+
+@pytest.mark.parametrize("seed,ratio", [(0, 0.25), (1, 0.5)])
+def test_randk_is_unbiased(seed, ratio):
+    """sent_i = p_i n/k with probability k/n: variance p_i^2 (n/k - 1), so the mean of K draws is
+    within 6 standard errors |p_i| sqrt((n/k - 1) / K) of p_i."""
+    value, n_keys = _randn((64,), 1.0, seed), 2000
+    k = math.ceil(ratio * value.numel())
+    one = P.randk(ratio)(record(value))
+    assert int((one.value != 0).sum()) == k and one.meta["randk_kept"] == k / value.numel()
+    mean = _mean_over_keys(P.randk(ratio), value, n_keys)
+    se = value.abs() * math.sqrt((value.numel() / k - 1) / n_keys)
+    assert ((mean - value).abs() <= 6 * se + 1e-6).all()
+
+
+@given(value=tensors, ratio=st.floats(0.01, 1.0))
+def test_topk_keeps_the_largest_entries(value, ratio):
+    out = P.topk(ratio)(record(value))
+    k = math.ceil(ratio * value.numel() - 1e-9)
+    kept = out.value != 0
+    assert int(kept.sum()) <= k and torch.equal(out.value[kept], value[kept])
+    if k < value.numel():
+        assert value.abs()[kept].min() >= value.abs()[~kept].max()
+    assert out.meta["topk_energy"] == pytest.approx(out.value.square().sum().item() / value.square().sum().item(),
+                                                    rel=1e-4)
+
+
+# ----------------------------------------------------------------------------- guards
+
+def test_check_finite_policies():
+    value = (torch.tensor([1.0, float("nan")]), None, torch.tensor([float("inf")]))
+    adj = AdjointState(value, 3, "mlp_2")
+    with pytest.raises(FloatingPointError, match=r"boundary 3 \(output of stage 'mlp_2'\).*2 of 3"):
+        P.check_finite("raise")(adj)
+    zeroed = P.check_finite("zero")(adj)
+    assert zeroed.meta["finite"] is False and all((t == 0).all() for t in leaves(zeroed.value))
+    assert zeroed.value[1] is None
+    skipped = P.check_finite("skip")(adj)
+    assert skipped.value is value and skipped.meta == {"finite": False, "nonfinite": 2}
+    fine = P.check_finite("raise")(AdjointState(torch.ones(2), 0, "input"))
+    assert fine.meta["finite"] is True
+
+
+def test_check_finite_inside_a_sweep_names_the_stage():
+    model, x, target = build("mlp", 3, torch.float32, 0)
+    chain, params = ef.from_module(model, loss=mse)
+    nan_at_2 = P.only(lambda a: a.applied("poison", a.value * float("nan")), indices=2)
+    with pytest.raises(FloatingPointError, match=r"boundary 2 \(output of stage 'Sequential_1'\)"):
+        ef.sweep(chain, params, x, target, passes=ef.compose(nan_at_2, P.check_finite()))
+
+
+# ----------------------------------------------------------------------------- error feedback
+
+@given(seed=seeds, ratio=st.floats(0.05, 0.9), steps=st.integers(1, 30))
+def test_error_feedback_residual_bounded_and_sums_track(seed, ratio, steps):
+    """With e = p + r, sent = topk(e), r' = e - sent: sum sent = sum p - r_T exactly, and
+    |r'| <= q |e| with q = sqrt(1 - k/n), so |r_t| <= q / (1 - q) max |p|."""
+    g = torch.Generator().manual_seed(seed)
+    ef_topk = P.error_feedback(P.topk(ratio))
+    state = P.init(ef_topk)
+    true_sum, sent_sum, largest = torch.zeros(4, 5), torch.zeros(4, 5), 0.0
+    n, k = 20, math.ceil(ratio * 20 - 1e-9)
+    q = math.sqrt(1 - k / n)
+    for _ in range(steps):
+        p = torch.randn(4, 5, generator=g)
+        largest = max(largest, norm(p))
+        out, state = ef_topk.update(record(p, index=1), state)
+        true_sum, sent_sum = true_sum + p, sent_sum + out.value
+        residual = state[1]
+        assert norm(residual) <= q / (1 - q) * largest * (1 + 1e-5) + 1e-6
+        assert out.meta["ef_residual_norm"] == pytest.approx(norm(residual), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(sent_sum, true_sum - state[1], rtol=1e-5, atol=1e-5)
+    assert out.history == ("topk", "error_feedback")
+
+
+def test_error_feedback_keeps_one_residual_per_boundary():
+    ef_int8 = P.error_feedback(P.int8())
+    state = ef_int8.init()
+    _, state = ef_int8.update(record(torch.randn(3, 4), index=1), state)
+    _, state = ef_int8.update(record((torch.randn(2), None), index=0), state)
+    assert set(state) == {0, 1} and state[0][1] is None
+    with pytest.raises(ValueError, match="error_feedback: residual kept for boundary 1"):
+        ef_int8.update(record(torch.randn(5, 4), index=1), state)
+
+
+# ----------------------------------------------------------------------------- synthetic gradients
+
+def test_synthetic_learns_a_linear_costate_and_replaces_after_warmup():
+    """p = [x / rms(x), 1] A is realisable by the linear predictor: its error falls to ~0."""
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(5, 3, generator=g)
+    p_syn = P.synthetic(lr=0.5, momentum=0.9, warmup=150, replace=True)
+    state, errors = p_syn.init(), []
+    for step in range(200):
+        x = torch.randn(16, 4, generator=g) * 10
+        rows = x / x.square().mean(-1, keepdim=True).sqrt()
+        p = torch.cat([rows, torch.ones(16, 1)], -1) @ A * 1e-4  # tiny costates: the step is scale-free
+        adj = AdjointState(p, 1, "block_0", boundary=x)
+        out, state = p_syn.update(adj, state)
+        errors.append(out.meta["synthetic_error"])
+        assert out.meta["synthetic_used"] is (step >= 150)
+        assert (out.value is p) is (step < 150)
+    assert errors[0] == 1.0 and errors[-1] < 1e-3
+    torch.testing.assert_close(out.value, p, rtol=0.05, atol=1e-5 * p.abs().max().item())
+    assert state[1]["step"] == 200
+
+
+def test_synthetic_needs_the_boundary_state():
+    with pytest.raises(ValueError, match="synthetic: boundary 4 has no boundary state"):
+        P.synthetic().update(AdjointState(torch.ones(2, 3), 4, "s"), {})
+
+
+# ----------------------------------------------------------------------------- observation
+
+@given(value=costates())
+def test_stats_records_summary_of_all_leaves(value):
+    out = P.stats()(record(value))
+    flat = torch.cat([t.reshape(-1) for t in leaves(value)])
+    assert out.meta["numel"] == flat.numel()
+    assert out.meta["norm"] == pytest.approx(flat.norm().item(), rel=1e-5)
+    assert out.meta["mean"] == pytest.approx(flat.mean().item(), rel=1e-4, abs=1e-6 * flat.abs().max().item())
+    assert out.meta["min"] == flat.min().item() and out.meta["max"] == flat.max().item()
+    assert out.meta["has_nan"] is False and out.meta["has_inf"] is False
+    assert out.value is value and out.history == ("stats",)
+
+
+def test_log_emits_structured_records(caplog):
+    logger = logging.getLogger("test_passes.log")
+    adj = AdjointState(torch.tensor([3.0, 4.0]), 2, "mlp_1")
+    with caplog.at_level(logging.INFO, logger="test_passes.log"):
+        out = P.log(logger)(adj)
+        P.log(logger, level="DEBUG")(adj)  # below the level: nothing emitted
+    (rec,) = caplog.records
+    assert rec.eae["index"] == 2 and rec.eae["stage"] == "mlp_1" and rec.eae["norm"] == pytest.approx(5.0)
+    assert "boundary 2" in rec.getMessage() and out.value is adj.value and out.history == ("log",)
+
+
+# ----------------------------------------------------------------------------- combinators
+
+def test_when_only_tap():
+    seen = []
+    a1, a2 = AdjointState(torch.ones(3), 1, "mlp_0"), AdjointState(torch.ones(3), 2, "mlp_1")
+    double = P.scale(2.0)
+    assert torch.equal(P.only(double, stages="mlp_1")(a2).value, 2 * torch.ones(3))
+    assert P.only(double, stages=["mlp_1"])(a1) is a1
+    assert P.only(double, indices=1)(a2) is a2 and P.only(double, indices={1})(a1).history == ("scale",)
+    assert P.tap(seen.append)(a1) is a1 and seen == [a1]
+    count = P.when(lambda a: a.index == 2, counter())
+    state = count.init()
+    out, new_state = count.update(a1, state)
+    assert out is a1 and new_state is state  # skipped: record and state pass through
+    out, new_state = count.update(a2, state)
+    assert out.meta["count"] == 1 and new_state == {2: 1}
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: P.clip(-1), r"clip: max_norm must be a finite number and > 0, got -1"),
+    (lambda: P.clip(float("inf")), "clip: max_norm"),
+    (lambda: P.scale(True), "scale: factor"),
+    (lambda: P.gaussian_noise(-0.1), "gaussian_noise: std must be"),
+    (lambda: P.int8(per="row"), r"int8: per must be 'tensor' or 'channel', got 'row'"),
+    (lambda: P.cast(torch.int8), "cast: dtype must be torch.float16 or torch.bfloat16"),
+    (lambda: P.fp8(torch.float16), "fp8: dtype must be torch.float8_e4m3fn or torch.float8_e5m2"),
+    (lambda: P.topk(0), r"topk: ratio must be a finite number and > 0 and <= 1, got 0"),
+    (lambda: P.randk(1.5), "randk: ratio"),
+    (lambda: P.check_finite("warn"), "check_finite: policy must be one of"),
+    (lambda: P.synthetic(momentum=1.0), r"synthetic: momentum must be in \[0, 1\)"),
+    (lambda: P.synthetic(warmup=-1), "synthetic: warmup"),
+    (lambda: P.only(P.clip(1)), "only: give the stages"),
+    (lambda: P.log(level="LOUD"), "log: unknown level"),
+])
+def test_bad_arguments_name_the_pass(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: P.error_feedback(P.error_feedback(P.topk(0.5))), "error_feedback: compressor must be a stateless pass"),
+    (lambda: P.int8(stochastic=1), "int8: stochastic must be a bool"),
+    (lambda: P.only(P.clip(1), indices="1"), "only: indices must be ints"),
+    (lambda: P.tap(3), "tap: expected a callable"),
+    (lambda: P.when(True, P.clip(1)), "when: predicate must be callable"),
+])
+def test_bad_argument_types_name_the_pass(make, match):
+    with pytest.raises(TypeError, match=match):
+        make()
+
+
+POOL = sorted(all_passes()) + ["counter"]
+
+
+def _make(name):
+    return counter() if name == "counter" else all_passes()[name]
+
+
+def _thread(p, records, steps=2):
+    state, outs = P.init(p), []
+    for _ in range(steps):
+        for adj in records:
+            out, state = P.apply(p, adj, state)
+            outs.append(out)
+    return outs, state
+
+
+@given(names=st.lists(st.sampled_from(POOL), min_size=3, max_size=3), value=costates())
+def test_compose_is_associative_for_both_kinds(names, value):
+    a, b, c = (_make(n) for n in names)
+    records = [record(value, index=2, key=5), record(value, index=1, key=6)]
+    left, s_left = _thread(ef.compose(ef.compose(a, b), c), records)
+    right, s_right = _thread(ef.compose(a, ef.compose(b, c)), records)
+    flat, s_flat = _thread(ef.compose(a, P.identity, b, c), records)
+    for outs in (right, flat):
+        for x, y in zip(left, outs):
+            assert x.history == y.history and dict(x.meta).keys() == dict(y.meta).keys()
+            assert all(torch.equal(u, v) for u, v in zip(leaves(x.value), leaves(y.value)))
+    assert optree.tree_structure(s_left, namespace=NAMESPACE) == optree.tree_structure(s_right, namespace=NAMESPACE)
+    assert all(torch.equal(u, v) if torch.is_tensor(u) else u == v
+               for u, v in zip(leaves(s_left), leaves(s_right)))
+
+
+# ----------------------------------------------------------------------------- purity and pytrees
+
+def _snapshot(tree):
+    return [(t, t._version, t.clone()) for t in leaves(tree) if torch.is_tensor(t)]
+
+
+def _untouched(snapshot):
+    return all(t._version == v and torch.equal(t, c) for t, v, c in snapshot)
+
+
+@pytest.mark.parametrize("name", sorted(all_passes()))
+@given(value=costates())
+def test_passes_leave_input_record_and_state_untouched_and_keep_structure(name, value):
+    p = all_passes()[name]
+    adj = record(value, key=3)
+    _, state = run(p, record(optree.tree_map(torch.randn_like, value, namespace=NAMESPACE), key=4))
+    before = (_snapshot(adj.value), _snapshot(adj.boundary), _snapshot(state), adj.history, dict(adj.meta))
+    out, _ = run(p, adj, state)
+    assert _untouched(before[0]) and _untouched(before[1]) and _untouched(before[2])
+    assert (adj.history, dict(adj.meta)) == before[3:]
+    assert optree.tree_structure(out.value, none_is_leaf=True, namespace=NAMESPACE) == \
+        optree.tree_structure(value, none_is_leaf=True, namespace=NAMESPACE)
+    for o, v in zip(leaves(out.value), leaves(value)):
+        assert o.shape == v.shape and o.dtype == v.dtype
+    assert all(isinstance(m, (bool, int, float, str)) for m in out.meta.values())
+
+
+@pytest.mark.parametrize("make", [P.int8, lambda: P.cast(torch.bfloat16), P.fp8, lambda: P.topk(0.5)])
+@given(value=costates())
+def test_leafwise_passes_act_on_each_leaf_alone(make, value):
+    out = make()(record(value))
+    for o, v in zip(leaves(out.value), leaves(value)):
+        assert torch.equal(o, make()(record(v)).value)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+def test_sweep_threads_the_state_of_a_stateful_composite_and_fills_stats():
+    model, x, target = build("mlp", 3, torch.float32, 0)
+    chain, params = ef.from_module(model, loss=mse)
+    pipeline = ef.compose(P.check_finite(), P.error_feedback(P.topk(0.25)), P.synthetic(warmup=1), P.stats())
+    true_pL = ef.sweep(chain, params, x, target).adjoints[0].value
+    state, sent = None, []
+    for step in range(3):
+        res = ef.sweep(chain, params, x, target, passes=pipeline, pass_state=state, key=step)
+        state = res.pass_state
+        sent.append(res.adjoints[0].value)
+        assert isinstance(state, tuple) and len(state) == 2  # one entry per stateful member
+        residuals, predictors = state
+        assert set(residuals) == set(predictors) == {0, 1, 2, 3}
+        assert all(entry["step"] == step + 1 for entry in predictors.values())
+        for adj in res.adjoints:
+            recorded = res.stats["boundaries"][adj.index]
+            assert adj.history == ("check_finite", "topk", "error_feedback", "synthetic", "stats")
+            assert recorded["norm"] == pytest.approx(norm(adj.value), rel=1e-5)
+            assert {"finite", "topk_kept", "ef_residual_norm", "synthetic_error", "numel"} <= recorded.keys()
+    # p_L does not depend on the passes: the costates sent at L sum to 3 p_L minus the last residual
+    torch.testing.assert_close(sum(sent), 3 * true_pL - state[0][3], rtol=1e-5, atol=1e-8)
