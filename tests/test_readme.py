@@ -1,0 +1,50 @@
+"""Every code block of README.md is executed.
+
+Python blocks run verbatim, in order, in one namespace. Shell blocks: each
+command line runs from the repository root, except `pip install ...` steps (the
+test environment is their result) and the test command itself (this run);
+benchmark scripts run with `--quick` appended so the suite stays fast, which
+checks that the command and its flags work, not the numbers.
+"""
+
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BLOCKS = re.findall(r"```(\w+)\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def shell_commands():
+    for lang, body in BLOCKS:
+        if lang != "bash":
+            continue
+        for line in body.strip().splitlines():
+            for command in line.split("&&"):
+                words = shlex.split(command)
+                if not words or words[0] == "pip" or "pytest" in words:
+                    continue
+                yield words
+
+
+def test_python_blocks_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "readme"}
+    blocks = [body for lang, body in BLOCKS if lang == "python"]
+    assert blocks
+    for body in blocks:
+        exec(compile(body, "README.md", "exec"), namespace)
+
+
+@pytest.mark.parametrize("words", list(shell_commands()), ids=lambda w: " ".join(w))
+def test_shell_commands_run(words):
+    if words[0] == "python":
+        words = [sys.executable, *words[1:]]
+    if any(w.startswith("examples/bench") for w in words):
+        words = [*words, "--quick"]
+    done = subprocess.run(words, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
