@@ -1,0 +1,199 @@
+"""What every estimator does with one stage: its input as a flat probe space,
+black-box calls with probes folded into the batch, exact local vjps, and
+parameter gradients from probed parameter directions."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import optree
+import torch
+from torch.func import vjp
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .. import boundary as B
+from ..adjoint import NAMESPACE
+from ..sweep import Problem
+from .probes import PARAM_STREAM, Probes, probe_seed
+
+
+def where(problem: Problem, i: int) -> str:
+    return f"stage {i} ({problem.chain.stages[i].name!r})"
+
+
+def check_eps(estimator: str, eps: Any) -> float:
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps > 0 or eps == float("inf"):
+        raise ValueError(f"{estimator}: eps must be a finite number > 0, got {eps!r}")
+    return float(eps)
+
+
+def check_probes(estimator: str, probes: Any) -> Probes:
+    if not isinstance(probes, Probes):
+        raise TypeError(f"{estimator}: expected a Probes(n, kind, ...) as probes, got {type(probes).__name__}")
+    return probes
+
+
+def forward_mode():
+    """Context for forward-mode AD: the math SDPA backend (the fused kernels have no forward AD)."""
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+class Flat:
+    """The differentiable leaves of a boundary state as one tensor ``(*batch_shape, d)``:
+    ``batch_shape`` the first ``batch_dims`` dims (shared by all leaves), ``d`` the rest of every
+    leaf flattened and concatenated."""
+
+    def __init__(self, floats: list, batch_dims: int, where: str):
+        for t in floats:
+            if t.ndim < batch_dims:
+                raise ValueError(f"{where}: batch_dims={batch_dims} exceeds the rank of an input leaf of shape "
+                                 f"{tuple(t.shape)}")
+        shapes = [tuple(t.shape) for t in floats]
+        batch_shapes = {s[:batch_dims] for s in shapes}
+        if len(batch_shapes) > 1:
+            raise ValueError(f"{where}: input leaves disagree on their first {batch_dims} (batch) dims: {shapes}")
+        self.batch_dims, self.shapes = batch_dims, shapes
+        self.batch_shape = batch_shapes.pop() if batch_shapes else ()
+        self.sizes = [int(torch.Size(s[batch_dims:]).numel()) for s in shapes]
+        self.d = sum(self.sizes)
+
+    def vector(self, floats: list) -> torch.Tensor:
+        """``(*batch_shape, d)`` from the leaves."""
+        return torch.cat([t.reshape(*self.batch_shape, -1) for t in floats], dim=-1)
+
+    def leaves(self, v: torch.Tensor) -> list:
+        """The leaves from ``v: (*lead, *batch_shape, d)``, each ``(*lead, *leaf_shape)``."""
+        lead = v.shape[: v.ndim - len(self.batch_shape) - 1]
+        return [piece.reshape(*lead, *shape) for piece, shape in zip(v.split(self.sizes, dim=-1), self.shapes)]
+
+
+def per_position(v: torch.Tensor, batch_dims: int, lead: int = 1) -> torch.Tensor:
+    """Sum of ``v`` over every dim after its first ``lead + batch_dims``."""
+    return v.reshape(*v.shape[: lead + batch_dims], -1).sum(-1)
+
+
+def inner(tangents: list, costates: list, batch_dims: int, where: str) -> torch.Tensor:
+    """``Σ_leaves <tangent, costate>`` per probe and batch position: tangents ``(k, *leaf_shape)``."""
+    total = None
+    for t, p in zip(tangents, costates):
+        if p is None:
+            continue
+        if t.shape[1: 1 + batch_dims] != tangents[0].shape[1: 1 + batch_dims]:
+            raise ValueError(f"{where}: output leaves disagree on their first {batch_dims} (batch) dims")
+        term = per_position(t * p, batch_dims)
+        total = term if total is None else total + term
+    if total is None:
+        raise ValueError(f"{where}: the stage output has no costate to probe against")
+    return total
+
+
+def fold(h: Any, k: int) -> Any:
+    """``k`` copies of the boundary state ``h`` stacked into its leading (batch) dim: ``(k·B, ...)``."""
+    return optree.tree_map(lambda t: t.expand(k, *t.shape).reshape(k * t.shape[0], *t.shape[1:]), h,
+                           namespace=NAMESPACE)
+
+
+def perturb_folded(h: Any, k: int, flat: Flat, delta: torch.Tensor, where: str) -> Any:
+    """The folded state ``h`` (``k`` copies) with copy j's differentiable leaves shifted by ``delta[j]``."""
+    floats, rebuild, _ = B.split(h, where)
+    shifted = []
+    for t, dt in zip(floats, flat.leaves(delta)):
+        if t.ndim == 0 or t.shape[0] != k * dt.shape[1]:
+            raise ValueError(f"{where}: cannot fold {k} probe copies into the leading dim of a leaf of shape "
+                             f"{tuple(t.shape)}; finite differences need a batch dim first (batch_dims >= 1)")
+        shifted.append((t.view(k, *dt.shape[1:]) + dt).view(t.shape))
+    return rebuild(shifted)
+
+
+def unfold(out: Any, k: int, where: str) -> list:
+    """Differentiable leaves of a folded output, each ``(k, B, ...)``."""
+    floats, _, _ = B.split(out, where)
+    result = []
+    for t in floats:
+        if t.ndim == 0 or t.shape[0] % k:
+            raise ValueError(f"{where}: output leaf of shape {tuple(t.shape)} lost the {k} folded probe copies; "
+                             "the stage must keep its leading (batch) dim")
+        result.append(t.view(k, t.shape[0] // k, *t.shape[1:]))
+    return result
+
+
+class OutputLeaves:
+    """Stage i as ``f(params, h) -> [differentiable output leaves]``; ``mask`` records which
+    output leaves those are (set on the first call), to pair them with the costate's leaves."""
+
+    def __init__(self, problem: Problem, i: int):
+        self.problem, self.i, self.mask = problem, i, None
+
+    def __call__(self, params: Any, h: Any) -> list:
+        out = call(self.problem, self.i, params, h)
+        flat = B.leaves(out, f"output of {where(self.problem, self.i)}")[0]
+        self.mask = [B.is_differentiable(t) for t in flat]
+        return [t for t, m in zip(flat, self.mask) if m]
+
+    def costates(self, costate: Any) -> list:
+        """The costate at each differentiable output leaf (``None`` where it has none)."""
+        leaves = optree.tree_leaves(costate, none_is_leaf=True, namespace=NAMESPACE)
+        return [p for p, m in zip(leaves, self.mask) if m]
+
+    def cotangents(self, costate: Any, out: list) -> list:
+        """The costate as a cotangent of the differentiable outputs (zeros where it is ``None``)."""
+        return [torch.zeros_like(t) if p is None else p.to(t.dtype) for p, t in zip(self.costates(costate), out)]
+
+
+def call(problem: Problem, i: int, params: Any, h: Any) -> Any:
+    """Stage i's output on ``h`` (its buffer updates are discarded)."""
+    return problem.chain.stages[i].call(params, problem.buffers[i], h)[0]
+
+
+def param_leaves(params: Any) -> tuple[list, Any]:
+    return optree.tree_flatten(params, namespace=NAMESPACE)
+
+
+def exact_param_grads(problem: Problem, i: int, h_in: Any, costate: Any) -> tuple[Any, dict]:
+    """``J_W(h_i)ᵀ p`` by one local vjp w.r.t. the parameters only."""
+    params = problem.params[i]
+    if not param_leaves(params)[0]:
+        return params, {}
+    stage = OutputLeaves(problem, i)
+    out, pullback = vjp(lambda p: stage(p, h_in), params)
+    (grads,) = pullback(stage.cotangents(costate, out), retain_graph=False)
+    return grads, {"forward_calls": 1, "backward_calls": 1}
+
+
+def exact_vjp(problem: Problem, i: int, h_in: Any, costate: Any) -> tuple[Any, Any, dict]:
+    """``(J_W(h_i)ᵀ p, J_x(h_i)ᵀ p)`` by one local vjp, the input costate mirroring ``h_in``."""
+    floats, rebuild, costate_like = B.split(h_in, f"input of {where(problem, i)}")
+    stage = OutputLeaves(problem, i)
+    out, pullback = vjp(lambda p, f: stage(p, rebuild(f)), problem.params[i], floats)
+    grads, g_in = pullback(stage.cotangents(costate, out), retain_graph=False)
+    return grads, costate_like(list(g_in)), {"forward_calls": 1, "backward_calls": 1}
+
+
+def fd_param_grads(problem: Problem, i: int, h_in: Any, costate: Any, probes: Probes,
+                   eps: float) -> tuple[Any, dict]:
+    """Parameter gradient from probed parameter directions v (shared by the whole batch):
+    ``ĝ_W = (1/n) Σ_i v_i <(h(W+εv_i, x) − h(W−εv_i, x)) / 2ε, p>``, the black box only run forward.
+
+    A black box takes one parameter setting per call, so each probe costs two calls on the whole
+    batch (a loop over parameter probes, inherent to the hardware, not over samples)."""
+    leaves, spec = param_leaves(problem.params[i])
+    if not leaves:
+        return problem.params[i], {}
+    flat = Flat(leaves, 0, f"params of {where(problem, i)}")
+    theta = flat.vector(leaves)
+    stage = OutputLeaves(problem, i)
+    estimate, calls = torch.zeros_like(theta), 0
+    seed = probe_seed(problem.key, i, PARAM_STREAM)
+    with torch.no_grad():
+        for v in probes.chunks(seed, (), flat.d, theta.dtype, theta.device):
+            slopes = []
+            for direction in v:
+                plus = stage(spec.unflatten(flat.leaves(theta + eps * direction)), h_in)
+                minus = stage(spec.unflatten(flat.leaves(theta - eps * direction)), h_in)
+                calls += 2
+                slope = [(a - b).unsqueeze(0) / (2 * eps) for a, b in zip(plus, minus)]
+                slopes.append(inner(slope, stage.costates(costate), 0, f"output of {where(problem, i)}"))
+            estimate += (v * torch.cat(slopes)[:, None]).sum(0)
+    grads = spec.unflatten(flat.leaves(estimate / probes.n))
+    return grads, {"param_queries": 2 * probes.n, "forward_calls": calls}

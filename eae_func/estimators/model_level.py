@@ -1,0 +1,346 @@
+"""Model-level estimators: node perturbation (np) and direct (DESIGN §4).
+
+For physical stages l with exact input costates g_l and probes u_{l,i}:
+
+    np:     D_i = Σ_l <u_{l,i}, g_l>  (ONE scalar per probe and sample: summed over the
+            physical stages and over the positions of a sample); ĝ_l = (1/n) Σ_i u_{l,i} D_i
+    direct: ĝ_l = (1/n) Σ_i u_{l,i} <u_{l,i}, g_l>  (per stage; scalar per probe and batch
+            position), no cross-stage terms
+
+Forms of the scalars:
+    oracle  g_l from one exact reverse sweep (``ef.sweep`` without estimator), then projected
+    jvp     directional derivatives of the per-sample losses by forward-mode AD through the
+            network (np: all physical inputs shifted at once) or through the suffix from stage l
+            (direct); no backward pass
+    fd      central differences (ℓ_b(+εu) − ℓ_b(−εu)) / 2ε of the per-sample losses, the chunk's
+            ± copies folded into the batch dim; every stage only run forward, on plain tensors
+
+Per-sample losses (jvp, fd): the loss must be a ``reduction`` ("mean" or "sum") over dim 0
+of per-sample terms; sample b's term is ``chain.loss`` on the batch of one (x_L[b:b+1],
+loss_args[b:b+1]) (tensor loss_args with a leading batch dim are sliced, others passed
+whole), evaluated with ``vmap`` over the samples, and its share of the loss is that term
+/ B ("mean") or itself ("sum"), times the microbatch's loss_scale. ``prepare`` checks that
+the shares add up to the loss. With ``batch_dims > 1`` the jvp and fd forms take their
+scalar per sample (dim 0), so direct's jvp/fd differ from its per-position oracle (both
+unbiased); with ``batch_dims=0`` the scalar is the whole batch's loss. Probing a sample
+alone assumes the stages treat samples independently (no train-mode BatchNorm).
+
+Replay: the core's reverse sweep gets ĝ_l as the input costate of physical stage l;
+its parameters get the exact local vjp from the costate arriving at its output (oracle,
+jvp) or probed parameter directions (fd). Cost per physical stage: ``queries`` by the
+DESIGN formulas, per sample, the same for every form (np: the 2n network forwards, shared
+by all physical stages; direct: 2n·k for the k-th physical stage from the end, 2n·Σk in
+all), and the stage's own ``forward_calls`` / ``jvp_calls`` / ``backward_calls`` made here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator
+
+import optree
+import torch
+from torch.func import jvp, vmap
+
+from .. import boundary as B
+from ..adjoint import NAMESPACE
+from ..chain import Chain, stage
+from ..sweep import Problem, sweep
+from .local import (Flat, call, check_eps, check_probes, exact_param_grads, fd_param_grads, fold, forward_mode,
+                    per_position, perturb_folded, where)
+from .probes import INPUT_STREAM, Probes, probe_seed
+
+FORMS = ("oracle", "jvp", "fd")
+REDUCTIONS = ("mean", "sum")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """ĝ_l as ``(*batch_shape, d_l)`` per probed physical stage, and each physical stage's cost."""
+
+    costates: dict
+    costs: dict
+
+
+class _Run:
+    """One ``prepare``: the physical stages' boundaries, probe layouts and call counters."""
+
+    def __init__(self, estimator: "ModelLevel", problem: Problem):
+        self.estimator, self.problem = estimator, problem
+        self.physical = problem.physical
+        self.counts = {i: {"forward_calls": 0, "jvp_calls": 0, "backward_calls": 0} for i in self.physical}
+        self.boundaries: dict = {}
+        self.flats: dict = {}
+        self.placements: dict = {}
+
+    def count(self, i: int, kind: str, times: int = 1) -> None:
+        if i in self.counts:
+            self.counts[i][kind] += times
+
+    def layout(self, i: int, floats: list) -> None:
+        """Record the probe space of physical stage i's input from its differentiable leaves."""
+        self.flats[i] = Flat(floats, self.estimator.probes.batch_dims, f"input of {where(self.problem, i)}")
+        if floats:
+            self.placements[i] = (floats[0].dtype, floats[0].device)
+
+    def zeros(self, i: int) -> torch.Tensor:
+        """A zero costate estimate ``(*batch_shape, d_i)`` for stage i."""
+        dtype, device = self.placements[i]
+        return torch.zeros((*self.flats[i].batch_shape, self.flats[i].d), dtype=dtype, device=device)
+
+    @property
+    def probed(self) -> list:
+        """Physical stages with a differentiable input (an integer input has no costate to estimate)."""
+        return [i for i in self.physical if self.flats[i].d > 0]
+
+    def probe_chunks(self, i: int) -> Iterator[torch.Tensor]:
+        """Stage i's input probes, chunk by chunk."""
+        flat, (dtype, device) = self.flats[i], self.placements[i]
+        return self.estimator.probes.chunks(probe_seed(self.problem.key, i, INPUT_STREAM), flat.batch_shape,
+                                            flat.d, dtype, device)
+
+    def shift(self, i: int, h: Any, delta: torch.Tensor) -> Any:
+        """``h`` with its differentiable leaves shifted by ``delta: (*batch_shape, d_i)``."""
+        floats, rebuild, _ = B.split(h, f"input of {where(self.problem, i)}")
+        return rebuild([t + dt for t, dt in zip(floats, self.flats[i].leaves(delta))])
+
+    # ---- oracle: exact input costates from one exact sweep ----
+
+    def exact_costates(self) -> dict:
+        """g_l (times loss_scale) for every physical stage, from ``sweep`` without estimator."""
+        p, chain = self.problem, self.problem.chain
+
+        def counted(i: int):
+            def fn(params, h):
+                self.count(i, "forward_calls")
+                return call(p, i, params, h)
+            return fn
+
+        counting = Chain([stage(counted(i), name=s.name) for i, s in enumerate(chain.stages)], loss=chain.loss)
+        res = sweep(counting, p.params, p.x, *p.loss_args, key=p.key)
+        for i in self.physical:
+            self.count(i, "backward_calls")
+        costates = {a.index: a.value for a in res.adjoints}
+        result = {}
+        for i in self.physical:
+            floats = optree.tree_leaves(costates[i], namespace=NAMESPACE)
+            self.layout(i, floats)
+            if self.flats[i].d:
+                result[i] = self.flats[i].vector(floats) * p.loss_scale
+        return result
+
+    # ---- jvp / fd: per-sample losses of the network run forward ----
+
+    def forward(self) -> Any:
+        """Plain forward from x_0, keeping the physical stages' inputs; returns x_L."""
+        h = self.problem.x
+        with torch.no_grad():
+            for i in range(len(self.problem.chain)):
+                if i in self.physical:
+                    self.boundaries[i] = h
+                    self.layout(i, B.split(h, f"input of {where(self.problem, i)}")[0])
+                self.count(i, "forward_calls")
+                h = call(self.problem, i, self.problem.params[i], h)
+        return h
+
+    def run(self, start: int, h: Any, shifts: dict, kind: str) -> Any:
+        """Stages ``start..L-1`` on ``h``; before stage i, ``shifts[i](h)`` is applied."""
+        for i in range(start, len(self.problem.chain)):
+            if i in shifts:
+                h = shifts[i](h)
+            self.count(i, kind)
+            h = call(self.problem, i, self.problem.params[i], h)
+        return h
+
+    def scalar_dims(self) -> int:
+        return min(self.estimator.probes.batch_dims, 1)
+
+    def shares(self, out: Any) -> torch.Tensor:
+        """Each sample's share of the loss at output ``out`` (``(B,)``; the loss itself when batch_dims=0)."""
+        p = self.problem
+        if self.scalar_dims() == 0:
+            return p.chain.loss(out, *p.loss_args) * p.loss_scale
+        size = optree.tree_leaves(out, namespace=NAMESPACE)[0].shape[0]
+        sliced = [isinstance(a, torch.Tensor) and a.ndim > 0 and a.shape[0] == size for a in p.loss_args]
+
+        def sample_loss(o: Any, *rows: torch.Tensor) -> torch.Tensor:
+            it = iter(rows)
+            args = [next(it).unsqueeze(0) if s else a for a, s in zip(p.loss_args, sliced)]
+            return p.chain.loss(optree.tree_map(lambda t: t.unsqueeze(0), o, namespace=NAMESPACE), *args)
+
+        losses = vmap(sample_loss)(out, *[a for a, s in zip(p.loss_args, sliced) if s])
+        weight = p.loss_scale / size if self.estimator.reduction == "mean" else p.loss_scale
+        return losses * weight
+
+    def folded_shares(self, out: Any, k: int) -> torch.Tensor:
+        """``shares`` of each of the ``k`` copies folded into the batch dim of ``out``: ``(k, B)``."""
+        unfolded = optree.tree_map(lambda t: t.view(k, t.shape[0] // k, *t.shape[1:]), out, namespace=NAMESPACE)
+        return vmap(self.shares)(unfolded)
+
+    def check_shares(self, out: Any) -> None:
+        p = self.problem
+        with torch.no_grad():
+            total = p.chain.loss(out, *p.loss_args) * p.loss_scale
+            shares = self.shares(out)
+        tol = (1e-9 if shares.dtype == torch.float64 else 1e-4) * (shares.abs().sum() + 1e-30)
+        if (shares.sum() - total).abs() > tol:
+            raise ValueError(
+                f"{self.estimator.name}(form={self.estimator.form!r}): the loss is not a per-sample "
+                f"{self.estimator.reduction} over dim 0 (loss {total.item():.6g}, per-sample shares sum to "
+                f"{shares.sum().item():.6g}); pass reduction='sum' or 'mean' to match the loss, or use form='oracle'")
+
+    def expand(self, scalar: torch.Tensor, i: int) -> torch.Tensor:
+        """A per-probe scalar ``(k, *batch_shape[:s])`` broadcastable against probes ``(k, *batch_shape, d_i)``."""
+        extra = len(self.flats[i].batch_shape) - (scalar.ndim - 1)
+        return scalar.reshape(*scalar.shape, *[1] * (extra + 1))
+
+    def slopes_jvp(self, start: int, probes: dict) -> torch.Tensor:
+        """Per-sample directional derivatives of the loss shares, all ``probes[i]`` injected at once."""
+        h0, order = self.boundaries[start], list(probes)
+
+        def shares_at(*deltas: torch.Tensor) -> torch.Tensor:
+            shifts = {i: (lambda h, i=i, dlt=dlt: self.shift(i, h, dlt)) for i, dlt in zip(order, deltas)}
+            return self.shares(self.run(start, h0, shifts, "jvp_calls"))
+
+        zeros = tuple(torch.zeros_like(probes[i][0]) for i in order)
+        with forward_mode():
+            return vmap(lambda *us: jvp(shares_at, zeros, us)[1])(*(probes[i] for i in order))
+
+    def slopes_fd(self, start: int, probes: dict) -> torch.Tensor:
+        """Central differences of the loss shares, the ± copies of all probes folded into the batch."""
+        eps = self.estimator.eps
+        k = next(iter(probes.values())).shape[0]
+        shifts = {i: (lambda h, i=i, u=u: perturb_folded(h, 2 * k, self.flats[i], eps * torch.cat([u, -u]),
+                                                         f"input of {where(self.problem, i)}"))
+                  for i, u in probes.items()}
+        with torch.no_grad():
+            shares = self.folded_shares(self.run(start, fold(self.boundaries[start], 2 * k), shifts, "forward_calls"),
+                                        2 * k)
+        return (shares[:k] - shares[k:]) / (2 * eps)
+
+
+class ModelLevel:
+    """Shared by node perturbation and direct: forms, probing in ``prepare``, the replay."""
+
+    name = "model_level"
+
+    def __init__(self, probes: Probes, form: str = "oracle", eps: float = 1e-3, reduction: str = "mean"):
+        self.probes = check_probes(self.name, probes)
+        if form not in FORMS:
+            raise ValueError(f"{self.name}: unknown form {form!r}; expected one of {FORMS}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"{self.name}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        if form == "fd" and probes.batch_dims < 1:
+            raise ValueError(f"{self.name}: form 'fd' folds probes into the leading batch dim, so it needs "
+                             f"Probes(batch_dims >= 1), got batch_dims={probes.batch_dims}")
+        self.form, self.eps, self.reduction = form, check_eps(self.name, eps), reduction
+
+    def __repr__(self) -> str:
+        return f"{self.name}({self.probes!r}, form={self.form!r}, eps={self.eps:g}, reduction={self.reduction!r})"
+
+    def prepare(self, problem: Problem) -> Prepared:
+        run = _Run(self, problem)
+        if self.form == "oracle":
+            exact = run.exact_costates()
+            estimates = self.oracle(run, exact)
+        else:
+            run.check_shares(run.forward())
+            estimates = self.probe(run)
+        costs = {i: {"queries": self.queries(problem, i), **run.counts[i]} for i in problem.physical}
+        return Prepared(estimates, costs)
+
+    def stage_vjp(self, problem: Problem, prepared: Prepared, i: int, h_in: Any, costate: Any):
+        floats, _, costate_like = B.split(h_in, f"input of {where(problem, i)}")
+        flat = Flat(floats, self.probes.batch_dims, f"input of {where(problem, i)}")
+        input_costate = costate_like(flat.leaves(prepared.costates[i]) if flat.d else [])
+        if self.form == "fd":
+            grads, param_cost = fd_param_grads(problem, i, h_in, costate, self.probes, self.eps)
+        else:
+            grads, param_cost = exact_param_grads(problem, i, h_in, costate)
+        cost = dict(prepared.costs[i])
+        for k, v in param_cost.items():
+            cost[k] = cost.get(k, 0) + v
+        return grads, input_costate, cost
+
+    def oracle(self, run: _Run, exact: dict) -> dict:
+        raise NotImplementedError
+
+    def probe(self, run: _Run) -> dict:
+        raise NotImplementedError
+
+    def queries(self, problem: Problem, i: int) -> int:
+        raise NotImplementedError
+
+
+class NodePerturbation(ModelLevel):
+    """np: ``ĝ_l = (1/n) Σ_i u_{l,i} D_i``, ``D_i = Σ_l <u_{l,i}, g_l>`` per sample (see module doc)."""
+
+    name = "node_perturbation"
+
+    def oracle(self, run: _Run, exact: dict) -> dict:
+        return self._accumulate(run, lambda chunks: sum(per_position(u * exact[i], run.scalar_dims())
+                                                        for i, u in chunks.items()))
+
+    def probe(self, run: _Run) -> dict:
+        slopes = run.slopes_jvp if self.form == "jvp" else run.slopes_fd
+        return self._accumulate(run, lambda chunks: slopes(min(chunks), chunks))
+
+    def _accumulate(self, run: _Run, scalars) -> dict:
+        """ĝ_l for every probed stage, the probes of all stages drawn chunk by chunk in lockstep."""
+        probed = run.probed
+        if not probed:
+            return {}
+        totals = {i: run.zeros(i) for i in probed}
+        for chunk in zip(*(run.probe_chunks(i) for i in probed)):
+            chunks = dict(zip(probed, chunk))
+            d = scalars(chunks)
+            for i, u in chunks.items():
+                totals[i] += (u * run.expand(d, i)).sum(0)
+        return {i: t / self.probes.n for i, t in totals.items()}
+
+    def queries(self, problem: Problem, i: int) -> int:
+        return 2 * self.probes.n
+
+
+class Direct(ModelLevel):
+    """direct: ``ĝ_l = (1/n) Σ_i u_{l,i} <u_{l,i}, g_l>`` per stage (see module doc)."""
+
+    name = "direct"
+
+    def oracle(self, run: _Run, exact: dict) -> dict:
+        bd = self.probes.batch_dims
+        estimates = {}
+        for i, g in exact.items():
+            total = torch.zeros_like(g)
+            for u in run.probe_chunks(i):
+                total += (u * per_position(u * g, bd).unsqueeze(-1)).sum(0)
+            estimates[i] = total / self.probes.n
+        return estimates
+
+    def probe(self, run: _Run) -> dict:
+        slopes = run.slopes_jvp if self.form == "jvp" else run.slopes_fd
+        estimates = {}
+        for i in run.probed:
+            total = run.zeros(i)
+            for u in run.probe_chunks(i):
+                total += (u * run.expand(slopes(i, {i: u}), i)).sum(0)
+            estimates[i] = total / self.probes.n
+        return estimates
+
+    def queries(self, problem: Problem, i: int) -> int:
+        downstream = sum(1 for j in problem.physical if j >= i)
+        return 2 * self.probes.n * downstream
+
+
+def node_perturbation(probes: Probes, form: str = "oracle", eps: float = 1e-3,
+                      reduction: str = "mean") -> NodePerturbation:
+    """Node perturbation: all physical inputs perturbed at once, one scalar per probe and sample
+    ``D_i = Σ_l <u_{l,i}, g_l>``, ``ĝ_l = (1/n) Σ_i u_{l,i} D_i``. form: "oracle" | "jvp" | "fd";
+    ``reduction``: how the loss reduces over samples (jvp, fd)."""
+    return NodePerturbation(probes, form, eps, reduction)
+
+
+def direct(probes: Probes, form: str = "oracle", eps: float = 1e-3, reduction: str = "mean") -> Direct:
+    """Direct projection per physical stage ``ĝ_l = (1/n) Σ_i u_{l,i} <u_{l,i}, g_l>`` (no cross-stage
+    terms). form: "oracle" | "jvp" | "fd"; ``reduction``: how the loss reduces over samples (jvp, fd)."""
+    return Direct(probes, form, eps, reduction)
