@@ -44,15 +44,15 @@ class Flat:
     ``batch_shape`` the first ``batch_dims`` dims (shared by all leaves), ``d`` the rest of every
     leaf flattened and concatenated."""
 
-    def __init__(self, floats: list, batch_dims: int, where: str):
+    def __init__(self, floats: list, batch_dims: int, context: str):
         for t in floats:
             if t.ndim < batch_dims:
-                raise ValueError(f"{where}: batch_dims={batch_dims} exceeds the rank of an input leaf of shape "
+                raise ValueError(f"{context}: batch_dims={batch_dims} exceeds the rank of an input leaf of shape "
                                  f"{tuple(t.shape)}")
         shapes = [tuple(t.shape) for t in floats]
         batch_shapes = {s[:batch_dims] for s in shapes}
         if len(batch_shapes) > 1:
-            raise ValueError(f"{where}: input leaves disagree on their first {batch_dims} (batch) dims: {shapes}")
+            raise ValueError(f"{context}: input leaves disagree on their first {batch_dims} (batch) dims: {shapes}")
         self.batch_dims, self.shapes = batch_dims, shapes
         self.batch_shape = batch_shapes.pop() if batch_shapes else ()
         self.sizes = [int(torch.Size(s[batch_dims:]).numel()) for s in shapes]
@@ -154,7 +154,7 @@ def exact_param_grads(problem: Problem, i: int, h_in: Any, costate: Any) -> tupl
     """``J_W(h_i)ᵀ p`` by one local vjp w.r.t. the parameters only."""
     params = problem.params[i]
     if not param_leaves(params)[0]:
-        return params, {}
+        return params, {}  # no parameters: the (empty) tree is its own gradient
     stage = OutputLeaves(problem, i)
     out, pullback = vjp(lambda p: stage(p, h_in), params)
     (grads,) = pullback(stage.cotangents(costate, out), retain_graph=False)
@@ -179,7 +179,7 @@ def fd_param_grads(problem: Problem, i: int, h_in: Any, costate: Any, probes: Pr
     batch (a loop over parameter probes, inherent to the hardware, not over samples)."""
     leaves, spec = param_leaves(problem.params[i])
     if not leaves:
-        return problem.params[i], {}
+        return problem.params[i], {}  # no parameters: the (empty) tree is its own gradient
     flat = Flat(leaves, 0, f"params of {where(problem, i)}")
     theta = flat.vector(leaves)
     stage = OutputLeaves(problem, i)

@@ -73,9 +73,10 @@ class _Run:
         self.flats: dict = {}
         self.placements: dict = {}
 
-    def count(self, i: int, kind: str, times: int = 1) -> None:
+    def count(self, i: int, kind: str) -> None:
+        """One more call of stage i of ``kind`` (forward_calls, jvp_calls, backward_calls)."""
         if i in self.counts:
-            self.counts[i][kind] += times
+            self.counts[i][kind] += 1
 
     def layout(self, i: int, floats: list) -> None:
         """Record the probe space of physical stage i's input from its differentiable leaves."""

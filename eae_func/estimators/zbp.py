@@ -52,9 +52,11 @@ class ZBP:
         return None
 
     def stage_vjp(self, problem: Problem, prepared: None, i: int, h_in: Any, costate: Any):
-        floats, _, costate_like = B.split(h_in, f"input of {where(problem, i)}")
+        floats, rebuild, costate_like = B.split(h_in, f"input of {where(problem, i)}")
         flat = Flat(floats, self.probes.batch_dims, f"input of {where(problem, i)}")
-        estimate, calls = self._input_costate(problem, i, h_in, flat, costate) if flat.d else (None, {})
+        estimate, calls = None, {}
+        if flat.d:
+            estimate, calls = self._input_costate(problem, i, h_in, floats, rebuild, flat, costate)
         if self.method == "jvp":
             grads, param_calls = exact_param_grads(problem, i, h_in, costate)
         else:
@@ -64,9 +66,8 @@ class ZBP:
             cost[k] = cost.get(k, 0) + v
         return grads, costate_like(flat.leaves(estimate) if flat.d else []), cost
 
-    def _input_costate(self, problem: Problem, i: int, h_in: Any, flat: Flat, costate: Any):
+    def _input_costate(self, problem: Problem, i: int, h_in: Any, floats: list, rebuild, flat: Flat, costate: Any):
         """``(1/n) Σ_i u_i <J u_i, p>`` as ``(*batch_shape, d)``, and the calls made."""
-        floats, rebuild, _ = B.split(h_in, f"input of {where(problem, i)}")
         x = flat.vector(floats)
         stage = OutputLeaves(problem, i)
         estimate, calls = torch.zeros_like(x), 0
