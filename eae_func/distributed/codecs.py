@@ -1,0 +1,247 @@
+"""Wire codecs: how a tensor crosses a rank boundary.
+
+A codec maps a tensor ``t`` to a payload (a tuple of tensors) that is what
+actually goes on the wire, and back:
+
+    raw:       t                                       (4 bytes / entry for float32)
+    cast(d):   t.to(d)                                 float16 / bfloat16: 2 bytes / entry
+    int8:      s = max|t| / 127,  q = clamp(round(t / s), -127, 127)    1 byte / entry + s
+    fp8(d):    s = max|t| / finfo(d).max,  q = d(clamp(t / s))          1 byte / entry + s,
+               sent as its raw bytes viewed as uint8 (gloo has no float8 types)
+    topk(r):   the k = ceil(r n) entries of largest |t|: int32 indices + values
+
+``decode(encode(t))`` is exactly what the matching pass of ``eae_func.passes``
+computes (``P.cast``, ``P.int8()``, ``P.fp8``, ``P.topk``), so a codec on a
+pipeline boundary and its ``as_pass()`` in a single process give the same
+gradients. Scales are computed in float32; all-zero tensors stay zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..adjoint import AdjointState
+
+_INT8_MAX = 127.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """A tensor of ``shape`` and ``dtype`` as ``codec`` put it on the wire.
+
+    ``arg`` is the one integer the receiver needs besides shape and dtype to
+    allocate the payload (``k`` for top-k, else 0).
+    """
+
+    codec: "Codec"
+    shape: tuple
+    dtype: torch.dtype
+    arg: int
+    payload: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.payload)
+
+    def decode(self) -> torch.Tensor:
+        return self.codec.decode(self)
+
+
+class Codec:
+    """Base of the wire codecs: ``encode(t) -> Encoded``, ``decode(Encoded) -> t'`` and
+    ``layout(shape, dtype, arg)``, the (shape, dtype) of each payload tensor, which is
+    what the receiver allocates before the payload arrives."""
+
+    name = "codec"
+    code = -1  # identifies the codec in wire headers
+
+    def encode(self, t: torch.Tensor) -> Encoded:
+        raise NotImplementedError
+
+    def decode(self, enc: Encoded) -> torch.Tensor:
+        raise NotImplementedError
+
+    def layout(self, shape: tuple, dtype: torch.dtype, arg: int) -> tuple:
+        raise NotImplementedError
+
+    def _encoded(self, t: torch.Tensor, payload: tuple, arg: int = 0) -> Encoded:
+        return Encoded(self, tuple(t.shape), t.dtype, arg, tuple(p.contiguous() for p in payload))
+
+    def as_pass(self):
+        """The encode -> decode round trip as a pass, as in a pipeline boundary: appends
+        ``"wire:<name>"`` to ``adj.history`` and records ``wire_bytes`` (payload bytes)
+        and ``wire_ratio`` (payload bytes / the costate's own bytes)."""
+
+        def wire_pass(adj: AdjointState) -> AdjointState:
+            return round_trip(self, adj)[0]
+
+        wire_pass.__name__ = wire_pass.__qualname__ = f"wire({self.name})"
+        return wire_pass
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def round_trip(codec: Codec, adj: AdjointState) -> tuple[AdjointState, Encoded]:
+    """``(adj with its costate replaced by decode(encode(costate)), the Encoded)``.
+
+    The costate must be a single tensor: that is what crosses a rank boundary.
+    """
+    if not isinstance(adj.value, torch.Tensor):
+        raise TypeError(f"{codec.name}: wire codecs take a tensor costate, boundary {adj.index} "
+                        f"has a {type(adj.value).__name__}")
+    enc = codec.encode(adj.value)
+    own = adj.value.numel() * adj.value.element_size()
+    return adj.applied(f"wire:{codec.name}", enc.decode(), wire_bytes=enc.nbytes,
+                       wire_ratio=enc.nbytes / own if own else 1.0), enc
+
+
+class Raw(Codec):
+    """The tensor itself."""
+
+    name, code = "raw", 0
+
+    def encode(self, t):
+        return self._encoded(t, (t,))
+
+    def decode(self, enc):
+        return enc.payload[0]
+
+    def layout(self, shape, dtype, arg):
+        return ((shape, dtype),)
+
+
+class Cast(Codec):
+    """``t.to(dtype)`` on the wire, cast back on arrival (float16 or bfloat16)."""
+
+    code_of = {torch.float16: 1, torch.bfloat16: 2}
+
+    def __init__(self, dtype: torch.dtype):
+        if dtype not in self.code_of:
+            raise ValueError(f"cast: dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
+        self.dtype, self.code, self.name = dtype, self.code_of[dtype], f"cast({str(dtype).removeprefix('torch.')})"
+
+    def encode(self, t):
+        return self._encoded(t, (t.to(self.dtype),))
+
+    def decode(self, enc):
+        return enc.payload[0].to(enc.dtype)
+
+    def layout(self, shape, dtype, arg):
+        return ((shape, self.dtype),)
+
+
+def _scale(x: torch.Tensor, fmax: float) -> torch.Tensor:
+    """``max|x| / fmax`` as a float32 scalar, 1 where that is 0 (a zero or empty tensor)."""
+    amax = x.abs().amax() if x.numel() else torch.zeros((), device=x.device)
+    s = amax / fmax
+    return torch.where(s > 0, s, torch.ones_like(s))
+
+
+class Int8(Codec):
+    """Symmetric per-tensor int8: ``s = max|t| / 127``, ``q = clamp(round(t / s), -127, 127)``
+    (int8) plus ``s`` (float32); decodes to ``q * s``. 1 byte per entry + 4."""
+
+    name, code = "int8", 3
+
+    def encode(self, t):
+        x = t.float()
+        s = _scale(x, _INT8_MAX)
+        q = torch.clamp(torch.round(x / s), -_INT8_MAX, _INT8_MAX).to(torch.int8)
+        return self._encoded(t, (q, s.reshape(1)))
+
+    def decode(self, enc):
+        q, s = enc.payload
+        return (q.float() * s).to(enc.dtype)
+
+    def layout(self, shape, dtype, arg):
+        return ((shape, torch.int8), ((1,), torch.float32))
+
+
+class FP8(Codec):
+    """Scaled float8, per tensor: ``s = max|t| / finfo(dtype).max``, ``q = dtype(clamp(t / s))``,
+    sent as q's bytes (uint8) plus ``s`` (float32); decodes to ``float(q) * s``."""
+
+    code_of = {torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
+
+    def __init__(self, dtype: torch.dtype = torch.float8_e4m3fn):
+        if dtype not in self.code_of:
+            raise ValueError(f"fp8: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype!r}")
+        self.dtype, self.code = dtype, self.code_of[dtype]
+        self.name, self.fmax = f"fp8({str(dtype).removeprefix('torch.')})", torch.finfo(dtype).max
+
+    def encode(self, t):
+        x = t.float()
+        s = _scale(x, self.fmax)
+        q = (x / s).clamp(-self.fmax, self.fmax).to(self.dtype)
+        return self._encoded(t, (q.view(torch.uint8), s.reshape(1)))
+
+    def decode(self, enc):
+        q, s = enc.payload
+        return (q.view(self.dtype).float() * s).to(enc.dtype)
+
+    def layout(self, shape, dtype, arg):
+        return ((shape, torch.uint8), ((1,), torch.float32))
+
+
+class TopK(Codec):
+    """The ``k = ceil(ratio n)`` entries of largest ``|t|`` (at least one), sent as int32 flat
+    indices (int64 beyond 2^31 entries) and their values; decodes to zeros elsewhere."""
+
+    code = 6
+
+    def __init__(self, ratio: float):
+        if not (isinstance(ratio, (int, float)) and 0 < ratio <= 1):
+            raise ValueError(f"topk: ratio must be in (0, 1], got {ratio!r}")
+        self.ratio, self.name = float(ratio), f"topk({ratio:g})"
+
+    def kept(self, n: int) -> int:
+        return min(n, max(1, math.ceil(self.ratio * n - 1e-9))) if n else 0
+
+    @staticmethod
+    def _index_dtype(n: int) -> torch.dtype:
+        return torch.int32 if n < 2**31 else torch.int64
+
+    def encode(self, t):
+        flat = t.reshape(-1)
+        k = self.kept(flat.numel())
+        index = flat.float().abs().topk(k, sorted=False).indices
+        return self._encoded(t, (index.to(self._index_dtype(flat.numel())), flat[index]), arg=k)
+
+    def decode(self, enc):
+        index, values = enc.payload
+        n = math.prod(enc.shape)
+        return torch.zeros(n, dtype=enc.dtype, device=values.device).index_copy(0, index.long(), values).view(enc.shape)
+
+    def layout(self, shape, dtype, arg):
+        return (((arg,), self._index_dtype(math.prod(shape))), ((arg,), dtype))
+
+
+def raw() -> Codec:
+    return Raw()
+
+
+def cast(dtype: torch.dtype) -> Codec:
+    return Cast(dtype)
+
+
+def int8() -> Codec:
+    return Int8()
+
+
+def fp8(dtype: torch.dtype = torch.float8_e4m3fn) -> Codec:
+    return FP8(dtype)
+
+
+def topk(ratio: float) -> Codec:
+    return TopK(ratio)
+
+
+def by_code(code: int) -> str:
+    """A readable name for a codec code seen in a header (for error messages)."""
+    names = {0: "raw", 1: "cast(float16)", 2: "cast(bfloat16)", 3: "int8", 4: "fp8(float8_e4m3fn)",
+             5: "fp8(float8_e5m2)", 6: "topk"}
+    return names.get(code, f"unknown codec {code}")

@@ -1,0 +1,106 @@
+"""Data parallelism: replicas of a stage range average their parameter gradients, and a
+pipeline x data-parallel mesh of ranks.
+
+    average_gradients(grads, group):   g <- (1/R) sum_r g_r        (one all_reduce)
+    with a codec:                      g <- (1/R) sum_r decode(encode(g_r))   (all_gather of payloads)
+
+Every replica ends with the same average (bit-identical: all decode the same payloads
+and add them in rank order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+
+from ..adjoint import NAMESPACE
+from .codecs import Codec, Encoded
+from .wire import PeerError
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    """``pp x dp`` ranks: global rank ``d * pp + s`` is pipeline position ``s`` of replica ``d``.
+
+    pipeline_ranks: the ranks of this rank's pipeline (pass them to ``Pipeline(ranks=...)``).
+    data_group:     the process group of the replicas of this rank's stage range.
+    """
+
+    pp: int
+    dp: int
+    stage_rank: int
+    replica: int
+    pipeline_ranks: tuple
+    data_ranks: tuple
+    data_group: Any
+
+
+def mesh(pp: int, dp: int | None = None) -> Mesh:
+    """Split the world into ``dp`` pipelines of ``pp`` ranks (``dp`` defaults to world / pp).
+    Collective: every rank must call it, with the same arguments."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = world // pp if dp is None else dp
+    if pp < 1 or dp < 1 or pp * dp != world:
+        raise ValueError(f"mesh: pp x dp = {pp} x {dp} does not match the world size {world}")
+    groups = [dist.new_group([d * pp + s for d in range(dp)]) for s in range(pp)]  # every rank creates every group
+    s, d = rank % pp, rank // pp
+    return Mesh(pp, dp, s, d, tuple(d * pp + i for i in range(pp)), tuple(i * pp + s for i in range(dp)), groups[s])
+
+
+def average_gradients(grads: Any, group: Any = None, codec: Codec | None = None, timeout: float = 60.0):
+    """``(averaged grads, stats)``: the mean of ``grads`` (any pytree of tensors) over the ranks
+    of ``group`` (default: all).
+
+    codec=None: one all_reduce (sum) of the gradients flattened per dtype, divided by R.
+    With a codec, each rank encodes each gradient, the payloads are all_gathered and every
+    rank decodes all R and averages them: R-1 payloads received instead of ~2 (R-1)/R full
+    gradients, so it pays for small R (int8 at R = 2: a quarter of the bytes).
+
+    stats: ``bytes_sent`` / ``bytes_received`` per rank, as a ring algorithm moves them
+    (all_reduce 2 (R-1)/R n bytes each way, all_gather (R-1) payloads), and ``seconds``.
+    """
+    R = dist.get_world_size(group)
+    flat, spec = optree.tree_flatten(grads, namespace=NAMESPACE)
+    start = time.perf_counter()
+    wait = datetime.timedelta(seconds=timeout)
+    if codec is None:
+        out, nbytes = list(flat), 0
+        for dtype in dict.fromkeys(t.dtype for t in flat):
+            idx = [i for i, t in enumerate(flat) if t.dtype == dtype]
+            bucket = torch.cat([flat[i].reshape(-1) for i in idx])
+            _wait(dist.all_reduce(bucket, group=group, async_op=True), wait, "all_reduce of the gradients")
+            bucket /= R
+            nbytes += bucket.numel() * bucket.element_size()
+            for i, piece in zip(idx, bucket.split([flat[i].numel() for i in idx])):
+                out[i] = piece.view(flat[i].shape)
+        moved = 2 * (R - 1) * nbytes // R
+    else:
+        out, moved = [], 0
+        for t in flat:
+            enc = codec.encode(t)
+            gathered = []
+            for piece in enc.payload:
+                into = [torch.empty_like(piece) for _ in range(R)]
+                _wait(dist.all_gather(into, piece, group=group, async_op=True), wait,
+                      f"all_gather of {codec.name} gradients")
+                gathered.append(into)
+            decoded = [Encoded(codec, enc.shape, enc.dtype, enc.arg, tuple(g[r] for g in gathered)).decode()
+                       for r in range(R)]
+            out.append(sum(decoded) / R)
+            moved += (R - 1) * enc.nbytes
+    stats = {"bytes_sent": moved, "bytes_received": moved, "seconds": time.perf_counter() - start}
+    return spec.unflatten(out), stats
+
+
+def _wait(work, timeout: datetime.timedelta, what: str) -> None:
+    try:
+        work.wait(timeout)
+    except RuntimeError as e:
+        raise PeerError(f"rank {dist.get_rank()}: {what} failed or timed out "
+                        f"({timeout.total_seconds():g} s): {e}") from e

@@ -1,0 +1,351 @@
+"""Pipeline parallelism: each rank owns a contiguous stage range and runs the EAE sweep of
+its range on a pipeline schedule; boundary states go forward and costates go back with
+point-to-point ops, the costate optionally encoded by a wire codec.
+
+Rank k owns stages ``[lo_k, hi_k)``. For microbatch j it receives x_{lo_k}, runs its
+forward, sends x_{hi_k}; later it receives p_{hi_k}, runs its reverse fold (passes at
+boundaries hi_k-1..lo_k, and at L on the last rank) and sends p_{lo_k}, encoded. So
+
+    grads on every rank = those of ef.sweep(whole chain, same passes, key, microbatches)
+
+with ``codec.as_pass()`` appended to the passes at the cut boundaries when a costate
+codec is used. Tied parameters whose uses sit on different ranks (embedding and head)
+get the sum of all uses' gradients by exchanging their partial sums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
+
+import optree
+import torch
+import torch.distributed as dist
+
+from ..adjoint import NAMESPACE, AdjointState, fold_in
+from ..chain import Chain
+from ..passes import combinators as C
+from ..sweep import _check_params, _join_adjoints, _split_batch, _sum_stats
+from . import schedule as S
+from . import segment
+from .codecs import Codec, Raw, round_trip
+from .wire import Wire
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineResult:
+    """One rank's share of a pipeline sweep.
+
+    loss:       the full loss (sent to every rank by the last one).
+    grads:      gradients of this rank's stages ``stages`` (one dict per stage).
+    adjoints:   the boundary records this rank produced, after passes and wire codec:
+                L (last rank) and hi-1 down to lo; all ranks' together are the single-process trace.
+    buffers:    this rank's stages' updated buffers.
+    pass_state: the pass state threaded through this rank's boundaries.
+    stats:      per-stage counters as ``SweepResult.stats``, plus ``stats["wire"]`` (bytes and
+                messages sent / received, per kind) and ``stats["schedule"]`` (busy and step seconds,
+                measured and ideal bubble fraction).
+    stages:     the range of stage indices this rank owns.
+    """
+
+    loss: torch.Tensor
+    grads: tuple
+    adjoints: tuple
+    buffers: tuple
+    pass_state: Any
+    stats: Mapping[str, Any]
+    stages: range
+
+
+def balance(params: Sequence, parts: int) -> tuple[tuple[int, int], ...]:
+    """Contiguous stage ranges ``(lo, hi)``, one per part, none empty, minimising the largest
+    part's parameter count (a tied tensor counts in every stage that uses it)."""
+    sizes = [sum(t.numel() for t in optree.tree_leaves(p, namespace=NAMESPACE)) for p in params]
+    n = len(sizes)
+    if not 1 <= parts <= n:
+        raise ValueError(f"balance: cannot split {n} stages into {parts} non-empty ranges")
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    # best[k][i]: the smallest possible largest load splitting stages [0, i) into k ranges.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                load = max(best[k - 1][j], prefix[i] - prefix[j])
+                if load < best[k][i]:
+                    best[k][i], cut[k][i] = load, j
+    ranges, i = [], n
+    for k in range(parts, 0, -1):
+        ranges.append((cut[k][i], i))
+        i = cut[k][i]
+    return tuple(reversed(ranges))
+
+
+class Pipeline:
+    """A chain split over ranks; every rank of the pipeline builds one with the same arguments.
+
+    chain:          the whole chain (every rank knows every stage; each runs its own range).
+    ranges:         one ``(lo, hi)`` per pipeline rank, contiguous, covering the chain; ``None``:
+                    ``balance(params, len(ranks))``.
+    params:         the chain's params, only used to balance.
+    ranks:          the global ranks forming this pipeline, first stage first (default: all).
+    schedule:       ``"1f1b"`` (at most p - k microbatches in flight on rank k) or ``"gpipe"``.
+    costate_codec:  how costates cross rank boundaries (``codecs.int8()``, ...; ``None``: raw).
+    boundary_codec: how boundary states cross them going forward (``None``: raw; any other
+                    codec changes what the next rank computes, so gradients change too).
+    timeout:        seconds any receive may wait before this rank raises ``PeerError``.
+    device:         where received tensors go (default: the current CUDA device under NCCL,
+                    else the CPU).
+    """
+
+    def __init__(self, chain: Chain, ranges: Sequence | None = None, *, params: Sequence | None = None,
+                 ranks: Sequence[int] | None = None, schedule: str = "1f1b", costate_codec: Codec | None = None,
+                 boundary_codec: Codec | None = None, timeout: float = 60.0, device: torch.device | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("Pipeline: call torch.distributed.init_process_group (or eae_func.distributed.init) first")
+        self.chain = chain
+        self.ranks = tuple(range(dist.get_world_size())) if ranks is None else tuple(int(r) for r in ranks)
+        self.rank = dist.get_rank()
+        if self.rank not in self.ranks:
+            raise ValueError(f"Pipeline: rank {self.rank} is not one of the pipeline's ranks {self.ranks}")
+        self.position = self.ranks.index(self.rank)
+        if ranges is None:
+            if params is None:
+                raise ValueError("Pipeline: give the stage ranges, or params to balance them by parameter count")
+            ranges = balance(params, len(self.ranks))
+        self.ranges = _check_ranges(ranges, len(chain), len(self.ranks))
+        self.lo, self.hi = self.ranges[self.position]
+        if schedule not in S.NAMES:
+            raise ValueError(f"Pipeline: schedule must be one of {S.NAMES}, got {schedule!r}")
+        self.schedule = schedule
+        self.costate_codec = costate_codec or Raw()
+        self.boundary_codec = boundary_codec or Raw()
+        self.timeout = float(timeout)
+        if device is None:
+            nccl = dist.get_backend() == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = device
+        self.ties = self._tie_groups()
+
+    @property
+    def stages(self) -> range:
+        """The stage indices this rank owns."""
+        return range(self.lo, self.hi)
+
+    def where(self, rank: int) -> str:
+        """``"stages 2-3 ('b2'..'b3')"``: what global ``rank`` runs in this pipeline."""
+        if rank not in self.ranks:
+            return "not in this pipeline"
+        lo, hi = self.ranges[self.ranks.index(rank)]
+        names = self.chain.names
+        return f"stage {lo} ({names[lo]!r})" if hi - lo == 1 else \
+            f"stages {lo}-{hi - 1} ({names[lo]!r}..{names[hi - 1]!r})"
+
+    def _tie_groups(self) -> tuple:
+        """``(members here, owner positions)`` for each tie group with a member on this rank."""
+        groups = []
+        for group in self.chain.ties:
+            owners = sorted({self._owner(i) for i, _ in group})
+            mine = tuple((i, name) for i, name in group if self.lo <= i < self.hi)
+            groups.append((mine, tuple(owners)))
+        return tuple(groups)
+
+    def _owner(self, stage: int) -> int:
+        return next(k for k, (lo, hi) in enumerate(self.ranges) if lo <= stage < hi)
+
+    def sweep(self, params: Sequence, x: Any = None, *loss_args: Any, passes: Any = None, pass_state: Any = None,
+              key: int = 0, microbatches: int = 1, reduction: str = "mean",
+              buffers: Sequence | None = None) -> PipelineResult:
+        """This rank's part of ``ef.sweep(chain, params, x, *loss_args, ...)``.
+
+        params:  one entry per stage of the whole chain; only this rank's entries are read
+                 (the others may be ``None``). Same for ``buffers`` (``None``: the modules' own).
+        x:       the input batch, needed on the first rank; ``loss_args`` on the last rank
+                 (other ranks may pass them too: they are ignored).
+        passes, pass_state, key, microbatches, reduction: as for ``ef.sweep``; a stateful pass
+                 sees this rank's boundaries only, in the same order as in one process.
+        """
+        chain, lo, hi, p, k = self.chain, self.lo, self.hi, len(self.ranks), self.position
+        first, last = k == 0, k == p - 1
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"Pipeline.sweep: reduction must be 'mean' or 'sum', got {reduction!r}")
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"Pipeline.sweep: microbatches must be a positive int, got {microbatches!r}")
+        if not isinstance(params, (tuple, list)) or len(params) != len(chain):
+            raise ValueError(f"Pipeline.sweep: params must have one entry per stage of the chain ({len(chain)})")
+        sub = Chain(chain.stages[lo:hi], loss=chain.loss)
+        params = (None,) * lo + _check_params(sub, params[lo:hi]) + (None,) * (len(chain) - hi)
+        buffers = (tuple(s.default_buffers() for s in sub.stages) if buffers is None
+                   else tuple(buffers[lo:hi]))
+        m = microbatches
+        if first and x is None:
+            raise ValueError(f"Pipeline.sweep: rank {self.rank} runs the first stage and needs the input x")
+        xs = _split_batch(x, m) if first else None
+        args = _split_batch(loss_args, m) if last else None
+        weights = self._weights(x, loss_args, m, reduction) if last else None
+        keys = [int(key)] if m == 1 else [fold_in(int(key), -1 - j) for j in range(m)]
+        state = C.init(passes) if pass_state is None else pass_state
+
+        wire = Wire(self.rank, self.where, self.timeout, self.device)
+        prev = self.ranks[k - 1] if not first else None
+        nxt = self.ranks[k + 1] if not last else None
+        inbox, outbox, tapes, costates, outgoing = {}, {}, {}, {}, {}
+        grads, losses, traces, all_stats = None, [], [], []
+        busy, step_start = 0.0, time.perf_counter()
+        for op in S.schedule(self.schedule, p, m)[k]:
+            j = op.microbatch
+            if op.kind == "recv_activation":
+                inbox[j] = wire.recv(prev, "activation", j, self.boundary_codec)
+            elif op.kind == "send_activation":
+                wire.send(nxt, "activation", j, self.boundary_codec.encode(outbox.pop(j)))
+            elif op.kind == "recv_costate":
+                like = tapes[j].out_layouts[-1]
+                costates[j] = wire.recv(nxt, "costate", j, self.costate_codec, shape=like.shapes[0])
+            elif op.kind == "send_costate":
+                wire.send(prev, "costate", j, outgoing.pop(j))
+            else:
+                start = time.perf_counter()
+                try:
+                    if op.kind == "forward":
+                        h = xs[j] if first else inbox.pop(j)
+                        stats = segment.new_stats(chain, lo, hi)
+                        out, tapes[j], buffers = segment.forward(chain, lo, hi, params, buffers, h, stats)
+                        all_stats.append(stats)
+                        if not last:
+                            _check_tensor(out, f"output of {segment.where(chain, hi - 1)}, sent to rank {nxt}")
+                        outbox[j] = out
+                    else:
+                        loss, g, records, state = self._backward(j, params, tapes[j], outbox, costates, args,
+                                                                 weights, keys[j], passes, state, all_stats[j])
+                        if not first:
+                            outgoing[j] = self._encode_costate(records, tapes[j].layouts[0].shapes[0])
+                        losses.append(loss)
+                        grads = g if grads is None else optree.tree_map(torch.add, grads, g, namespace=NAMESPACE)
+                        traces.append(tuple(records))
+                        all_stats[j]["boundaries"] = {r.index: dict(r.meta) for r in records}
+                        del tapes[j]
+                except Exception as e:
+                    e.add_note(f"(on rank {self.rank}, {self.where(self.rank)}, {op.kind} of microbatch {j})")
+                    raise
+                busy += time.perf_counter() - start
+        loss = self._share_loss(wire, losses, weights)
+        grads = self._tie(wire, grads)
+        wire.flush()
+        step = time.perf_counter() - step_start
+
+        stats = all_stats[0] if m == 1 else _sum_stats(all_stats)
+        stats["wire"] = dict(wire.counts)
+        stats["schedule"] = {"name": self.schedule, "ranks": p, "microbatches": m, "busy_s": busy, "step_s": step,
+                             "bubble": 1 - busy / step if step > 0 else 0.0, "ideal_bubble": S.ideal_bubble(p, m)}
+        trace = traces[0] if m == 1 else tuple(_join_adjoints(rs) for rs in zip(*traces))
+        return PipelineResult(loss, grads, trace, buffers, state, MappingProxyType(stats), self.stages)
+
+    def _weights(self, x: Any, loss_args: tuple, m: int, reduction: str) -> list:
+        """Each microbatch's share of the loss: ``n_j / n`` (mean) or 1 (sum), as ``ef.sweep``."""
+        if m == 1 or reduction == "sum":
+            return [1.0] * m
+        ref = x if x is not None else loss_args
+        sizes = [t.shape[0] for t in _split_batch(_first_tensor(ref, self.rank), m)]
+        return [n / sum(sizes) for n in sizes]
+
+    def _backward(self, j, params, tape, outbox, costates, args, weights, key, passes, state, stats):
+        chain, lo, hi = self.chain, self.lo, self.hi
+        records = []
+        if hi == len(chain):
+            stats.setdefault("loss", {"forward_s": 0.0, "pass_s": 0.0})
+            loss, adj = segment.loss_costate(chain, outbox.pop(j), args[j], key, weights[j], stats["loss"])
+            start = time.perf_counter()
+            adj, state = C.apply(passes, adj, state)
+            stats["loss"]["pass_s"] += time.perf_counter() - start
+            records.append(adj.replace(boundary=None))
+            loss = loss * weights[j]
+        else:
+            loss = None
+            adj = AdjointState(costates.pop(j), hi, chain.stages[hi - 1].name, fold_in(key, hi))
+        g, recs, state = segment.reverse(chain, lo, hi, params, tape, adj, passes, state, key, stats)
+        return loss, g, records + recs, state
+
+    def _encode_costate(self, records: list, shape: tuple):
+        """The costate p_lo to send, encoded; the record of boundary lo becomes its round trip."""
+        adj = records[-1]
+        if adj.value is None:
+            return None
+        what = f"rank {self.rank}: costate at boundary {self.lo} (input of {self.where(self.rank)})"
+        _check_tensor(adj.value, what)
+        if adj.value.shape != shape:
+            raise ValueError(f"{what} has shape {tuple(adj.value.shape)} after the passes, the boundary state "
+                             f"has shape {tuple(shape)}; rank {self.ranks[self.position - 1]} cannot use it")
+        if isinstance(self.costate_codec, Raw):
+            return self.costate_codec.encode(adj.value)
+        records[-1], enc = round_trip(self.costate_codec, adj)
+        return enc
+
+    def _share_loss(self, wire: Wire, losses: list, weights: list | None) -> torch.Tensor:
+        """The last rank sends the summed loss to every other rank of the pipeline."""
+        if self.position == len(self.ranks) - 1:
+            loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+            for r in self.ranks[:-1]:
+                wire.send(r, "loss", 0, Raw().encode(loss))
+            return loss
+        return wire.recv(self.ranks[-1], "loss", 0, Raw(), shape=())
+
+    def _tie(self, wire: Wire, grads: tuple) -> tuple:
+        """Give every use of a tied parameter the sum of all uses' gradients, across ranks.
+
+        Each owner sums its own uses, sends that partial sum to the other owners and adds
+        theirs in rank order, so every owner ends with bit-identical totals. Of each pair,
+        the lower position sends first (a consistent order for blocking transports).
+        """
+        flat = [dict(g) for g in grads]
+        for n, (mine, owners) in enumerate(self.ties):
+            if not mine:
+                continue
+            partials = {self.position: sum(flat[i - self.lo][name] for i, name in mine)}
+            for o in owners:
+                if o == self.position:
+                    continue
+                def send():
+                    wire.send(self.ranks[o], "tie", n, Raw().encode(partials[self.position]))
+                if self.position < o:
+                    send()
+                shape = tuple(partials[self.position].shape)
+                partials[o] = wire.recv(self.ranks[o], "tie", n, Raw(), shape=shape)
+                if self.position > o:
+                    send()
+            total = sum(partials[o] for o in owners)
+            for i, name in mine:
+                flat[i - self.lo][name] = total
+        return tuple(flat)
+
+
+def _check_ranges(ranges: Sequence, stages: int, parts: int) -> tuple:
+    ranges = tuple((int(lo), int(hi)) for lo, hi in ranges)
+    if len(ranges) != parts:
+        raise ValueError(f"Pipeline: {len(ranges)} stage ranges for {parts} ranks; give one (lo, hi) per rank")
+    expected = 0
+    for lo, hi in ranges:
+        if lo != expected or hi <= lo:
+            raise ValueError(f"Pipeline: stage ranges {ranges} must be non-empty, contiguous and start at 0")
+        expected = hi
+    if expected != stages:
+        raise ValueError(f"Pipeline: stage ranges {ranges} cover {expected} stages, the chain has {stages}")
+    return ranges
+
+
+def _check_tensor(value: Any, what: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what}: only a single tensor can cross a rank boundary, got {type(value).__name__}")
+
+
+def _first_tensor(tree: Any, rank: int) -> torch.Tensor:
+    leaves = [t for t in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(t, torch.Tensor) and t.ndim]
+    if not leaves:
+        raise ValueError(f"Pipeline.sweep: rank {rank} computes the loss and needs a batched tensor (x or a loss "
+                         f"arg) to weigh the microbatches of a 'mean' loss")
+    return leaves[0]

@@ -1,0 +1,259 @@
+"""eae_func.distributed across real processes (gloo on 127.0.0.1): a pipeline of 2 and 4 ranks
+gives the gradients of one single-process sweep, with and without passes and wire codecs;
+int8 costates cost a quarter of the bytes; pipeline x data parallel averages exactly; a dead
+rank or a bad costate makes every other rank raise within the timeout.
+
+Each spawned run checks several things and returns numbers; the tests assert on them.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import eae_func as ef
+import eae_func.distributed as D
+from eae_func import passes as P
+from eae_func.models import lm_loss, transformer_lm
+
+VOCAB = 32
+
+
+def _lm(dim=16, depth=3):
+    torch.manual_seed(0)
+    return ef.from_module(transformer_lm(VOCAB, dim, depth, n_heads=4, n_kv_heads=2, ffn_hidden=24), loss=lm_loss)
+
+
+def _batch(n, t=10, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n, t), generator=g), torch.randint(0, VOCAB, (n, t), generator=g)
+
+
+def _max_error(pipe, res, ref):
+    """Largest |grad difference| over this rank's stages (tied weights included)."""
+    assert tuple(res.stages) == tuple(pipe.stages)
+    return max(((res.grads[i - pipe.lo][n] - ref.grads[i][n]).abs().max().item()
+                for i in pipe.stages for n in ref.grads[i]), default=0.0)
+
+
+def _trace_error(res, ref):
+    """This rank's boundary records against the same boundaries of the single-process trace:
+    largest value difference, and whether index, stage and history all agree."""
+    by_index = {a.index: a for a in ref.adjoints}
+    same = all((a.stage, a.history) == (by_index[a.index].stage, by_index[a.index].history) for a in res.adjoints)
+    same = same and all((a.value is None) == (by_index[a.index].value is None) for a in res.adjoints)
+    err = max(((a.value - by_index[a.index].value).abs().max().item() for a in res.adjoints
+               if a.value is not None), default=0.0)
+    return err, same, [a.index for a in res.adjoints]
+
+
+def _compare(chain, params, x, y, *, schedule, microbatches, passes=None, codec=None, key=3, ranges=None):
+    """One pipeline sweep and the single-process reference (codec.as_pass() at the cut boundaries)."""
+    pipe = D.Pipeline(chain, ranges, params=params, schedule=schedule, costate_codec=codec, timeout=20)
+    res = pipe.sweep(params, x, y, passes=passes, microbatches=microbatches, key=key)
+    cuts = [lo for lo, _ in pipe.ranges[1:]]
+    ref_passes = passes if codec is None else ef.compose(passes or ef.identity, P.only(codec.as_pass(), indices=cuts))
+    ref = ef.sweep(chain, params, x, y, passes=ref_passes, microbatches=microbatches, key=key)
+    trace_err, trace_same, indices = _trace_error(res, ref)
+    return {"grad_err": _max_error(pipe, res, ref), "loss_err": abs(res.loss.item() - ref.loss.item()),
+            "trace_err": trace_err, "trace_same": trace_same, "indices": indices,
+            "state": (res.pass_state, ref.pass_state), "stats": {k: res.stats[k] for k in ("wire", "schedule")}}
+
+
+def _state_error(state, ref_state):
+    """error_feedback keeps one residual per boundary: this rank's must equal the reference's."""
+    mine, (theirs,) = state, ref_state  # the reference composes the (stateless) codec pass after it
+    return max((mine[i] - theirs[i]).abs().max().item() for i in mine if mine[i] is not None), sorted(mine)
+
+
+def two_rank_checks():
+    chain, params = _lm()
+    x, y = _batch(7)  # 7 rows: microbatches of unequal size
+    out = {}
+    out["plain gpipe m=1"] = _compare(chain, params, x, y, schedule="gpipe", microbatches=1)
+    out["plain 1f1b m=3"] = _compare(chain, params, x, y, schedule="1f1b", microbatches=3)
+    random_passes = ef.compose(P.clip(0.05), P.int8(stochastic=True), P.randk(0.5))
+    out["random passes 1f1b m=2"] = _compare(chain, params, x, y, schedule="1f1b", microbatches=2,
+                                             passes=random_passes)
+    for codec in (D.codecs.int8(), D.codecs.fp8(), D.codecs.cast(torch.bfloat16), D.codecs.topk(0.3)):
+        out[f"codec {codec.name}"] = _compare(chain, params, x, y, schedule="gpipe", microbatches=2, codec=codec)
+    feedback = P.error_feedback(P.topk(0.3))  # one residual per boundary: needs equal microbatches
+    r = _compare(chain, params, x[:6], y[:6], schedule="1f1b", microbatches=3, passes=feedback, codec=D.codecs.int8(),
+                 ranges=[(0, 2), (2, 5)])
+    r["state_err"], r["state_keys"] = _state_error(*r.pop("state"))
+    out["error feedback + int8 wire"] = r
+    # Bytes on the wire: float32 vs int8 costates on a wider boundary (8 x 16 x 32).
+    chain, params = _lm(dim=32)
+    x, y = _batch(8, t=16)
+    wire = {}
+    for name, codec in (("raw", None), ("int8", D.codecs.int8())):
+        pipe = D.Pipeline(chain, [(0, 3), (3, 5)], costate_codec=codec, timeout=20)
+        wire[name] = pipe.sweep(params, x, y, microbatches=2).stats["wire"]
+    return dist.get_rank(), out, wire
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return D.run(two_rank_checks, 2, timeout=90)
+
+
+def test_two_rank_pipeline_equals_single_process_sweep(two_ranks):
+    for rank, out, _ in two_ranks:
+        for name, r in out.items():
+            assert r["grad_err"] < 1e-6 and r["loss_err"] < 1e-6, (rank, name, r["grad_err"], r["loss_err"])
+
+
+def test_ranks_together_produce_the_single_process_trace(two_ranks):
+    """Rank 1 records L down to its first boundary, rank 0 the rest; values, stages and histories
+    (codec round trip included) are those of one sweep."""
+    for name in two_ranks[0][1]:
+        indices = sorted(i for _, out, _ in two_ranks for i in out[name]["indices"])
+        assert indices == list(range(6)), name
+        for rank, out, _ in two_ranks:
+            assert out[name]["trace_err"] < 1e-6 and out[name]["trace_same"], (rank, name)
+
+
+def test_error_feedback_state_per_rank_is_the_single_process_state(two_ranks):
+    keys = []
+    for _, out, _ in two_ranks:
+        r = out["error feedback + int8 wire"]
+        assert r["state_err"] < 1e-6
+        keys += r["state_keys"]
+    assert sorted(keys) == list(range(6))
+
+
+def test_int8_costates_cost_a_quarter_of_the_bytes(two_ranks):
+    """The costate bytes rank 1 sends (and rank 0 receives) shrink 4x: n int8 + one float32 scale."""
+    (_, _, wire0), (_, _, wire1) = two_ranks
+    raw, int8 = wire1["raw"]["costate_bytes_sent"], wire1["int8"]["costate_bytes_sent"]
+    assert raw == 8 * 16 * 32 * 4  # two microbatches of 4 x 16 x 32 float32
+    assert int8 == raw // 4 + 2 * 4  # and two float32 scales
+    assert wire0["int8"]["costate_bytes_received"] == int8
+    header = 2 * D.wire.HEADER_LEN * 8  # one header per microbatch's costate
+    assert 0.25 < (int8 + header) / (raw + header) < 0.27  # 120-byte headers on 16 KiB
+    assert wire1["raw"]["activation_bytes_received"] == raw
+
+
+def test_pipeline_reports_its_schedule(two_ranks):
+    for _, out, _ in two_ranks:
+        s = out["plain 1f1b m=3"]["stats"]["schedule"]
+        assert (s["name"], s["ranks"], s["microbatches"]) == ("1f1b", 2, 3)
+        assert s["ideal_bubble"] == pytest.approx(1 / 4)
+        assert 0 <= s["bubble"] < 1 and s["busy_s"] <= s["step_s"]
+
+
+def four_rank_checks():
+    chain, params = _lm()
+    x, y = _batch(8)
+    out = {}
+    out["pipeline 4, 1f1b m=4, clip + int8 wire"] = _compare(
+        chain, params, x, y, schedule="1f1b", microbatches=4, passes=P.clip(0.05), codec=D.codecs.int8())
+    out["pipeline 4, gpipe m=2"] = _compare(chain, params, x, y, schedule="gpipe", microbatches=2)
+    # 2 x 2 mesh: replica d runs rows 4d..4d+3 through a 2-rank pipeline; averaged gradients
+    # equal the full batch's (mean loss, equal halves).
+    m = D.mesh(pp=2)
+    pipe = D.Pipeline(chain, [(0, 2), (2, 5)], ranks=m.pipeline_ranks, timeout=20)
+    rows = slice(4 * m.replica, 4 * m.replica + 4)
+    res = pipe.sweep(params, x[rows], y[rows], microbatches=2)
+    ref = ef.sweep(chain, params, x, y)
+    grads, stats = D.average_gradients(res.grads, m.data_group)
+    out["mesh raw"] = {"grad_err": max((grads[i - pipe.lo][n] - ref.grads[i][n]).abs().max().item()
+                                       for i in pipe.stages for n in ref.grads[i]), "bytes": stats["bytes_sent"]}
+    int8_grads, int8_stats = D.average_gradients(res.grads, m.data_group, codec=D.codecs.int8())
+    largest = torch.tensor(max(g.abs().max().item() for s in res.grads for g in s.values()))
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=m.data_group)  # the largest int8 scale * 127
+    bound = largest.item() / 127
+    out["mesh int8"] = {"grad_err": max((int8_grads[i][n] - grads[i][n]).abs().max().item()
+                                        for i in range(len(grads)) for n in grads[i]),
+                        "bound": bound, "bytes": int8_stats["bytes_sent"],
+                        "checksum": [sum(g.double().sum().item() * (k + 1) for k, g in enumerate(s.values()))
+                                     for s in int8_grads]}
+    return dist.get_rank(), m.replica, m.stage_rank, out
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return D.run(four_rank_checks, 4, timeout=90)
+
+
+def test_four_rank_pipeline_equals_single_process_sweep(four_ranks):
+    for rank, _, _, out in four_ranks:
+        for name in ("pipeline 4, 1f1b m=4, clip + int8 wire", "pipeline 4, gpipe m=2"):
+            r = out[name]
+            assert r["grad_err"] < 1e-6 and r["loss_err"] < 1e-6 and r["trace_err"] < 1e-6, (rank, name)
+            assert r["trace_same"]
+
+
+def test_pipeline_x_data_parallel_equals_the_full_batch(four_ranks):
+    for rank, _, _, out in four_ranks:
+        assert out["mesh raw"]["grad_err"] < 1e-6, rank
+
+
+def test_compressed_gradient_average_is_identical_on_replicas_and_within_the_int8_bound(four_ranks):
+    by_stage = {}
+    for rank, replica, stage_rank, out in four_ranks:
+        r = out["mesh int8"]
+        assert r["grad_err"] <= r["bound"] / 2 + 1e-7, rank  # mean of errors each <= s/2
+        assert r["bytes"] < out["mesh raw"]["bytes"] / 3
+        by_stage.setdefault(stage_rank, []).append(r["checksum"])
+    for sums in by_stage.values():
+        assert sums[0] == sums[1]
+
+
+# ----------------------------------------------------------------------------- faults
+
+TIMEOUT = 4.0
+
+
+def _sweep_with_fault(kind, dying_rank):
+    """Warm up, then a sweep in which ``dying_rank`` dies (os._exit) or sends a bad costate.
+    Survivors return (error type, message, seconds from the start of the sweep to the error)."""
+    chain, params = _lm()
+    x, y = _batch(8)
+    pipe = D.Pipeline(chain, params=params, schedule="1f1b", timeout=TIMEOUT)
+    pipe.sweep(params, x, y, microbatches=4)
+    rank = dist.get_rank()
+    if kind == "die":
+        fault = P.tap(lambda adj: os._exit(3) if rank == dying_rank else None)  # in its first backward
+    else:
+        fault = P.only(lambda adj: adj.replace(value=adj.value[:, :-1]) if rank == dying_rank else adj,
+                       indices=pipe.lo)
+    start = time.monotonic()
+    try:
+        pipe.sweep(params, x, y, microbatches=4, passes=fault)
+    except Exception as e:  # noqa: BLE001 - the test inspects whatever each rank raised
+        return type(e).__name__, str(e), time.monotonic() - start
+    return None, None, time.monotonic() - start
+
+
+def _survivors_fail_within_the_bound(outcomes, dying_rank, bound):
+    for o in outcomes:
+        if o.rank == dying_rank and o.value is None:
+            continue
+        assert o.error is None, o.error
+        kind, message, seconds = o.value
+        assert kind is not None, f"rank {o.rank} finished the sweep although rank {dying_rank} failed"
+        assert seconds < bound, (o.rank, seconds, message)
+        assert f"rank {o.rank}" in message and "stage" in message, message
+
+
+def test_a_dead_rank_makes_every_other_rank_raise_within_the_timeout():
+    start = time.monotonic()
+    outcomes = D.spawn(_sweep_with_fault, 4, "die", 2, timeout=60)
+    assert outcomes[2].exitcode == 3 and outcomes[2].value is None
+    _survivors_fail_within_the_bound(outcomes, 2, bound=3 * TIMEOUT)
+    messages = {o.rank: o.value[1] for o in outcomes if o.value}
+    assert "from rank 2" in messages[1] or "to rank 2" in messages[1]  # the neighbours name the dead rank
+    assert "PeerError" == outcomes[3].value[0] and "rank 2" in messages[3]
+    assert time.monotonic() - start < 40
+
+
+def test_a_costate_of_the_wrong_shape_fails_both_neighbours():
+    outcomes = D.spawn(_sweep_with_fault, 2, "shape", 1, timeout=60)
+    kinds = {o.rank: o.value[0] for o in outcomes}
+    messages = {o.rank: o.value[1] for o in outcomes}
+    assert kinds[1] == "ValueError" and "rank 1: costate at boundary" in messages[1] and "shape" in messages[1]
+    assert kinds[0] == "PeerError" and "from rank 1" in messages[0]
+    _survivors_fail_within_the_bound(outcomes, None, bound=3 * TIMEOUT)
