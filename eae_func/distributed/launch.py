@@ -31,9 +31,12 @@ def default_backend(local_world_size: int) -> str:
 
 def init(backend: str | None = None, timeout: float = 60.0) -> torch.device:
     """Join the process group described by torchrun's environment (RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT, LOCAL_RANK); return this process's device.
+    MASTER_ADDR, MASTER_PORT, LOCAL_RANK); return this process's device. Without that
+    environment (a plain ``python script.py``), a group of one process.
 
     ``timeout`` bounds every collective (and NCCL's watchdog)."""
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     backend = backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
     device = torch.device("cpu")
