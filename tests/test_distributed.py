@@ -208,18 +208,23 @@ TIMEOUT = 4.0
 
 
 def _sweep_with_fault(kind, dying_rank):
-    """Warm up, then a sweep in which ``dying_rank`` dies (os._exit) or sends a bad costate.
+    """Warm up, then a sweep in which ``dying_rank`` dies (os._exit), sends a costate of the wrong
+    shape, or encodes its costates with another codec than its neighbour expects.
     Survivors return (error type, message, seconds from the start of the sweep to the error)."""
     chain, params = _lm()
     x, y = _batch(8)
     pipe = D.Pipeline(chain, params=params, schedule="1f1b", timeout=TIMEOUT)
     pipe.sweep(params, x, y, microbatches=4)
     rank = dist.get_rank()
+    fault = None
     if kind == "die":
         fault = P.tap(lambda adj: os._exit(3) if rank == dying_rank else None)  # in its first backward
-    else:
+    elif kind == "shape":
         fault = P.only(lambda adj: adj.replace(value=adj.value[:, :-1]) if rank == dying_rank else adj,
                        indices=pipe.lo)
+    else:
+        codec = D.codecs.int8() if rank == dying_rank else None
+        pipe = D.Pipeline(chain, params=params, schedule="1f1b", timeout=TIMEOUT, costate_codec=codec)
     start = time.monotonic()
     try:
         pipe.sweep(params, x, y, microbatches=4, passes=fault)
@@ -256,4 +261,11 @@ def test_a_costate_of_the_wrong_shape_fails_both_neighbours():
     messages = {o.rank: o.value[1] for o in outcomes}
     assert kinds[1] == "ValueError" and "rank 1: costate at boundary" in messages[1] and "shape" in messages[1]
     assert kinds[0] == "PeerError" and "from rank 1" in messages[0]
+    _survivors_fail_within_the_bound(outcomes, None, bound=3 * TIMEOUT)
+
+
+def test_ranks_disagreeing_on_the_codec_fail_with_a_clear_error():
+    outcomes = D.spawn(_sweep_with_fault, 2, "codec", 1, timeout=60)
+    messages = {o.rank: o.value[1] for o in outcomes}
+    assert "costate 0 from rank 1" in messages[0] and "encoded with int8, this rank expects raw" in messages[0]
     _survivors_fail_within_the_bound(outcomes, None, bound=3 * TIMEOUT)

@@ -11,6 +11,10 @@ the codec's layout and receives it. Sends are asynchronous (``isend``);
 receives wait on their work handles with a timeout, so a dead or stalled peer
 becomes a ``PeerError`` naming both ranks and their stages instead of a hang.
 Bytes sent and received are counted per message kind.
+
+On NCCL a work handle's ``wait`` orders CUDA streams rather than blocking the host,
+so there the bound on a dead peer is NCCL's watchdog, armed by
+``init_process_group(timeout=...)`` (``eae_func.distributed.init(timeout=...)``).
 """
 
 from __future__ import annotations
