@@ -412,6 +412,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=usable_cores(), help="torch.set_num_threads in every process")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--no-live", action="store_true", help="skip the dispatch-mode live-bytes step")
+    parser.add_argument("--save", help="also write the raw per-process results to this JSON file")
+    parser.add_argument("--load", help="print the tables from a file written by --save (runs nothing)")
     parser.add_argument("--quick", action="store_true", help="smoke run: depths 2 4, batch 2, seq 64, 2 steps")
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -442,13 +444,19 @@ def main(argv=None) -> None:
           f"Block(dim={DIM}, heads={HEADS}/{KV_HEADS}, ffn={FFN}), batch {args.batch}, seq {args.seq}, fp32, "
           f"{args.warmup} warm-up + {args.steps} timed steps per process\n")
     t0 = time.perf_counter()
-    print(f"Gradient check (3 blocks, batch 2, seq 32): {check_gradients(args.threads)}\n", flush=True)
+    if not args.load:
+        print(f"Gradient check (3 blocks, batch 2, seq 32): {check_gradients(args.threads)}\n", flush=True)
 
     time_alloc = "cuda" if cuda else "default"
     jobs = [(d, m, a) for d in args.depths for a in allocators for m in methods]
     jobs += [(d, "interleaved", time_alloc) for d in args.depths]
-    bar = progress(len(jobs))
-    results: dict = {}
+    if args.load:
+        with open(args.load) as f:
+            results = {(d, m, a): r for d, m, a, r in json.load(f)}
+        jobs = []
+    bar = progress(len(jobs)) if jobs else None
+    if not args.load:
+        results: dict = {}
     for depth, method, alloc in jobs:
         spec = dict(method=method, methods=args.methods, depth=depth, batch=args.batch, seq=args.seq, device=args.device,
                     threads=args.threads, steps=args.steps, warmup=args.warmup,
@@ -464,6 +472,9 @@ def main(argv=None) -> None:
             bar.update()
     if bar is not None:
         bar.close()
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump([[d, m, a, r] for (d, m, a), r in results.items()], f)
 
     summary = []
     for depth in args.depths:
@@ -497,7 +508,7 @@ def main(argv=None) -> None:
             print("| " + " | ".join(cells) + " |")
         print()
         base_line = ", ".join(f"{a}: {base[a] / MB:.1f} MB above its {results[depth, 'baseline', a]['setup_bytes'] / MB:.0f} MB after setup" for a in allocators)
-        if not all(r["reset"] for r in results.values()):
+        if not all(r.get("reset", True) for r in results.values()):
             print("WARNING: could not reset the RSS high-water mark (/proc/self/clear_refs); "
                   "peaks include import transients and may be meaningless.")
         print(f"Forward-only baseline peak: {base_line}; baseline forward "
