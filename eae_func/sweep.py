@@ -55,6 +55,7 @@ class Options:
     estimator: Any = None
     physical: tuple[int, ...] = ()
     recompute: bool = True
+    keep_costates: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +179,12 @@ def _local(s, buffers: Mapping, rebuild):
     return lambda p, f: s.call(p, buffers, rebuild(f))
 
 
+def _traced(adj: AdjointState, opts: Options) -> AdjointState:
+    """The record as the trace keeps it: without the boundary state, and without the costate
+    unless ``keep_costates`` (so ``grad`` does not hold L costates at its peak)."""
+    return adj.replace(boundary=None) if opts.keep_costates else adj.replace(boundary=None, value=None)
+
+
 def _run_passes(opts: Options, adj: AdjointState, state: Any, stats: dict, label: str):
     with _Timer(stats, "pass_s", label):
         return C.apply(opts.passes, adj, state)
@@ -239,7 +246,7 @@ def _sweep_once(chain: Chain, params: tuple, buffers: tuple, x: Any, loss_args: 
     for i in reversed(range(L)):
         s, st = chain.stages[i], stats[chain.stages[i].name]
         cot = _check_costate(chain, i, adj, out_layouts[i])
-        trace.append(adj.replace(boundary=None))
+        trace.append(_traced(adj, opts))
         del adj  # frees x_{i+1} before stage i is recomputed
         h_in = prefetch.get(i, stored[i], layouts[i])
         stored[i] = None
@@ -271,7 +278,7 @@ def _sweep_once(chain: Chain, params: tuple, buffers: tuple, x: Any, loss_args: 
         adj = AdjointState(costate_in, i, name, fold_in(opts.key, i), boundary=h_in)
         del costate_in, h_in, floats
         adj, pass_state = _run_passes(opts, adj, pass_state, st, f"eae/{s.name}/passes")
-    trace.append(adj.replace(boundary=None))
+    trace.append(_traced(adj, opts))
     stats["boundaries"] = {a.index: dict(a.meta) for a in trace}
     return loss.detach(), tuple(grads), tuple(trace), tuple(new_buffers), pass_state, stats
 
@@ -306,7 +313,7 @@ def sweep(chain: Chain, params: Sequence, x: Any, *loss_args: Any, passes: Any =
           key: int = 0, buffers: Sequence | None = None, boundary_dtype: torch.dtype | None = None,
           offload: bool = False, autocast: torch.dtype | None = None, microbatches: int = 1,
           reduction: str = "mean", estimator: Any = None, physical: Sequence | None = None,
-          recompute: bool = True) -> SweepResult:
+          recompute: bool = True, keep_costates: bool = True) -> SweepResult:
     """Loss, parameter gradients and the costate trace of ``chain`` at ``params`` on ``x``.
 
     passes:         a pass (``compose(...)``) applied to every costate p_L..p_0 before use.
@@ -327,6 +334,8 @@ def sweep(chain: Chain, params: Sequence, x: Any, *loss_args: Any, passes: Any =
     recompute:      ``True`` (the memory-saving sweep) rebuilds each stage's graph from its
                     saved input; ``False`` keeps every stage's vjp closure from the forward
                     (no second forward, memory like plain autograd), same results.
+    keep_costates:  ``False`` returns the trace records with ``value=None`` (history and meta
+                    kept), saving L costates of memory; ``grad``/``value_and_grad`` use it.
     """
     params = _check_params(chain, params)
     buffers = _check_buffers(chain, buffers)
@@ -337,7 +346,8 @@ def sweep(chain: Chain, params: Sequence, x: Any, *loss_args: Any, passes: Any =
     if physical is None:
         physical = [i for i, s in enumerate(chain.stages) if s.physical]
     physical = tuple(sorted({chain.index(p) for p in physical})) if estimator is not None else ()
-    opts = Options(passes, int(key), B.Policy(boundary_dtype, offload), autocast, estimator, physical, recompute)
+    opts = Options(passes, int(key), B.Policy(boundary_dtype, offload), autocast, estimator, physical, recompute,
+                   keep_costates)
     state = C.init(passes) if pass_state is None else pass_state
     if microbatches == 1:
         loss, grads, trace, new_buffers, state, stats = _sweep_once(
@@ -384,10 +394,10 @@ def _tie(chain: Chain, params: tuple, grads: tuple) -> tuple:
 
 def value_and_grad(chain: Chain, params: Sequence, x: Any, *loss_args: Any, **options: Any):
     """``(loss, grads)`` of ``chain`` at ``params``; options as for ``sweep``."""
-    res = sweep(chain, params, x, *loss_args, **options)
+    res = sweep(chain, params, x, *loss_args, **{"keep_costates": False, **options})
     return res.loss, res.grads
 
 
 def grad(chain: Chain, params: Sequence, x: Any, *loss_args: Any, **options: Any):
     """Parameter gradients of ``chain`` at ``params`` (same tree as ``params``); options as for ``sweep``."""
-    return sweep(chain, params, x, *loss_args, **options).grads
+    return sweep(chain, params, x, *loss_args, **{"keep_costates": False, **options}).grads

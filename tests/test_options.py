@@ -134,3 +134,16 @@ def test_cuda_offload_prefetch_matches():
     for a, b in zip(optree.tree_leaves(plain.grads, namespace=NAMESPACE),
                     optree.tree_leaves(offloaded.grads, namespace=NAMESPACE)):
         torch.testing.assert_close(a, b)
+
+
+def test_dropping_costates_keeps_grads_history_and_meta():
+    model, x, target = build("mlp", 3, torch.float64, 2)
+    chain, params = ef.from_module(model, loss=mse)
+    tag = lambda adj: adj.applied("tag", adj.value, norm=float(adj.value.norm()))  # noqa: E731
+    kept = ef.sweep(chain, params, x, target, passes=tag)
+    dropped = ef.sweep(chain, params, x, target, passes=tag, keep_costates=False, microbatches=2)
+    assert all(a.value is None for a in dropped.adjoints)
+    assert [a.history for a in dropped.adjoints] == [a.history for a in kept.adjoints]
+    for a, b in zip(optree.tree_leaves(kept.grads, namespace=NAMESPACE),
+                    optree.tree_leaves(dropped.grads, namespace=NAMESPACE)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
