@@ -5,7 +5,7 @@
     res.loss, res.grads, res.adjoints, res.buffers, res.pass_state, res.stats
 """
 
-from . import passes
+from . import estimators, passes
 from .adjoint import AdjointState, fold_in
 from .chain import Chain, Stage, from_module, stage, write_grads
 from .passes import StatefulPass, compose, identity
@@ -16,6 +16,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdjointState", "Chain", "Problem", "Stage", "StatefulPass", "SweepResult", "compose", "fold_in", "from_module",
-    "grad", "identity", "passes", "stage", "sweep", "tree_leaves", "tree_map", "tree_structure", "value_and_grad",
+    "estimators", "grad", "identity", "passes", "stage", "sweep", "tree_leaves", "tree_map", "tree_structure", "value_and_grad",
     "write_grads",
 ]

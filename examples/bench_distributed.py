@@ -68,7 +68,10 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 ranks, a tiny model, 1 step")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.ranks, args.depth, args.width, args.batch, args.seq, args.steps, args.warmup = "2", 2, 32, 4, 16, 1, 0
 
     print(f"transformer_lm(vocab 256, width {args.width}, depth {args.depth}), batch {args.batch} x {args.seq} "
           f"tokens, {args.microbatches} microbatches, gloo, one CPU thread per process\n")

@@ -35,7 +35,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=7, help="timed steps per configuration (after one warm-up)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    return parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 small blocks, 2 steps")
+    args = parser.parse_args()
+    if args.quick:
+        args.depth, args.dim, args.ffn, args.seq, args.batch, args.steps = 2, 64, 128, 32, 2, 2
+    return args
 
 
 def mean_square(output: torch.Tensor) -> torch.Tensor:
