@@ -190,6 +190,19 @@ def _run_passes(opts: Options, adj: AdjointState, state: Any, stats: dict, label
         return C.apply(opts.passes, adj, state)
 
 
+def loss_costate(chain: Chain, h: Any, loss_args: tuple, key: int, loss_scale: float, stats: dict):
+    """``(loss, AdjointState of p_L = loss_scale * d loss / d x_L)`` before the passes."""
+    with _Timer(stats, "forward_s", "eae/loss"):
+        floats, rebuild, costate_like = B.split(h, "input of the loss")
+        loss, loss_vjp = vjp(lambda f: chain.loss(rebuild(f), *loss_args), floats)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss: expected a scalar tensor, got {shape}")
+        (p,) = loss_vjp(torch.full_like(loss, loss_scale), retain_graph=False)
+    L = len(chain)
+    return loss.detach(), AdjointState(costate_like(list(p)), L, chain.stages[-1].name, fold_in(key, L), boundary=h)
+
+
 def _sweep_once(chain: Chain, params: tuple, buffers: tuple, x: Any, loss_args: tuple,
                 opts: Options, pass_state: Any, loss_scale: float):
     L = len(chain)
@@ -224,16 +237,8 @@ def _sweep_once(chain: Chain, params: tuple, buffers: tuple, x: Any, loss_args: 
         del out
 
     # Boundary condition: p_L = d loss / d x_L.
-    with _Timer(stats["loss"], "forward_s", "eae/loss"):
-        floats, rebuild, costate_like = B.split(h, "input of the loss")
-        loss, loss_vjp = vjp(lambda f: chain.loss(rebuild(f), *loss_args), floats)
-        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"loss: expected a scalar tensor, got {shape}")
-        (p,) = loss_vjp(torch.full_like(loss, loss_scale), retain_graph=False)
-        del loss_vjp
-    adj = AdjointState(costate_like(list(p)), L, chain.stages[-1].name, fold_in(opts.key, L), boundary=h)
-    del h, floats, p
+    loss, adj = loss_costate(chain, h, loss_args, opts.key, loss_scale, stats["loss"])
+    del h
     adj, pass_state = _run_passes(opts, adj, pass_state, stats["loss"], "eae/loss/passes")
 
     # Estimators of physical stages probe the network once the forward sweep is done.
@@ -280,7 +285,7 @@ def _sweep_once(chain: Chain, params: tuple, buffers: tuple, x: Any, loss_args: 
         adj, pass_state = _run_passes(opts, adj, pass_state, st, f"eae/{s.name}/passes")
     trace.append(_traced(adj, opts))
     stats["boundaries"] = {a.index: dict(a.meta) for a in trace}
-    return loss.detach(), tuple(grads), tuple(trace), tuple(new_buffers), pass_state, stats
+    return loss, tuple(grads), tuple(trace), tuple(new_buffers), pass_state, stats
 
 
 def _split_batch(tree: Any, k: int) -> list:

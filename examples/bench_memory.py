@@ -439,7 +439,7 @@ def main(argv=None) -> None:
     allocators = {"cuda": {}} if cuda else {"mmap": MMAP_ENV, "default": {}}
     methods = ["baseline", *args.methods]
 
-    print(f"# EAE memory/time benchmark\n")
+    print("# EAE memory/time benchmark\n")
     print(f"torch {torch.__version__}, device {args.device}, {args.threads} threads, "
           f"Block(dim={DIM}, heads={HEADS}/{KV_HEADS}, ffn={FFN}), batch {args.batch}, seq {args.seq}, fp32, "
           f"{args.warmup} warm-up + {args.steps} timed steps per process\n")

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..adjoint import NAMESPACE, AdjointState, fold_in
 from ..chain import Chain
 from ..passes import combinators as C
-from ..sweep import _check_params, _join_adjoints, _split_batch, _sum_stats
+from ..sweep import _check_params, _join_adjoints, _split_batch, _sum_stats, loss_costate
 from . import schedule as S
 from . import segment
 from .codecs import Codec, Raw, round_trip
@@ -259,7 +259,7 @@ class Pipeline:
         records = []
         if hi == len(chain):
             stats.setdefault("loss", {"forward_s": 0.0, "pass_s": 0.0})
-            loss, adj = segment.loss_costate(chain, outbox.pop(j), args[j], key, weights[j], stats["loss"])
+            loss, adj = loss_costate(chain, outbox.pop(j), args[j], key, weights[j], stats["loss"])
             start = time.perf_counter()
             adj, state = C.apply(passes, adj, state)
             stats["loss"]["pass_s"] += time.perf_counter() - start

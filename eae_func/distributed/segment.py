@@ -69,20 +69,6 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
     return h, tape, tuple(updated_buffers)
 
 
-def loss_costate(chain: Chain, h: Any, loss_args: tuple, key: int, loss_scale: float, stats: dict):
-    """``(loss, AdjointState of p_L = loss_scale * d loss / d x_L)`` before the passes."""
-    start = time.perf_counter()
-    floats, rebuild, costate_like = B.split(h, "input of the loss")
-    loss, loss_vjp = vjp(lambda f: chain.loss(rebuild(f), *loss_args), floats)
-    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(f"loss: expected a scalar tensor, got {shape}")
-    (p,) = loss_vjp(torch.full_like(loss, loss_scale), retain_graph=False)
-    stats["forward_s"] += time.perf_counter() - start
-    L = len(chain)
-    return loss.detach(), AdjointState(costate_like(list(p)), L, chain.stages[-1].name, fold_in(key, L), boundary=h)
-
-
 def reverse(chain: Chain, lo: int, hi: int, params: tuple, tape: Tape, adj: AdjointState, passes: Any,
             pass_state: Any, key: int, stats: dict):
     """``(grads of [lo, hi), records of boundaries hi-1..lo after the passes, pass_state)``.
