@@ -14,16 +14,8 @@ from eae_func import estimators as E
 from helpers import transformer
 
 # torch's forward-AD decompositions script themselves on first use (a torch-internal deprecation)
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny float64 problems: intra-op threads only add overhead (and stall on a loaded machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning"),
+              pytest.mark.usefixtures("one_thread")]
 
 D, BATCH = 4, 5
 F64 = torch.float64

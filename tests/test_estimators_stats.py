@@ -18,16 +18,8 @@ from torch import nn
 import eae_func as ef
 from eae_func import estimators as E
 
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny float64 problems: intra-op threads only add overhead (and stall on a loaded machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning"),
+              pytest.mark.usefixtures("one_thread")]
 
 F64 = torch.float64
 

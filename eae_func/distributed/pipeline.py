@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import optree
 import torch
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..adjoint import NAMESPACE, AdjointState, fold_in
 from ..chain import Chain
 from ..passes import combinators as C
-from ..sweep import _check_params, _join_adjoints, _split_batch, _sum_stats, loss_costate
+from ..sweep import SweepResult, _check_params, _join_adjoints, _split_batch, _sum_stats, loss_costate
 from . import schedule as S
 from . import segment
 from .codecs import Codec, Raw, round_trip
@@ -35,7 +35,7 @@ from .wire import Wire
 
 
 @dataclasses.dataclass(frozen=True)
-class PipelineResult:
+class PipelineResult(SweepResult):
     """One rank's share of a pipeline sweep.
 
     loss:       the full loss (sent to every rank by the last one).
@@ -50,12 +50,6 @@ class PipelineResult:
     stages:     the range of stage indices this rank owns.
     """
 
-    loss: torch.Tensor
-    grads: tuple
-    adjoints: tuple
-    buffers: tuple
-    pass_state: Any
-    stats: Mapping[str, Any]
     stages: range
 
 
