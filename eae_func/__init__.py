@@ -8,14 +8,15 @@
 from . import estimators, passes
 from .adjoint import AdjointState, fold_in
 from .chain import Chain, Stage, from_module, stage, write_grads
-from .passes import StatefulPass, compose, identity
-from .sweep import Problem, SweepResult, grad, sweep, value_and_grad
+from .estimators.base import Estimator, Problem
+from .passes import Context, Pass, compose, global_norm, identity, map_costate, stateless
+from .sweep import SweepResult, grad, sweep, value_and_grad
 from .tree import tree_leaves, tree_map, tree_structure
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "AdjointState", "Chain", "Problem", "Stage", "StatefulPass", "SweepResult", "compose", "fold_in", "from_module",
-    "estimators", "grad", "identity", "passes", "stage", "sweep", "tree_leaves", "tree_map", "tree_structure", "value_and_grad",
-    "write_grads",
+    "AdjointState", "Chain", "Context", "Estimator", "Pass", "Problem", "Stage", "SweepResult", "compose", "estimators",
+    "fold_in", "from_module", "global_norm", "grad", "identity", "map_costate", "passes", "stage", "stateless",
+    "sweep", "tree_leaves", "tree_map", "tree_structure", "value_and_grad", "write_grads",
 ]

@@ -1,10 +1,12 @@
 """The costate record that flows through the reverse sweep.
 
 ``AdjointState`` holds the costate ``p_l = dLoss/dx_l`` at boundary ``l`` plus
-static facts about it. It is a frozen dataclass registered as a pytree both in
-PyTorch's registry (read by ``torch.func`` transforms) and in optree under the
-``"eae_func"`` namespace: its only leaf is the costate value, so transforms and
-``optree.tree_map(..., namespace=NAMESPACE)`` see straight through it.
+static facts about it. It is a frozen dataclass and a plain value: registered as
+a pytree both in PyTorch's registry (read by ``torch.func`` transforms) and in
+optree under the ``"eae_func"`` namespace, its only leaf is the costate value and
+its static fields are hashable values (index, stage, key, history, meta), so two
+records that differ only in their costates ``tree_map`` together. The boundary
+state x_l is not in the record: passes read it from their context.
 """
 
 from __future__ import annotations
@@ -21,21 +23,6 @@ import torch.utils._pytree as torch_pytree
 from .tree import NAMESPACE
 
 
-class _Opaque:
-    """Static field compared by identity, so it can hold tensors (the boundary state)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Opaque) and other.value is self.value
-
-    def __hash__(self) -> int:
-        return id(self.value)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class AdjointState:
     """Costate ``value`` at boundary ``index`` (``L`` is the loss side, ``0`` the input).
@@ -47,8 +34,6 @@ class AdjointState:
     key:      int seed for this boundary, ``fold_in(sweep_key, index)``.
     history:  names of the passes applied so far, in order.
     meta:     immutable mapping of what passes measured (scale, kept fraction, ...).
-    boundary: the boundary state x_l itself, readable by passes (synthetic
-              gradients); static, never a leaf, and dropped from the returned trace.
     """
 
     value: Any
@@ -57,7 +42,6 @@ class AdjointState:
     key: int = 0
     history: tuple = ()
     meta: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
-    boundary: Any = None
 
     def __post_init__(self):
         if not isinstance(self.meta, MappingProxyType):
@@ -74,9 +58,14 @@ class AdjointState:
         """The record after pass ``name`` produced ``value`` and measured ``meta``."""
         return self.replace(value=value, history=self.history + (name,), meta=meta)
 
+    def seed(self) -> int:
+        """The seed of the pass about to run: ``fold_in(key, len(history))``, so two random passes
+        at one boundary (at different positions of the history) never share draws."""
+        return fold_in(self.key, len(self.history))
+
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        """A fresh generator seeded by this boundary's key: same key, same draws."""
-        return torch.Generator(device=device).manual_seed(self.key)
+        """A fresh generator seeded by ``seed()``: same key and position, same draws."""
+        return torch.Generator(device=device).manual_seed(self.seed())
 
     def tensors(self) -> list:
         """The costate's tensor leaves (``None`` leaves skipped)."""
@@ -89,13 +78,12 @@ class AdjointState:
 
 
 def _flatten(adj: AdjointState):
-    context = (adj.index, adj.stage, adj.key, adj.history, tuple(adj.meta.items()), _Opaque(adj.boundary))
-    return [adj.value], context
+    return [adj.value], (adj.index, adj.stage, adj.key, adj.history, tuple(adj.meta.items()))
 
 
 def _unflatten(children, context) -> AdjointState:
-    index, stage, key, history, meta, boundary = context
-    return AdjointState(children[0], index, stage, key, history, dict(meta), boundary.value)
+    index, stage, key, history, meta = context
+    return AdjointState(children[0], index, stage, key, history, dict(meta))
 
 
 optree.register_pytree_node(

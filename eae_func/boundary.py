@@ -9,7 +9,7 @@ from typing import Any, Callable
 import optree
 import torch
 
-from .adjoint import NAMESPACE
+from .tree import NAMESPACE
 
 
 def is_differentiable(t: torch.Tensor) -> bool:
@@ -64,7 +64,7 @@ class Policy:
             if self.dtype is not None and is_differentiable(t):
                 t = t.to(self.dtype)
             if self.offload and t.device.type != "cpu":
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+                host = torch.empty_like(t, device="cpu", pin_memory=t.is_cuda)  # keeps the memory format
                 host.copy_(t, non_blocking=True)
                 t = host
             return t
@@ -91,8 +91,11 @@ class Layout:
         flat, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
         return Layout(spec, tuple(t.shape for t in flat), tuple((t.device, t.dtype) for t in flat))
 
-    def nbytes(self, stored: Any) -> int:
-        return sum(t.numel() * t.element_size() for t in optree.tree_leaves(stored, namespace=NAMESPACE))
+
+
+def nbytes(tree: Any) -> int:
+    """Bytes of the tensor leaves of ``tree``."""
+    return sum(t.numel() * t.element_size() for t in optree.tree_leaves(tree, namespace=NAMESPACE))
 
 
 class Prefetcher:
@@ -117,5 +120,6 @@ class Prefetcher:
         current.wait_stream(self.stream)
         tree = self.pending.pop(index)
         for t in optree.tree_leaves(tree, namespace=NAMESPACE):
-            t.record_stream(current)
+            if t.is_cuda:
+                t.record_stream(current)
         return tree

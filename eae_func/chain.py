@@ -11,9 +11,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import optree
 import torch
 from torch import nn
 from torch.func import functional_call
+
+from .tree import NAMESPACE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +104,38 @@ class Chain:
     def buffers(self) -> tuple[dict[str, torch.Tensor], ...]:
         """The modules' current buffers, one dict per stage (detached, sharing storage)."""
         return tuple(s.default_buffers() for s in self.stages)
+
+    def where(self, i: int) -> str:
+        return f"stage {i} ({self.stages[i].name!r})"
+
+    def check_params(self, params: Any, stages: range | None = None) -> tuple:
+        """``params`` as a tuple with one entry per stage, those of ``stages`` (default: all)
+        checked: a dict of exactly the module's parameter names, tensor leaves only."""
+        if not isinstance(params, (tuple, list)) or len(params) != len(self):
+            got = f"{len(params)} entries" if isinstance(params, (tuple, list)) else type(params).__name__
+            raise ValueError(f"params: expected a tuple with one entry per stage ({len(self)}), got {got}")
+        for i in range(len(self)) if stages is None else stages:
+            s, p = self.stages[i], params[i]
+            if s.param_names is not None:
+                if not isinstance(p, Mapping):
+                    raise TypeError(f"params of {self.where(i)}: expected a dict name -> tensor, "
+                                    f"got {type(p).__name__}")
+                missing, extra = set(s.param_names) - set(p), set(p) - set(s.param_names)
+                if missing or extra:
+                    raise ValueError(f"params of {self.where(i)} do not match its module: "
+                                     f"missing {sorted(missing)}, unexpected {sorted(extra)}")
+            for leaf in optree.tree_leaves(p, namespace=NAMESPACE):
+                if not isinstance(leaf, torch.Tensor):
+                    raise TypeError(f"params of {self.where(i)}: leaves must be tensors, found {type(leaf).__name__}")
+        return tuple(params)
+
+    def check_buffers(self, buffers: Any) -> tuple:
+        """``buffers`` as a tuple with one dict per stage; ``None``: the modules' own."""
+        if buffers is None:
+            return self.buffers()
+        if not isinstance(buffers, (tuple, list)) or len(buffers) != len(self):
+            raise ValueError(f"buffers: expected a tuple with one dict per stage ({len(self)}), got {buffers!r:.80}")
+        return tuple(buffers)
 
 
 def _base_name(s: Stage) -> str:

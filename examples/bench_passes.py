@@ -1,7 +1,7 @@
 """Pass overhead: time in the pass pipeline as a fraction of an EAE step.
 
 A stack of pre-norm transformer blocks (eae_func.models.Block), loss = mean(x_L^2), one
-``ef.sweep`` per step with and without ``compose(P.int8(), P.clip(1.0))``. For each step
+``ef.sweep`` per step with and without ``compose(P.int8(), P.clip_by_global_norm(1.0))``. For each step
 with passes, the fraction is the passes' seconds (``res.stats[stage]["pass_s"]`` summed over
 the stages and the loss) over the step's wall-clock time; the steps alternate between the
 two configurations so drift hits both alike. Prints a markdown table of medians.
@@ -63,7 +63,7 @@ def main() -> None:
     model = nn.Sequential(*[Block(args.dim, args.heads, args.kv_heads, args.ffn) for _ in range(args.depth)])
     chain, params = ef.from_module(model, loss=mean_square)
     x = torch.randn(args.batch, args.seq, args.dim)
-    configs = {"none": None, "int8 + clip(1.0)": ef.compose(P.int8(), P.clip(1.0))}
+    configs = {"none": None, "int8 + clip(1.0)": ef.compose(P.int8(), P.clip_by_global_norm(1.0))}
 
     walls = {name: [] for name in configs}
     fractions = []

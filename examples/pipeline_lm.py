@@ -36,7 +36,7 @@ CODECS = {"none": lambda: None, "int8": D.codecs.int8, "fp8": D.codecs.fp8,
 def single_process_error(chain, params, x, y, pipe, res, args) -> float:
     """Largest |grad difference| of this rank's stages against ef.sweep of the whole chain."""
     codec = CODECS[args.codec]()
-    passes = P.clip(1.0)
+    passes = P.clip_by_global_norm(1.0)
     if codec is not None:
         passes = ef.compose(passes, P.only(codec.as_pass(), indices=[lo for lo, _ in pipe.ranges[1:]]))
     ref = ef.sweep(chain, params, x, y, passes=passes, microbatches=args.microbatches, key=0)
@@ -84,7 +84,7 @@ def main(argv=None):
     start = time.perf_counter()
     for step in range(args.steps):
         x, y = (t[rows].to(device) for t in next(stream))
-        res = pipe.sweep(params, x, y, passes=P.clip(1.0), microbatches=args.microbatches, key=step)
+        res = pipe.sweep(params, x, y, passes=P.clip_by_global_norm(1.0), microbatches=args.microbatches, key=step)
         grads, dp_stats = res.grads, {"bytes_sent": 0}
         if mesh.dp > 1:
             grads, dp_stats = D.average_gradients(grads, mesh.data_group, codec=CODECS[args.grad_codec](),

@@ -34,7 +34,7 @@ def main(steps: int = 40, depth: int = 4, dim: int = 64):
     print(f"max |EAE grad - autograd grad| = {diff:.2e}")
 
     # 2. Train with int8 + clip on every costate.
-    passes = ef.compose(P.int8(), P.clip(1.0))
+    passes = ef.compose(P.int8(), P.clip_by_global_norm(1.0))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     start = time.perf_counter()
     for step in range(1, steps + 1):

@@ -28,7 +28,7 @@ from eae_func.models import lm_loss, transformer_lm
 from text_data import batches, split_tokens, stdlib_docstrings
 
 PASSES = {
-    "stats": P.stats, "int8": P.int8, "clip": lambda: P.clip(1.0), "fp16": lambda: P.cast(torch.float16),
+    "stats": P.stats, "int8": P.int8, "clip": lambda: P.clip_by_global_norm(1.0), "fp16": lambda: P.cast(torch.float16),
     "bf16": lambda: P.cast(torch.bfloat16), "fp8": P.fp8, "topk": lambda: P.topk(0.25),
 }
 HERE = pathlib.Path(__file__).parent

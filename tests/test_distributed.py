@@ -74,7 +74,7 @@ def two_rank_checks():
     out = {}
     out["plain gpipe m=1"] = _compare(chain, params, x, y, schedule="gpipe", microbatches=1)
     out["plain 1f1b m=3"] = _compare(chain, params, x, y, schedule="1f1b", microbatches=3)
-    random_passes = ef.compose(P.clip(0.05), P.int8(stochastic=True), P.randk(0.5))
+    random_passes = ef.compose(P.clip_by_global_norm(0.05), P.int8(stochastic=True), P.randk(0.5))
     out["random passes 1f1b m=2"] = _compare(chain, params, x, y, schedule="1f1b", microbatches=2,
                                              passes=random_passes)
     for codec in (D.codecs.int8(), D.codecs.fp8(), D.codecs.cast(torch.bfloat16), D.codecs.topk(0.3)):
@@ -149,7 +149,7 @@ def four_rank_checks():
     x, y = _batch(8)
     out = {}
     out["pipeline 4, 1f1b m=4, clip + int8 wire"] = _compare(
-        chain, params, x, y, schedule="1f1b", microbatches=4, passes=P.clip(0.05), codec=D.codecs.int8())
+        chain, params, x, y, schedule="1f1b", microbatches=4, passes=P.clip_by_global_norm(0.05), codec=D.codecs.int8())
     out["pipeline 4, gpipe m=2"] = _compare(chain, params, x, y, schedule="gpipe", microbatches=2)
     # 2 x 2 mesh: replica d runs rows 4d..4d+3 through a 2-rank pipeline; averaged gradients
     # equal the full batch's (mean loss, equal halves).

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import eae_func as ef
-from eae_func.passes import StatefulPass
+from eae_func.passes import Pass
 
 
 def small():
@@ -51,7 +51,8 @@ def test_costate_whose_shape_differs_from_the_stage_output():
 
 def test_pass_that_returns_something_else():
     _, chain, params, x, y = small()
-    with pytest.raises(TypeError, match=r"stage 2 \('Linear_2'\).*returned Tensor, expected an AdjointState"):
+    with pytest.raises(TypeError, match=r"at boundary 3 \(output of stage 'Linear_2'\) returned a Tensor, "
+                                        r"expected an AdjointState"):
         ef.sweep(chain, params, x, y, passes=lambda a: a.value)
 
 
@@ -74,13 +75,16 @@ def test_duplicate_stage_names_and_bad_options():
 
 def test_a_failing_sweep_leaves_pass_state_and_inputs_alone():
     _, chain, params, x, y = small()
-    counter = StatefulPass(init=lambda: torch.zeros(()),
-                           update=lambda a, s: (a if a.index > 0 else a.replace(value=a.value[:1]), s + 1))
+    counter = Pass(init=lambda: torch.zeros(()), update=lambda a, s, ctx: (a, s + 1))
     state = torch.zeros(())
     res = ef.sweep(chain, params, x, y, passes=counter, pass_state=state)
     assert res.pass_state == 4 and state == 0
-    broken = StatefulPass(init=counter.init,
-                          update=lambda a, s: (a.replace(value=a.value[:1]) if a.index == 1 else a, s + 1))
+    at_input = Pass(init=counter.init,
+                    update=lambda a, s, ctx: (a if a.index > 0 else a.replace(value=a.value[:1]), s + 1))
+    with pytest.raises(ValueError, match=r"costate at boundary 0 \(the chain's input\): costate shape \(1, 3\)"):
+        ef.sweep(chain, params, x, y, passes=at_input, pass_state=state)  # boundary 0 is checked like every other
+    broken = Pass(init=counter.init,
+                  update=lambda a, s, ctx: (a.replace(value=a.value[:1]) if a.index == 1 else a, s + 1))
     with pytest.raises(ValueError, match="costate shape"):
         ef.sweep(chain, params, x, y, passes=broken, pass_state=state)
     assert state == 0

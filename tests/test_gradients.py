@@ -31,7 +31,7 @@ def test_grads_keep_the_tree_of_params_and_costates_mirror_boundaries(kind, dept
     assert optree.tree_structure(res.grads, namespace=NAMESPACE) == optree.tree_structure(params, namespace=NAMESPACE)
     assert [a.index for a in res.adjoints] == list(range(depth, -1, -1))
     assert [a.stage for a in res.adjoints] == [*reversed(chain.names), "input"]
-    assert all(a.boundary is None for a in res.adjoints)
+    assert all(not hasattr(a, "boundary") for a in res.adjoints)  # the boundary state is not in the record
     # p_0 is the input gradient
     x_leaf = x.clone().requires_grad_(True)
     mse(model(x_leaf), target).backward()

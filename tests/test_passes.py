@@ -37,10 +37,15 @@ def costates(draw):
 
 
 def record(value, index=2, key=0):
-    """A costate record with a boundary state mirroring it (integer tokens where it has no costate)."""
-    boundary = optree.tree_map(lambda t: torch.randn_like(t), value, none_is_leaf=False, namespace=NAMESPACE)
-    boundary = _fill_none(value, boundary)
-    return AdjointState(value, index, f"stage_{index}", key=key, boundary=boundary)
+    return AdjointState(value, index, f"stage_{index}", key=key)
+
+
+def context(adj):
+    """A pass context whose boundary state mirrors the costate (integer tokens where it has none),
+    drawn from the record's key."""
+    g = torch.Generator().manual_seed(adj.key)
+    boundary = optree.tree_map(lambda t: torch.randn(t.shape, generator=g), adj.value, namespace=NAMESPACE)
+    return P.Context(boundary=_fill_none(adj.value, boundary))
 
 
 def _fill_none(value, boundary):
@@ -56,29 +61,34 @@ def norm(tree):
     return math.sqrt(sum(t.double().square().sum().item() for t in leaves(tree)))
 
 
-def run(p, adj, state=None):
-    """One application of a pass of either kind; returns (record, state)."""
-    return P.apply(p, adj, P.init(p) if state is None else state)
+def run(p, adj, state=None, ctx=None):
+    """One application of a pass (or plain callable); returns (record, state)."""
+    return P.compose(p).apply(adj, state, context(adj) if ctx is None else ctx)
+
+
+def apply1(p, adj):
+    """The record after one application of ``p`` from its initial state."""
+    return run(p, adj)[0]
 
 
 def counter():
     """A stateful pass that counts visits per boundary and records the count."""
-    def update(adj, state):
+    def update(adj, state, ctx):
         count = state.get(adj.index, 0) + 1
         return adj.applied("counter", adj.value, count=count), {**state, adj.index: count}
-    return P.StatefulPass(dict, update)
+    return P.Pass(dict, update, "counter")
 
 
 def all_passes():
     return {
-        "clip": P.clip(0.5), "scale": P.scale(-2.0), "gaussian_noise": P.gaussian_noise(0.1),
+        "clip": P.clip_by_global_norm(0.5), "clip_by_value": P.clip_by_value(0.5), "scale": P.scale(-2.0), "gaussian_noise": P.gaussian_noise(0.1),
         "cast16": P.cast(torch.float16), "castbf16": P.cast(torch.bfloat16),
         "fp8_e4m3": P.fp8(), "fp8_e5m2": P.fp8(torch.float8_e5m2),
         "int8": P.int8(), "int8_channel": P.int8("channel"), "int8_stochastic": P.int8(stochastic=True),
         "topk": P.topk(0.3), "randk": P.randk(0.3),
         "check_finite": P.check_finite("zero"), "stats": P.stats(), "log": P.log(),
         "error_feedback": P.error_feedback(P.topk(0.3)), "synthetic": P.synthetic(warmup=0, replace=True),
-        "when": P.when(lambda a: a.index > 0, P.int8()), "only": P.only(P.clip(0.1), indices=2),
+        "when": P.when(lambda a: a.index > 0, P.int8()), "only": P.only(P.clip_by_global_norm(0.1), indices=2),
         "tap": P.tap(lambda a: None),
     }
 
@@ -87,7 +97,7 @@ def all_passes():
 
 @given(value=costates(), max_norm=st.floats(1e-2, 1e2))
 def test_clip_bounds_the_global_norm_and_is_identity_below_it(value, max_norm):
-    out = P.clip(max_norm)(record(value))
+    out = apply1(P.clip_by_global_norm(max_norm), record(value))
     before = norm(value)
     assert out.meta["clip_norm"] == pytest.approx(before, rel=1e-5)
     if before <= max_norm * (1 - 1e-5):
@@ -102,7 +112,7 @@ def test_clip_bounds_the_global_norm_and_is_identity_below_it(value, max_norm):
 
 @given(value=costates(), factor=st.floats(-10, 10))
 def test_scale_multiplies_every_leaf(value, factor):
-    out = P.scale(factor)(record(value))
+    out = apply1(P.scale(factor), record(value))
     for a, b in zip(leaves(out.value), leaves(value)):
         torch.testing.assert_close(a, b * factor)
 
@@ -110,15 +120,15 @@ def test_scale_multiplies_every_leaf(value, factor):
 @given(value=costates(), key=seeds)
 def test_gaussian_noise_same_key_same_noise(value, key):
     noise = P.gaussian_noise(0.5)
-    a, b, c = noise(record(value, key=key)), noise(record(value, key=key)), noise(record(value, key=key + 1))
+    a, b, c = apply1(noise, record(value, key=key)), apply1(noise, record(value, key=key)), apply1(noise, record(value, key=key + 1))
     assert all(torch.equal(u, v) for u, v in zip(leaves(a.value), leaves(b.value)))
     assert not all(torch.equal(u, v) for u, v in zip(leaves(a.value), leaves(c.value)))
 
 
 def test_two_random_passes_at_one_boundary_draw_independent_noise():
     zero = record(torch.zeros(1000))
-    once = P.gaussian_noise(1.0)(zero).value
-    twice = ef.compose(P.gaussian_noise(1.0), P.gaussian_noise(1.0))(zero).value
+    once = apply1(P.gaussian_noise(1.0), zero).value
+    twice = apply1(ef.compose(P.gaussian_noise(1.0), P.gaussian_noise(1.0)), zero).value
     # same draws would give twice == 2 * once; independent ones have variance 2, correlation 1/sqrt(2)
     assert not torch.allclose(twice, 2 * once)
     assert twice.var().item() == pytest.approx(2.0, rel=0.2)
@@ -128,7 +138,7 @@ def test_two_random_passes_at_one_boundary_draw_independent_noise():
 
 @given(value=tensors, per=st.sampled_from(["tensor", "channel"]))
 def test_int8_round_trip_error_at_most_half_a_step(value, per):
-    out = P.int8(per)(record(value))
+    out = apply1(P.int8(per), record(value))
     dims = tuple(range(value.ndim - 1)) if per == "channel" else tuple(range(value.ndim))
     step = value.abs().amax(dim=dims, keepdim=True) / 127 if dims or per == "tensor" else value.abs() / 127
     assert ((out.value - value).abs() <= step * (0.5 + 1e-4)).all()
@@ -139,18 +149,18 @@ def test_int8_round_trip_error_at_most_half_a_step(value, per):
 
 def test_int8_per_channel_scales_each_index_of_the_last_dim():
     value = torch.tensor([[1.0, 100.0, 0.0], [-0.5, 3.0, 0.0]])
-    out = P.int8("channel")(record(value)).value
+    out = apply1(P.int8("channel"), record(value)).value
     # channel 0 has its own step 1/127, so -0.5 survives to within half a step; one step
     # of 100/127 for the whole tensor rounds it to -100/127
     assert abs(out[1, 0].item() + 0.5) <= 0.5 / 127 * (1 + 1e-5)
-    assert P.int8("tensor")(record(value)).value[1, 0].item() == pytest.approx(-100 / 127)
+    assert apply1(P.int8("tensor"), record(value)).value[1, 0].item() == pytest.approx(-100 / 127)
     assert torch.equal(out[:, 2], torch.zeros(2))
 
 
 @pytest.mark.parametrize("p", [P.int8(), P.int8("channel"), P.int8(stochastic=True), P.fp8(),
                                P.fp8(torch.float8_e5m2), P.cast(torch.float16)])
 def test_quantisers_leave_zero_costates_zero(p):
-    out = p(record(torch.zeros(4, 5)))
+    out = apply1(p, record(torch.zeros(4, 5)))
     assert torch.equal(out.value, torch.zeros(4, 5))
 
 
@@ -158,8 +168,8 @@ def test_quantisers_leave_zero_costates_zero(p):
        dtype=st.sampled_from([torch.float16, torch.bfloat16]))
 def test_cast_round_trip_is_idempotent(value, magnitude, dtype):
     p = P.cast(dtype)
-    once = p(record(value * magnitude))
-    twice = p(once)
+    once = apply1(p, record(value * magnitude))
+    twice = apply1(p, once)
     assert torch.equal(once.value, twice.value)
     assert once.value.dtype == value.dtype
     assert once.meta["cast_overflow"] == int((torch.isinf(once.value)).sum())
@@ -167,8 +177,8 @@ def test_cast_round_trip_is_idempotent(value, magnitude, dtype):
 
 @given(value=tensors, dtype=st.sampled_from(FP8))
 def test_fp8_round_trip_is_idempotent(value, dtype):
-    once = P.fp8(dtype)(record(value))
-    twice = P.fp8(dtype)(once)
+    once = apply1(P.fp8(dtype), record(value))
+    twice = apply1(P.fp8(dtype), once)
     torch.testing.assert_close(twice.value, once.value, rtol=1e-6, atol=0)
 
 
@@ -177,19 +187,19 @@ def test_fp8_is_a_real_float8_format(value, dtype):
     """Entries in float8's normal range keep relative error <= eps/2 (2^-4 for e4m3fn, 2^-3 for
     e5m2): small entries survive next to large ones, which an int8 grid would round to zero."""
     finfo = torch.finfo(dtype)
-    out = P.fp8(dtype)(record(value)).value
+    out = apply1(P.fp8(dtype), record(value)).value
     scale = value.abs().max() / finfo.max
     normal = value.abs() >= finfo.tiny * scale * (1 + 1e-6)
     error = (out - value).abs()
     assert (error[normal] <= value.abs()[normal] * (finfo.eps / 2) * (1 + 1e-5)).all()
     spread = torch.tensor([1.0, 1e-3, -3e-4])
-    assert (P.fp8(dtype)(record(spread)).value != 0).all()
+    assert (apply1(P.fp8(dtype), record(spread)).value != 0).all()
 
 
 # ----------------------------------------------------------------------------- unbiased randomness
 
 def _mean_over_keys(p, value, n_keys):
-    return torch.stack([p(record(value, key=k)).value for k in range(n_keys)]).mean(0)
+    return torch.stack([apply1(p, record(value, key=k)).value for k in range(n_keys)]).mean(0)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -200,7 +210,7 @@ def test_int8_stochastic_rounding_is_unbiased(seed):
     step = value.abs().max() / 127
     mean = _mean_over_keys(P.int8(stochastic=True), value, n_keys)
     assert ((mean - value).abs() <= 6 * step / (2 * math.sqrt(n_keys)) + 1e-6).all()
-    assert not torch.equal(P.int8(stochastic=True)(record(value, key=0)).value, P.int8()(record(value)).value)
+    assert not torch.equal(apply1(P.int8(stochastic=True), record(value, key=0)).value, apply1(P.int8(), record(value)).value)
 
 
 @pytest.mark.parametrize("seed,ratio", [(0, 0.25), (1, 0.5)])
@@ -209,7 +219,7 @@ def test_randk_is_unbiased(seed, ratio):
     within 6 standard errors |p_i| sqrt((n/k - 1) / K) of p_i."""
     value, n_keys = _randn((64,), 1.0, seed), 2000
     k = math.ceil(ratio * value.numel())
-    one = P.randk(ratio)(record(value))
+    one = apply1(P.randk(ratio), record(value))
     assert int((one.value != 0).sum()) == k and one.meta["randk_kept"] == k / value.numel()
     mean = _mean_over_keys(P.randk(ratio), value, n_keys)
     se = value.abs() * math.sqrt((value.numel() / k - 1) / n_keys)
@@ -218,7 +228,7 @@ def test_randk_is_unbiased(seed, ratio):
 
 @given(value=tensors, ratio=st.floats(0.01, 1.0))
 def test_topk_keeps_the_largest_entries(value, ratio):
-    out = P.topk(ratio)(record(value))
+    out = apply1(P.topk(ratio), record(value))
     k = math.ceil(ratio * value.numel() - 1e-9)
     kept = out.value != 0
     assert int(kept.sum()) <= k and torch.equal(out.value[kept], value[kept])
@@ -234,13 +244,13 @@ def test_check_finite_policies():
     value = (torch.tensor([1.0, float("nan")]), None, torch.tensor([float("inf")]))
     adj = AdjointState(value, 3, "mlp_2")
     with pytest.raises(FloatingPointError, match=r"boundary 3 \(output of stage 'mlp_2'\).*2 of 3"):
-        P.check_finite("raise")(adj)
-    zeroed = P.check_finite("zero")(adj)
+        apply1(P.check_finite("raise"), adj)
+    zeroed = apply1(P.check_finite("zero"), adj)
     assert zeroed.meta["finite"] is False and all((t == 0).all() for t in leaves(zeroed.value))
     assert zeroed.value[1] is None
-    skipped = P.check_finite("skip")(adj)
+    skipped = apply1(P.check_finite("skip"), adj)
     assert skipped.value is value and skipped.meta == {"finite": False, "nonfinite": 2}
-    fine = P.check_finite("raise")(AdjointState(torch.ones(2), 0, "input"))
+    fine = apply1(P.check_finite("raise"), AdjointState(torch.ones(2), 0, "input"))
     assert fine.meta["finite"] is True
 
 
@@ -260,30 +270,39 @@ def test_error_feedback_residual_bounded_and_sums_track(seed, ratio, steps):
     |r'| <= q |e| with q = sqrt(1 - k/n), so |r_t| <= q / (1 - q) max |p|."""
     g = torch.Generator().manual_seed(seed)
     ef_topk = P.error_feedback(P.topk(ratio))
-    state = P.init(ef_topk)
+    state = ef_topk.init()
     true_sum, sent_sum, largest = torch.zeros(4, 5), torch.zeros(4, 5), 0.0
     n, k = 20, math.ceil(ratio * 20 - 1e-9)
     q = math.sqrt(1 - k / n)
     for _ in range(steps):
         p = torch.randn(4, 5, generator=g)
         largest = max(largest, norm(p))
-        out, state = ef_topk.update(record(p, index=1), state)
+        out, state = run(ef_topk, record(p, index=1), state)
         true_sum, sent_sum = true_sum + p, sent_sum + out.value
-        residual = state[1]
+        residual = state["residuals"][1]
         assert norm(residual) <= q / (1 - q) * largest * (1 + 1e-5) + 1e-6
         assert out.meta["ef_residual_norm"] == pytest.approx(norm(residual), rel=1e-5, abs=1e-7)
-    torch.testing.assert_close(sent_sum, true_sum - state[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sent_sum, true_sum - state["residuals"][1], rtol=1e-5, atol=1e-5)
     assert out.history == ("topk", "error_feedback")
 
 
 def test_error_feedback_keeps_one_residual_per_boundary():
     ef_int8 = P.error_feedback(P.int8())
     state = ef_int8.init()
-    _, state = ef_int8.update(record(torch.randn(3, 4), index=1), state)
-    _, state = ef_int8.update(record((torch.randn(2), None), index=0), state)
-    assert set(state) == {0, 1} and state[0][1] is None
+    _, state = run(ef_int8, record(torch.randn(3, 4), index=1), state)
+    _, state = run(ef_int8, record((torch.randn(2), None), index=0), state)
+    assert set(state["residuals"]) == {0, 1} and state["residuals"][0][1] is None
     with pytest.raises(ValueError, match="error_feedback: residual kept for boundary 1"):
-        ef_int8.update(record(torch.randn(5, 4), index=1), state)
+        run(ef_int8, record(torch.randn(5, 4), index=1), state)
+
+
+def test_error_feedback_threads_the_state_of_its_compressor():
+    """The compressor may be any pass: its state is threaded inside error feedback's."""
+    fb = P.error_feedback(counter())
+    state = fb.init()
+    for n in (1, 2):
+        out, state = run(fb, record(torch.randn(3), index=1), state)
+        assert out.meta["count"] == n and state["compressor"] == {1: n}
 
 
 # ----------------------------------------------------------------------------- synthetic gradients
@@ -298,8 +317,8 @@ def test_synthetic_learns_a_linear_costate_and_replaces_after_warmup():
         x = torch.randn(16, 4, generator=g) * 10
         rows = x / x.square().mean(-1, keepdim=True).sqrt()
         p = torch.cat([rows, torch.ones(16, 1)], -1) @ A * 1e-4  # tiny costates: the step is scale-free
-        adj = AdjointState(p, 1, "block_0", boundary=x)
-        out, state = p_syn.update(adj, state)
+        adj = AdjointState(p, 1, "block_0")
+        out, state = p_syn.update(adj, state, P.Context(boundary=x))
         errors.append(out.meta["synthetic_error"])
         assert out.meta["synthetic_used"] is (step >= 150)
         assert (out.value is p) is (step < 150)
@@ -310,14 +329,14 @@ def test_synthetic_learns_a_linear_costate_and_replaces_after_warmup():
 
 def test_synthetic_needs_the_boundary_state():
     with pytest.raises(ValueError, match="synthetic: boundary 4 has no boundary state"):
-        P.synthetic().update(AdjointState(torch.ones(2, 3), 4, "s"), {})
+        P.synthetic().update(AdjointState(torch.ones(2, 3), 4, "s"), {}, P.Context())
 
 
 # ----------------------------------------------------------------------------- observation
 
 @given(value=costates())
 def test_stats_records_summary_of_all_leaves(value):
-    out = P.stats()(record(value))
+    out = apply1(P.stats(), record(value))
     flat = torch.cat([t.reshape(-1) for t in leaves(value)])
     assert out.meta["numel"] == flat.numel()
     assert out.meta["norm"] == pytest.approx(flat.norm().item(), rel=1e-5)
@@ -331,8 +350,8 @@ def test_log_emits_structured_records(caplog):
     logger = logging.getLogger("test_passes.log")
     adj = AdjointState(torch.tensor([3.0, 4.0]), 2, "mlp_1")
     with caplog.at_level(logging.INFO, logger="test_passes.log"):
-        out = P.log(logger)(adj)
-        P.log(logger, level="DEBUG")(adj)  # below the level: nothing emitted
+        out = apply1(P.log(logger), adj)
+        apply1(P.log(logger, level="DEBUG"), adj)  # below the level: nothing emitted
     (rec,) = caplog.records
     assert rec.eae["index"] == 2 and rec.eae["stage"] == "mlp_1" and rec.eae["norm"] == pytest.approx(5.0)
     assert "boundary 2" in rec.getMessage() and out.value is adj.value and out.history == ("log",)
@@ -344,21 +363,22 @@ def test_when_only_tap():
     seen = []
     a1, a2 = AdjointState(torch.ones(3), 1, "mlp_0"), AdjointState(torch.ones(3), 2, "mlp_1")
     double = P.scale(2.0)
-    assert torch.equal(P.only(double, stages="mlp_1")(a2).value, 2 * torch.ones(3))
-    assert P.only(double, stages=["mlp_1"])(a1) is a1
-    assert P.only(double, indices=1)(a2) is a2 and P.only(double, indices={1})(a1).history == ("scale",)
-    assert P.tap(seen.append)(a1) is a1 and seen == [a1]
+    assert torch.equal(apply1(P.only(double, stages="mlp_1"), a2).value, 2 * torch.ones(3))
+    assert apply1(P.only(double, stages=["mlp_1"]), a1) is a1
+    assert apply1(P.only(double, indices=1), a2) is a2 and apply1(P.only(double, indices={1}), a1).history == ("scale",)
+    assert apply1(P.tap(seen.append), a1) is a1 and seen == [a1]
     count = P.when(lambda a: a.index == 2, counter())
     state = count.init()
-    out, new_state = count.update(a1, state)
+    out, new_state = count.update(a1, state, P.Context())
     assert out is a1 and new_state is state  # skipped: record and state pass through
-    out, new_state = count.update(a2, state)
+    out, new_state = count.update(a2, state, P.Context())
     assert out.meta["count"] == 1 and new_state == {2: 1}
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda: P.clip(-1), r"clip: max_norm must be a finite number and > 0, got -1"),
-    (lambda: P.clip(float("inf")), "clip: max_norm"),
+    (lambda: P.clip_by_global_norm(-1), r"clip_by_global_norm: max_norm must be a finite number and > 0, got -1"),
+    (lambda: P.clip_by_global_norm(float("inf")), "clip_by_global_norm: max_norm"),
+    (lambda: P.clip_by_value(0), "clip_by_value: limit must be"),
     (lambda: P.scale(True), "scale: factor"),
     (lambda: P.gaussian_noise(-0.1), "gaussian_noise: std must be"),
     (lambda: P.int8(per="row"), r"int8: per must be 'tensor' or 'channel', got 'row'"),
@@ -369,7 +389,7 @@ def test_when_only_tap():
     (lambda: P.check_finite("warn"), "check_finite: policy must be one of"),
     (lambda: P.synthetic(momentum=1.0), r"synthetic: momentum must be in \[0, 1\)"),
     (lambda: P.synthetic(warmup=-1), "synthetic: warmup"),
-    (lambda: P.only(P.clip(1)), "only: give the stages"),
+    (lambda: P.only(P.clip_by_global_norm(1)), "only: give the stages"),
     (lambda: P.log(level="LOUD"), "log: unknown level"),
 ])
 def test_bad_arguments_name_the_pass(make, match):
@@ -378,11 +398,12 @@ def test_bad_arguments_name_the_pass(make, match):
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda: P.error_feedback(P.error_feedback(P.topk(0.5))), "error_feedback: compressor must be a stateless pass"),
+    (lambda: P.error_feedback(3), "error_feedback: expected a pass"),
+    (lambda: P.compose(P.int8(), "clip"), "compose: expected a pass"),
     (lambda: P.int8(stochastic=1), "int8: stochastic must be a bool"),
-    (lambda: P.only(P.clip(1), indices="1"), "only: indices must be ints"),
+    (lambda: P.only(P.clip_by_global_norm(1), indices="1"), "only: indices must be ints"),
     (lambda: P.tap(3), "tap: expected a callable"),
-    (lambda: P.when(True, P.clip(1)), "when: predicate must be callable"),
+    (lambda: P.when(True, P.clip_by_global_norm(1)), "when: predicate must be callable"),
 ])
 def test_bad_argument_types_name_the_pass(make, match):
     with pytest.raises(TypeError, match=match):
@@ -397,10 +418,10 @@ def _make(name):
 
 
 def _thread(p, records, steps=2):
-    state, outs = P.init(p), []
+    state, outs = p.init(), []
     for _ in range(steps):
         for adj in records:
-            out, state = P.apply(p, adj, state)
+            out, state = p.update(adj, state, context(adj))
             outs.append(out)
     return outs, state
 
@@ -411,7 +432,7 @@ def test_compose_is_associative_for_both_kinds(names, value):
     records = [record(value, index=2, key=5), record(value, index=1, key=6)]
     left, s_left = _thread(ef.compose(ef.compose(a, b), c), records)
     right, s_right = _thread(ef.compose(a, ef.compose(b, c)), records)
-    flat, s_flat = _thread(ef.compose(a, P.identity, b, c), records)
+    flat, s_flat = _thread(ef.compose(a, P.identity(), b, c), records)
     for outs in (right, flat):
         for x, y in zip(left, outs):
             assert x.history == y.history and dict(x.meta).keys() == dict(y.meta).keys()
@@ -437,8 +458,9 @@ def test_passes_leave_input_record_and_state_untouched_and_keep_structure(name, 
     p = all_passes()[name]
     adj = record(value, key=3)
     _, state = run(p, record(optree.tree_map(torch.randn_like, value, namespace=NAMESPACE), key=4))
-    before = (_snapshot(adj.value), _snapshot(adj.boundary), _snapshot(state), adj.history, dict(adj.meta))
-    out, _ = run(p, adj, state)
+    ctx = context(adj)
+    before = (_snapshot(adj.value), _snapshot(ctx.boundary), _snapshot(state), adj.history, dict(adj.meta))
+    out, _ = run(p, adj, state, ctx)
     assert _untouched(before[0]) and _untouched(before[1]) and _untouched(before[2])
     assert (adj.history, dict(adj.meta)) == before[3:]
     assert optree.tree_structure(out.value, none_is_leaf=True, namespace=NAMESPACE) == \
@@ -451,9 +473,9 @@ def test_passes_leave_input_record_and_state_untouched_and_keep_structure(name, 
 @pytest.mark.parametrize("make", [P.int8, lambda: P.cast(torch.bfloat16), P.fp8, lambda: P.topk(0.5)])
 @given(value=costates())
 def test_leafwise_passes_act_on_each_leaf_alone(make, value):
-    out = make()(record(value))
+    out = apply1(make(), record(value))
     for o, v in zip(leaves(out.value), leaves(value)):
-        assert torch.equal(o, make()(record(v)).value)
+        assert torch.equal(o, apply1(make(), record(v)).value)
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -468,8 +490,9 @@ def test_sweep_threads_the_state_of_a_stateful_composite_and_fills_stats():
         res = ef.sweep(chain, params, x, target, passes=pipeline, pass_state=state, key=step)
         state = res.pass_state
         sent.append(res.adjoints[0].value)
-        assert isinstance(state, tuple) and len(state) == 2  # one entry per stateful member
-        residuals, predictors = state
+        assert isinstance(state, tuple) and len(state) == 4  # one entry per member
+        assert state[0] is None and state[3] is None  # the stateless members'
+        residuals, predictors = state[1]["residuals"], state[2]
         assert set(residuals) == set(predictors) == {0, 1, 2, 3}
         assert all(entry["step"] == step + 1 for entry in predictors.values())
         for adj in res.adjoints:
@@ -478,4 +501,4 @@ def test_sweep_threads_the_state_of_a_stateful_composite_and_fills_stats():
             assert recorded["norm"] == pytest.approx(norm(adj.value), rel=1e-5)
             assert {"finite", "topk_kept", "ef_residual_norm", "synthetic_error", "numel"} <= recorded.keys()
     # p_L does not depend on the passes: the costates sent at L sum to 3 p_L minus the last residual
-    torch.testing.assert_close(sum(sent), 3 * true_pL - state[0][3], rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(sum(sent), 3 * true_pL - state[1]["residuals"][3], rtol=1e-5, atol=1e-8)

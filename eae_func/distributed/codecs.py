@@ -11,9 +11,9 @@ actually goes on the wire, and back:
     topk(r):   the k = ceil(r n) entries of largest |t|: int32 indices + values
 
 ``decode(encode(t))`` is exactly what the matching pass of ``eae_func.passes``
-computes (``P.cast``, ``P.int8()``, ``P.fp8``, ``P.topk``), so a codec on a
-pipeline boundary and its ``as_pass()`` in a single process give the same
-gradients. Scales are computed in float32; all-zero tensors stay zero.
+computes (``P.cast``, ``P.int8()``, ``P.fp8``, ``P.topk``): both use the math of
+``eae_func.quantise``, so a codec on a pipeline boundary and its ``as_pass()`` in a
+single process give the same gradients. All-zero tensors stay zero.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ import math
 
 import torch
 
+from .. import quantise as Q
 from ..adjoint import AdjointState
-
-_INT8_MAX = 127.0
+from ..passes import Pass, stateless
+from ..passes._common import check_ratio
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,16 +71,11 @@ class Codec:
     def _encoded(self, t: torch.Tensor, payload: tuple, arg: int = 0) -> Encoded:
         return Encoded(self, tuple(t.shape), t.dtype, arg, tuple(p.contiguous() for p in payload))
 
-    def as_pass(self):
+    def as_pass(self) -> Pass:
         """The encode -> decode round trip as a pass, as in a pipeline boundary: appends
         ``"wire:<name>"`` to ``adj.history`` and records ``wire_bytes`` (payload bytes)
         and ``wire_ratio`` (payload bytes / the costate's own bytes)."""
-
-        def wire_pass(adj: AdjointState) -> AdjointState:
-            return round_trip(self, adj)[0]
-
-        wire_pass.__name__ = wire_pass.__qualname__ = f"wire({self.name})"
-        return wire_pass
+        return stateless(lambda adj: round_trip(self, adj)[0], f"wire({self.name})")
 
     def __repr__(self) -> str:
         return self.name
@@ -134,31 +130,26 @@ class Cast(Codec):
         return ((shape, self.dtype),)
 
 
-def _scale(x: torch.Tensor, fmax: float) -> torch.Tensor:
-    """``max|x| / fmax`` as a float32 scalar, 1 where that is 0 (a zero or empty tensor)."""
-    amax = x.abs().amax() if x.numel() else torch.zeros((), device=x.device)
-    s = amax / fmax
-    return torch.where(s > 0, s, torch.ones_like(s))
+def _scale_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class Int8(Codec):
     """Symmetric per-tensor int8: ``s = max|t| / 127``, ``q = clamp(round(t / s), -127, 127)``
-    (int8) plus ``s`` (float32); decodes to ``q * s``. 1 byte per entry + 4."""
+    (int8) plus ``s`` (float32; float64 for float64 tensors); decodes to ``q * s``. 1 byte per entry + 4."""
 
     name, code = "int8", 3
 
     def encode(self, t):
-        x = t.float()
-        s = _scale(x, _INT8_MAX)
-        q = torch.clamp(torch.round(x / s), -_INT8_MAX, _INT8_MAX).to(torch.int8)
+        q, s = Q.int8_encode(t)
         return self._encoded(t, (q, s.reshape(1)))
 
     def decode(self, enc):
         q, s = enc.payload
-        return (q.float() * s).to(enc.dtype)
+        return Q.int8_decode(q, s, enc.dtype)
 
     def layout(self, shape, dtype, arg):
-        return ((shape, torch.int8), ((1,), torch.float32))
+        return ((shape, torch.int8), ((1,), _scale_dtype(dtype)))
 
 
 class FP8(Codec):
@@ -174,17 +165,15 @@ class FP8(Codec):
         self.name, self.fmax = f"fp8({str(dtype).removeprefix('torch.')})", torch.finfo(dtype).max
 
     def encode(self, t):
-        x = t.float()
-        s = _scale(x, self.fmax)
-        q = (x / s).clamp(-self.fmax, self.fmax).to(self.dtype)
-        return self._encoded(t, (q.view(torch.uint8), s.reshape(1)))
+        q, s = Q.fp8_encode(t, self.dtype)
+        return self._encoded(t, (q.view(torch.uint8), Q.safe(s).reshape(1)))
 
     def decode(self, enc):
         q, s = enc.payload
-        return (q.view(self.dtype).float() * s).to(enc.dtype)
+        return Q.fp8_decode(q.view(self.dtype), s, enc.dtype)
 
     def layout(self, shape, dtype, arg):
-        return ((shape, torch.uint8), ((1,), torch.float32))
+        return ((shape, torch.uint8), ((1,), _scale_dtype(dtype)))
 
 
 class TopK(Codec):
@@ -194,27 +183,20 @@ class TopK(Codec):
     code = 6
 
     def __init__(self, ratio: float):
-        if not (isinstance(ratio, (int, float)) and 0 < ratio <= 1):
-            raise ValueError(f"topk: ratio must be in (0, 1], got {ratio!r}")
-        self.ratio, self.name = float(ratio), f"topk({ratio:g})"
-
-    def kept(self, n: int) -> int:
-        return min(n, max(1, math.ceil(self.ratio * n - 1e-9))) if n else 0
+        self.ratio = check_ratio("topk", ratio)
+        self.name = f"topk({self.ratio:g})"
 
     @staticmethod
     def _index_dtype(n: int) -> torch.dtype:
         return torch.int32 if n < 2**31 else torch.int64
 
     def encode(self, t):
-        flat = t.reshape(-1)
-        k = self.kept(flat.numel())
-        index = flat.float().abs().topk(k, sorted=False).indices
-        return self._encoded(t, (index.to(self._index_dtype(flat.numel())), flat[index]), arg=k)
+        index = Q.topk_indices(t, Q.kept(self.ratio, t.numel()))
+        return self._encoded(t, (index.to(self._index_dtype(t.numel())), t.reshape(-1)[index]), arg=len(index))
 
     def decode(self, enc):
         index, values = enc.payload
-        n = math.prod(enc.shape)
-        return torch.zeros(n, dtype=enc.dtype, device=values.device).index_copy(0, index.long(), values).view(enc.shape)
+        return Q.scatter(index, values, enc.shape)
 
     def layout(self, shape, dtype, arg):
         return (((arg,), self._index_dtype(math.prod(shape))), ((arg,), dtype))

@@ -24,12 +24,14 @@ import optree
 import torch
 import torch.distributed as dist
 
-from ..adjoint import NAMESPACE, AdjointState, fold_in
+from .. import fold as F
+from .. import microbatch as M
+from ..adjoint import AdjointState, fold_in
 from ..chain import Chain
-from ..passes import combinators as C
-from ..sweep import SweepResult, _check_params, _join_adjoints, _split_batch, _sum_stats, loss_costate
+from ..estimators.base import Problem
+from ..sweep import SweepResult, merge_counters, options
+from ..tree import NAMESPACE
 from . import schedule as S
-from . import segment
 from .codecs import Codec, Raw, round_trip
 from .wire import Wire
 
@@ -154,133 +156,134 @@ class Pipeline:
         return next(k for k, (lo, hi) in enumerate(self.ranges) if lo <= stage < hi)
 
     def sweep(self, params: Sequence, x: Any = None, *loss_args: Any, passes: Any = None, pass_state: Any = None,
-              key: int = 0, microbatches: int = 1, reduction: str = "mean",
-              buffers: Sequence | None = None) -> PipelineResult:
-        """This rank's part of ``ef.sweep(chain, params, x, *loss_args, ...)``.
+              key: int = 0, microbatches: int = 1, reduction: str = "mean", buffers: Sequence | None = None,
+              boundary_dtype: torch.dtype | None = None, offload: bool = False, autocast: torch.dtype | None = None,
+              estimator: Any = None, physical: Sequence | None = None) -> PipelineResult:
+        """This rank's part of ``ef.sweep(chain, params, x, *loss_args, ...)`` with the same options.
 
         params:  one entry per stage of the whole chain; only this rank's entries are read
                  (the others may be ``None``). Same for ``buffers`` (``None``: the modules' own).
         x:       the input batch, needed on the first rank; ``loss_args`` on the last rank
                  (other ranks may pass them too: they are ignored).
-        passes, pass_state, key, microbatches, reduction: as for ``ef.sweep``; a stateful pass
-                 sees this rank's boundaries only, in the same order as in one process.
+        passes, pass_state, key, microbatches, reduction, boundary_dtype, offload, autocast:
+                 as for ``ef.sweep``; a pass with state sees this rank's boundaries only, in the
+                 same order as in one process.
+        estimator, physical: as for ``ef.sweep``, for estimators that need only the stage
+                 (``zbp``, ``exact``); model-level ones probe the whole chain and need one process.
         """
         chain, lo, hi, p, k = self.chain, self.lo, self.hi, len(self.ranks), self.position
         first, last = k == 0, k == p - 1
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"Pipeline.sweep: reduction must be 'mean' or 'sum', got {reduction!r}")
-        if not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"Pipeline.sweep: microbatches must be a positive int, got {microbatches!r}")
-        if not isinstance(params, (tuple, list)) or len(params) != len(chain):
-            raise ValueError(f"Pipeline.sweep: params must have one entry per stage of the chain ({len(chain)})")
-        sub = Chain(chain.stages[lo:hi], loss=chain.loss)
-        params = (None,) * lo + _check_params(sub, params[lo:hi]) + (None,) * (len(chain) - hi)
-        buffers = (tuple(s.default_buffers() for s in sub.stages) if buffers is None
-                   else tuple(buffers[lo:hi]))
-        m = microbatches
+        params = chain.check_params(params, self.stages)
+        buffers = chain.check_buffers(buffers)
+        opts = options(chain, passes=passes, key=key, boundary_dtype=boundary_dtype, offload=offload,
+                       autocast=autocast, estimator=estimator, physical=physical)
+        if opts.estimator is not None and getattr(opts.estimator, "scope", "model") != "stage" and p > 1:
+            raise ValueError(f"Pipeline.sweep: {opts.estimator!r} probes the whole chain; across ranks use an "
+                             f"estimator that needs only its stage (zbp, exact)")
         if first and x is None:
             raise ValueError(f"Pipeline.sweep: rank {self.rank} runs the first stage and needs the input x")
-        xs = _split_batch(x, m) if first else None
-        args = _split_batch(loss_args, m) if last else None
-        weights = self._weights(x, loss_args, m, reduction) if last else None
-        keys = [int(key)] if m == 1 else [fold_in(int(key), -1 - j) for j in range(m)]
-        state = C.init(passes) if pass_state is None else pass_state
+        pieces = M.split(x if first else None, loss_args if last else None, microbatches, reduction, opts.key,
+                         where="Pipeline.sweep")
+        if last and any(mb.scale is None for mb in pieces):
+            raise ValueError(f"Pipeline.sweep: rank {self.rank} computes the loss and needs a batched tensor (x or a "
+                             f"loss arg) to weigh the microbatches of a {reduction!r} loss")
+        state = opts.passes.init() if pass_state is None else pass_state
+        device = F.device_of(params[lo:hi], x if first else None, default=self.device)
 
         wire = Wire(self.rank, self.where, self.timeout, self.device)
         prev = self.ranks[k - 1] if not first else None
         nxt = self.ranks[k + 1] if not last else None
         inbox, outbox, tapes, costates, outgoing = {}, {}, {}, {}, {}
-        grads, losses, traces, all_stats = None, [], [], []
+        grads, losses, traces, all_stats = [], [], {}, {}
         busy, step_start = 0.0, time.perf_counter()
-        for op in S.schedule(self.schedule, p, m)[k]:
+        for op in S.schedule(self.schedule, p, microbatches)[k]:
             j = op.microbatch
+            mb = pieces[j]
             if op.kind == "recv_activation":
                 inbox[j] = wire.recv(prev, "activation", j, self.boundary_codec)
             elif op.kind == "send_activation":
                 wire.send(nxt, "activation", j, self.boundary_codec.encode(outbox.pop(j)))
             elif op.kind == "recv_costate":
-                like = tapes[j].out_layouts[-1]
+                like = tapes[j].entries[-1].out_layout
                 costates[j] = wire.recv(nxt, "costate", j, self.costate_codec, shape=like.shapes[0])
             elif op.kind == "send_costate":
                 wire.send(prev, "costate", j, outgoing.pop(j))
             else:
                 start = time.perf_counter()
                 try:
+                    mb_opts = dataclasses.replace(opts, key=mb.key)
                     if op.kind == "forward":
-                        h = xs[j] if first else inbox.pop(j)
-                        stats = segment.new_stats(chain, lo, hi)
-                        out, tapes[j], buffers = segment.forward(chain, lo, hi, params, buffers, h, stats)
-                        all_stats.append(stats)
+                        h = mb.x if first else inbox.pop(j)
+                        tapes[j] = F.forward(chain, lo, hi, params, buffers, h, mb_opts, device)
+                        buffers = buffers[:lo] + tuple(tapes[j].buffers[i] for i in self.stages) + buffers[hi:]
                         if not last:
-                            _check_tensor(out, f"output of {segment.where(chain, hi - 1)}, sent to rank {nxt}")
-                        outbox[j] = out
+                            outbox[j] = tapes[j].take_output()
+                            _check_tensor(outbox[j], f"output of {chain.where(hi - 1)}, sent to rank {nxt}")
                     else:
-                        loss, g, records, state = self._backward(j, params, tapes[j], outbox, costates, args,
-                                                                 weights, keys[j], passes, state, all_stats[j])
+                        tape = tapes.pop(j)
+                        input_shape = tape.entries[0].layout.shapes[0]
+                        loss, g, trace, state, stats = self._backward(tape, mb, mb_opts, costates.pop(j, None),
+                                                                      state, params, buffers, device)
                         if not first:
-                            outgoing[j] = self._encode_costate(records, tapes[j].layouts[0].shapes[0])
+                            outgoing[j], trace = self._encode_costate(trace, input_shape)
                         losses.append(loss)
-                        grads = g if grads is None else optree.tree_map(torch.add, grads, g, namespace=NAMESPACE)
-                        traces.append(tuple(records))
-                        all_stats[j]["boundaries"] = {r.index: dict(r.meta) for r in records}
-                        del tapes[j]
+                        grads.append(g)
+                        traces[j], all_stats[j] = trace, stats
                 except Exception as e:
                     e.add_note(f"(on rank {self.rank}, {self.where(self.rank)}, {op.kind} of microbatch {j})")
                     raise
                 busy += time.perf_counter() - start
-        loss = self._share_loss(wire, losses, weights)
-        grads = self._tie(wire, grads)
+        loss = self._share_loss(wire, losses)
+        grads = self._tie(wire, M.sum_grads(grads))
         wire.flush()
         step = time.perf_counter() - step_start
 
-        stats = all_stats[0] if m == 1 else _sum_stats(all_stats)
+        stats = M.sum_stats([all_stats[j] for j in range(microbatches)])
         stats["wire"] = dict(wire.counts)
-        stats["schedule"] = {"name": self.schedule, "ranks": p, "microbatches": m, "busy_s": busy, "step_s": step,
-                             "bubble": 1 - busy / step if step > 0 else 0.0, "ideal_bubble": S.ideal_bubble(p, m)}
-        trace = traces[0] if m == 1 else tuple(_join_adjoints(rs) for rs in zip(*traces))
-        return PipelineResult(loss, grads, trace, buffers, state, MappingProxyType(stats), self.stages)
+        stats["schedule"] = {"name": self.schedule, "ranks": p, "microbatches": microbatches, "busy_s": busy,
+                             "step_s": step, "bubble": 1 - busy / step if step > 0 else 0.0,
+                             "ideal_bubble": S.ideal_bubble(p, microbatches)}
+        trace = M.join_adjoints([traces[j] for j in range(microbatches)])
+        return PipelineResult(loss, grads, trace, buffers[lo:hi], state, MappingProxyType(stats), self.stages)
 
-    def _weights(self, x: Any, loss_args: tuple, m: int, reduction: str) -> list:
-        """Each microbatch's share of the loss: ``n_j / n`` (mean) or 1 (sum), as ``ef.sweep``."""
-        if m == 1 or reduction == "sum":
-            return [1.0] * m
-        ref = x if x is not None else loss_args
-        sizes = [t.shape[0] for t in _split_batch(_first_tensor(ref, self.rank), m)]
-        return [n / sum(sizes) for n in sizes]
-
-    def _backward(self, j, params, tape, outbox, costates, args, weights, key, passes, state, stats):
-        chain, lo, hi = self.chain, self.lo, self.hi
-        records = []
+    def _backward(self, tape: F.Tape, mb: M.Microbatch, opts: F.Options, received: Any, state: Any,
+                  params: tuple, buffers: tuple, device: torch.device):
+        """The reverse fold of this rank's range for one microbatch, from the loss (last rank) or
+        from the received costate p_hi: ``(scaled loss or None, grads, trace, pass state, stats)``."""
+        chain, hi = self.chain, self.hi
+        head, stats = (), {}
         if hi == len(chain):
-            stats.setdefault("loss", {"forward_s": 0.0, "pass_s": 0.0})
-            loss, adj = loss_costate(chain, outbox.pop(j), args[j], key, weights[j], stats["loss"])
-            start = time.perf_counter()
-            adj, state = C.apply(passes, adj, state)
-            stats["loss"]["pass_s"] += time.perf_counter() - start
-            records.append(adj.replace(boundary=None))
-            loss = loss * weights[j]
+            stats["loss"] = {"forward_s": 0.0, "pass_s": 0.0}
+            loss, carry = F.boundary_condition(chain, tape.take_output(), mb.loss_args, opts, state, mb.scale,
+                                               stats["loss"])
+            head, loss = (carry.adj,), loss * mb.scale
         else:
             loss = None
-            adj = AdjointState(costates.pop(j), hi, chain.stages[hi - 1].name, fold_in(key, hi))
-        g, recs, state = segment.reverse(chain, lo, hi, params, tape, adj, passes, state, key, stats)
-        return loss, g, records + recs, state
+            carry = F.Carry(AdjointState(received, hi, F.boundary_name(chain, hi), fold_in(opts.key, hi)), state)
+        problem = Problem(chain, params, buffers, None, None, opts.physical, opts.key, mb.scale)
+        carry, outs = F.reverse(F.make_step(chain, params, opts, device, problem), carry, tape)
+        trace = head + tuple(o.record for o in reversed(outs))
+        stats.update({chain.stages[i].name: merge_counters(tape.stats[chain.stages[i].name], o.stats)
+                      for i, o in zip(self.stages, outs)})
+        stats["boundaries"] = {a.index: dict(a.meta) for a in trace}
+        return loss, tuple(o.grads for o in outs), trace, carry.pass_state, stats
 
-    def _encode_costate(self, records: list, shape: tuple):
-        """The costate p_lo to send, encoded; the record of boundary lo becomes its round trip."""
-        adj = records[-1]
+    def _encode_costate(self, trace: tuple, shape: tuple) -> tuple:
+        """``(the costate p_lo to send, encoded; the trace with boundary lo's record as its round trip)``."""
+        adj = trace[-1]
         if adj.value is None:
-            return None
+            return None, trace
         what = f"rank {self.rank}: costate at boundary {self.lo} (input of {self.where(self.rank)})"
         _check_tensor(adj.value, what)
         if adj.value.shape != shape:
             raise ValueError(f"{what} has shape {tuple(adj.value.shape)} after the passes, the boundary state "
                              f"has shape {tuple(shape)}; rank {self.ranks[self.position - 1]} cannot use it")
         if isinstance(self.costate_codec, Raw):
-            return self.costate_codec.encode(adj.value)
-        records[-1], enc = round_trip(self.costate_codec, adj)
-        return enc
+            return self.costate_codec.encode(adj.value), trace
+        record, enc = round_trip(self.costate_codec, adj)
+        return enc, trace[:-1] + (record,)
 
-    def _share_loss(self, wire: Wire, losses: list, weights: list | None) -> torch.Tensor:
+    def _share_loss(self, wire: Wire, losses: list) -> torch.Tensor:
         """The last rank sends the summed loss to every other rank of the pipeline."""
         if self.position == len(self.ranks) - 1:
             loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
@@ -335,11 +338,3 @@ def _check_ranges(ranges: Sequence, stages: int, parts: int) -> tuple:
 def _check_tensor(value: Any, what: str) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{what}: only a single tensor can cross a rank boundary, got {type(value).__name__}")
-
-
-def _first_tensor(tree: Any, rank: int) -> torch.Tensor:
-    leaves = [t for t in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(t, torch.Tensor) and t.ndim]
-    if not leaves:
-        raise ValueError(f"Pipeline.sweep: rank {rank} computes the loss and needs a batched tensor (x or a loss "
-                         f"arg) to weigh the microbatches of a 'mean' loss")
-    return leaves[0]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..sweep import Problem
+from .base import Problem
 from .local import exact_vjp
 
 
 class Exact:
     """``(grad W_i, p_i) = vjp(h_i, (W_i, x_i))(p_{i+1})``: what the sweep does for a digital stage."""
+
+    scope = "stage"
 
     def prepare(self, problem: Problem) -> None:
         return None

@@ -13,8 +13,8 @@ from torch.func import vjp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import boundary as B
-from ..adjoint import NAMESPACE
-from ..sweep import Problem
+from ..tree import NAMESPACE
+from .base import Problem
 from .probes import PARAM_STREAM, Probes, probe_seed
 
 
@@ -157,7 +157,7 @@ def exact_param_grads(problem: Problem, i: int, h_in: Any, costate: Any) -> tupl
         return params, {}  # no parameters: the (empty) tree is its own gradient
     stage = OutputLeaves(problem, i)
     out, pullback = vjp(lambda p: stage(p, h_in), params)
-    (grads,) = pullback(stage.cotangents(costate, out), retain_graph=False)
+    (grads,) = pullback(stage.cotangents(costate, out), retain_graph=False, create_graph=False)
     return grads, {"forward_calls": 1, "backward_calls": 1}
 
 
@@ -166,7 +166,7 @@ def exact_vjp(problem: Problem, i: int, h_in: Any, costate: Any) -> tuple[Any, A
     floats, rebuild, costate_like = B.split(h_in, f"input of {where(problem, i)}")
     stage = OutputLeaves(problem, i)
     out, pullback = vjp(lambda p, f: stage(p, rebuild(f)), problem.params[i], floats)
-    grads, g_in = pullback(stage.cotangents(costate, out), retain_graph=False)
+    grads, g_in = pullback(stage.cotangents(costate, out), retain_graph=False, create_graph=False)
     return grads, costate_like(list(g_in)), {"forward_calls": 1, "backward_calls": 1}
 
 

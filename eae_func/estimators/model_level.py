@@ -1,4 +1,4 @@
-"""Model-level estimators: node perturbation (np) and direct (DESIGN §4).
+"""Model-level estimators: node perturbation (np) and direct projection.
 
 For physical stages l with exact input costates g_l and probes u_{l,i}:
 
@@ -27,10 +27,11 @@ alone assumes the stages treat samples independently (no train-mode BatchNorm).
 
 Replay: the core's reverse sweep gets ĝ_l as the input costate of physical stage l;
 its parameters get the exact local vjp from the costate arriving at its output (oracle,
-jvp) or probed parameter directions (fd). Cost per physical stage: ``queries`` by the
-DESIGN formulas, per sample, the same for every form (np: the 2n network forwards, shared
-by all physical stages; direct: 2n·k for the k-th physical stage from the end, 2n·Σk in
-all), and the stage's own ``forward_calls`` / ``jvp_calls`` / ``backward_calls`` made here.
+jvp) or probed parameter directions (fd). Cost per physical stage: ``queries`` per sample,
+the same for every form (np: 2n full-network forwards, shared by all physical stages;
+direct: 2n·k stage forwards for the k-th physical stage from the end, since it probes
+through every downstream one, 2n·Σk in all), and the stage's own ``forward_calls`` /
+``jvp_calls`` / ``backward_calls`` made here.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ import torch
 from torch.func import jvp, vmap
 
 from .. import boundary as B
-from ..adjoint import NAMESPACE
+from ..tree import NAMESPACE
 from ..chain import Chain, stage
-from ..sweep import Problem, sweep
+from .base import Problem
 from .local import (Flat, call, check_eps, check_probes, exact_param_grads, fd_param_grads, fold, forward_mode,
                     per_position, perturb_folded, where)
 from .probes import INPUT_STREAM, Probes, probe_seed
@@ -118,10 +119,10 @@ class _Run:
             return fn
 
         counting = Chain([stage(counted(i), name=s.name) for i, s in enumerate(chain.stages)], loss=chain.loss)
-        res = sweep(counting, p.params, p.x, *p.loss_args, key=p.key)
+        trace = p.exact_trace(counting)
         for i in self.physical:
             self.count(i, "backward_calls")
-        costates = {a.index: a.value for a in res.adjoints}
+        costates = {a.index: a.value for a in trace}
         result = {}
         for i in self.physical:
             floats = optree.tree_leaves(costates[i], namespace=NAMESPACE)
@@ -224,6 +225,7 @@ class ModelLevel:
     """Shared by node perturbation and direct: forms, probing in ``prepare``, the replay."""
 
     name = "model_level"
+    scope = "model"
 
     def __init__(self, probes: Probes, form: str = "oracle", eps: float = 1e-3, reduction: str = "mean"):
         self.probes = check_probes(self.name, probes)
@@ -240,6 +242,9 @@ class ModelLevel:
         return f"{self.name}({self.probes!r}, form={self.form!r}, eps={self.eps:g}, reduction={self.reduction!r})"
 
     def prepare(self, problem: Problem) -> Prepared:
+        if problem.x is None or problem.exact_trace is None:
+            raise ValueError(f"{self.name}: a model-level estimator probes the whole chain from its input, so it "
+                             f"needs the chain in one process (ef.sweep); in a pipeline use zbp or exact")
         run = _Run(self, problem)
         if self.form == "oracle":
             exact = run.exact_costates()

@@ -25,7 +25,7 @@ import torch
 from torch.func import jvp, vmap
 
 from .. import boundary as B
-from ..sweep import Problem
+from .base import Problem
 from .local import (Flat, OutputLeaves, check_eps, check_probes, exact_param_grads, fd_param_grads, fold,
                     forward_mode, inner, perturb_folded, unfold, where)
 from .probes import INPUT_STREAM, Probes, probe_seed
@@ -35,6 +35,8 @@ METHODS = ("jvp", "fd")
 
 class ZBP:
     """Chained ZBP with ``probes``, directional derivatives by ``method`` ("jvp" | "fd"), step ``eps``."""
+
+    scope = "stage"
 
     def __init__(self, probes: Probes, method: str = "jvp", eps: float = 1e-3):
         self.probes = check_probes("zbp", probes)

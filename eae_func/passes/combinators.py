@@ -1,140 +1,72 @@
-"""Pass protocol and combinators.
-
-A pass maps an ``AdjointState`` to a new one. A stateless pass is any callable
-``adj -> adj``; a stateful pass is a ``StatefulPass(init, update)`` with
-``init() -> state`` and ``update(adj, state) -> (adj, state)``, the state a
-pytree threaded by the caller (as in optax). ``compose`` mixes both kinds.
-"""
+"""Combinators: every one takes passes (or plain ``adj -> adj`` callables, lifted with
+``stateless``) and returns a ``Pass``."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 from ..adjoint import AdjointState
-
-Pass = Callable[[AdjointState], AdjointState]
-
-
-class StatefulPass(NamedTuple):
-    """``init() -> state``; ``update(adj, state) -> (adj, state)``."""
-
-    init: Callable[[], Any]
-    update: Callable[[AdjointState, Any], tuple[AdjointState, Any]]
+from .base import Context, Pass, identity, stateless
 
 
-def is_stateful(p: Any) -> bool:
-    return isinstance(p, StatefulPass)
+def lift(p: Any, where: str = "compose") -> Pass:
+    """``p`` as a ``Pass``: a ``Pass`` as is, a plain callable through ``stateless``."""
+    if isinstance(p, Pass):
+        return p
+    if callable(p):
+        return stateless(p)
+    raise TypeError(f"{where}: expected a pass (a Pass or a callable adj -> adj), got {type(p).__name__}")
 
 
-def init(p: Any) -> Any:
-    """The initial state of pass ``p`` (``None`` for a stateless pass)."""
-    return p.init() if is_stateful(p) else None
-
-
-def apply(p: Any, adj: AdjointState, state: Any) -> tuple[AdjointState, Any]:
-    """Run ``p`` on ``adj`` with ``state``; a stateless pass leaves ``state`` unchanged."""
-    if p is None:
-        return adj, state
-    if is_stateful(p):
-        return p.update(adj, state)
-    return p(adj), state
-
-
-def identity(adj: AdjointState) -> AdjointState:
-    """The pass that changes nothing (the neutral element of ``compose``)."""
-    return adj
-
-
-class Composed:
-    """Stateless passes applied left to right."""
-
-    def __init__(self, passes: tuple):
-        self.passes = passes
-
-    def __call__(self, adj: AdjointState) -> AdjointState:
-        for p in self.passes:
-            adj = p(adj)
-        return adj
-
-    def __repr__(self) -> str:
-        return f"compose({', '.join(getattr(p, '__name__', repr(p)) for p in self.passes)})"
-
-
-class ComposedStateful(StatefulPass):
-    """Passes applied left to right; the state is a tuple with one entry per stateful member."""
-
-    @property
-    def passes(self) -> tuple:
-        return self.update.passes
-
-
-class _ComposedUpdate:
-    def __init__(self, passes: tuple):
-        self.passes = passes
-        self.stateful = tuple(p for p in passes if is_stateful(p))
-
-    def init(self) -> tuple:
-        return tuple(p.init() for p in self.stateful)
-
-    def __call__(self, adj: AdjointState, state: tuple):
-        if not isinstance(state, tuple) or len(state) != len(self.stateful):
-            raise ValueError(f"compose: expected a pass state tuple of {len(self.stateful)} entries "
-                             f"(one per stateful pass), got {type(state).__name__}")
-        new_state, it = [], iter(state)
-        for p in self.passes:
-            if is_stateful(p):
-                adj, s = p.update(adj, next(it))
-                new_state.append(s)
-            else:
-                adj = p(adj)
-        return adj, tuple(new_state)
-
-
-def _members(p: Any) -> tuple:
-    if isinstance(p, Composed):
-        return p.passes
-    if isinstance(p, ComposedStateful):
-        return p.passes
-    if p is identity:
-        return ()
-    if not callable(p) and not is_stateful(p):
-        raise TypeError(f"compose: expected passes (callables or StatefulPass), got {type(p).__name__}")
-    return (p,)
-
-
-def compose(*passes: Any):
-    """Apply ``passes`` left to right. Nested composes flatten and ``identity`` drops out,
-    so ``compose`` is associative with ``identity`` as its neutral element."""
-    members = tuple(m for p in passes for m in _members(p))
+def compose(*passes: Any) -> Pass:
+    """Apply ``passes`` left to right. Plain callables are lifted, nested composes flatten and
+    ``identity()`` drops out, so ``compose`` is associative with ``identity()`` as its neutral
+    element. The state is a tuple with one entry per member (``None`` for a stateless one)."""
+    members = tuple(m for p in passes for m in _members(lift(p)))
     if not members:
-        return identity
+        return identity()
     if len(members) == 1:
         return members[0]
-    if any(is_stateful(m) for m in members):
-        update = _ComposedUpdate(members)
-        return ComposedStateful(update.init, update)
-    return Composed(members)
+
+    def init() -> tuple:
+        return tuple(m.init() for m in members)
+
+    def update(adj: AdjointState, state: Any, ctx: Context) -> tuple:
+        if not isinstance(state, tuple) or len(state) != len(members):
+            raise ValueError(f"compose: expected a pass state tuple of {len(members)} entries (one per pass of "
+                             f"{name}), got {type(state).__name__}"
+                             f"{f' of {len(state)}' if isinstance(state, tuple) else ''}")
+        new_state = []
+        for m, s in zip(members, state):
+            out = m.update(adj, s, ctx)
+            if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], AdjointState)):
+                raise TypeError(f"pass {m.name!r} at boundary {adj.index}: update must return (AdjointState, state), "
+                                f"got {type(out).__name__}")
+            adj, s = out
+            new_state.append(s)
+        return adj, tuple(new_state)
+
+    name = f"compose({', '.join(m.name for m in members)})"
+    return Pass(init, update, name, members)
 
 
-def when(predicate: Callable[[AdjointState], bool], p: Any):
-    """``p`` where ``predicate(adj)`` is true, the record unchanged elsewhere. For a stateful
-    ``p`` the state passes through unchanged where it is skipped."""
+def _members(p: Pass) -> tuple:
+    return (p,) if p.members is None else p.members
+
+
+def when(predicate: Callable[[AdjointState], bool], p: Any) -> Pass:
+    """``p`` where ``predicate(adj)`` is true, the record unchanged elsewhere (and ``p``'s state too)."""
     if not callable(predicate):
         raise TypeError(f"when: predicate must be callable adj -> bool, got {type(predicate).__name__}")
-    if not callable(p) and not is_stateful(p):
-        raise TypeError(f"when: expected a pass (callable or StatefulPass), got {type(p).__name__}")
-    if is_stateful(p):
-        def update(adj: AdjointState, state: Any):
-            return p.update(adj, state) if predicate(adj) else (adj, state)
-        return StatefulPass(p.init, update)
+    p = lift(p, "when")
 
-    def conditional(adj: AdjointState) -> AdjointState:
-        return p(adj) if predicate(adj) else adj
-    conditional.__name__ = conditional.__qualname__ = f"when({getattr(p, '__name__', 'pass')})"
-    return conditional
+    def update(adj: AdjointState, state: Any, ctx: Context) -> tuple:
+        return p.update(adj, state, ctx) if predicate(adj) else (adj, state)
+
+    return Pass(p.init, update, f"when({p.name})")
 
 
-def only(p: Any, stages: Any = None, indices: Any = None):
+def only(p: Any, stages: Any = None, indices: Any = None) -> Pass:
     """``p`` at the boundaries whose ``adj.stage`` is in ``stages`` or whose ``adj.index`` is in
     ``indices`` (a name / int or a collection of them), the record unchanged elsewhere."""
     stages = _as_set("stages", stages, str)
@@ -154,7 +86,7 @@ def _as_set(arg: str, value: Any, kind: type) -> frozenset:
     return frozenset(items)
 
 
-def tap(fn: Callable[[AdjointState], Any]):
+def tap(fn: Callable[[AdjointState], Any]) -> Pass:
     """The pass that calls ``fn(adj)`` (to observe: print, plot, collect) and returns ``adj`` unchanged."""
     if not callable(fn):
         raise TypeError(f"tap: expected a callable fn(adj), got {type(fn).__name__}")
@@ -162,5 +94,5 @@ def tap(fn: Callable[[AdjointState], Any]):
     def observe(adj: AdjointState) -> AdjointState:
         fn(adj)
         return adj
-    observe.__name__ = observe.__qualname__ = f"tap({getattr(fn, '__name__', 'fn')})"
-    return observe
+
+    return stateless(observe, f"tap({getattr(fn, '__name__', 'fn')})")

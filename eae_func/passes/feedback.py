@@ -2,46 +2,48 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import optree
 import torch
 
-from ..adjoint import NAMESPACE, AdjointState
-from ._common import global_norm
-from .combinators import StatefulPass, is_stateful
+from ..adjoint import AdjointState
+from ..tree import NAMESPACE
+from .base import Context, Pass, global_norm
+from .combinators import lift
 
 
-def error_feedback(compressor) -> StatefulPass:
-    """Error feedback (EF-SGD) around a stateless ``compressor`` pass, per boundary index:
+def error_feedback(compressor: Any) -> Pass:
+    """Error feedback (EF-SGD) around a ``compressor`` pass, per boundary index l:
 
         e = p + r_l,   sent = compressor(e),   r_l <- e - sent
 
-    The state is a dict ``{boundary index: residual pytree}`` (empty at ``init``), so
-    ``sum_t sent_t = sum_t p_t - r_T``: nothing the compressor drops is lost for good.
-    Records ``ef_residual_norm`` (``|r_l|`` after the step).
+    The state is ``{"residuals": {l: residual pytree}, "compressor": the compressor's state}``
+    (no residuals at ``init``), so ``sum_t sent_t = sum_t p_t - r_T``: nothing the compressor
+    drops is lost for good. Records ``ef_residual_norm`` (``|r_l|`` after the step).
     """
-    if is_stateful(compressor) or not callable(compressor):
-        raise TypeError(f"error_feedback: compressor must be a stateless pass (adj -> adj), "
-                        f"got {type(compressor).__name__}")
+    compressor = lift(compressor, "error_feedback")
 
     def init() -> dict:
-        return {}
+        return {"residuals": {}, "compressor": compressor.init()}
 
-    def update(adj: AdjointState, state: dict) -> tuple[AdjointState, dict]:
-        if not isinstance(state, dict):
-            raise TypeError(f"error_feedback: expected a dict state (boundary index -> residual), "
-                            f"got {type(state).__name__}")
-        residual = state.get(adj.index)
+    def update(adj: AdjointState, state: Any, ctx: Context) -> tuple:
+        if not isinstance(state, dict) or set(state) != {"residuals", "compressor"}:
+            raise TypeError(f"error_feedback: expected the state made by init() "
+                            f"({{'residuals': ..., 'compressor': ...}}), got {type(state).__name__}")
+        residual = state["residuals"].get(adj.index)
         if residual is None:
             corrected = adj
         else:
             _check_like(adj, residual)
             corrected = adj.replace(value=optree.tree_map(torch.add, adj.value, residual, namespace=NAMESPACE))
-        sent = compressor(corrected)
+        sent, compressor_state = compressor.update(corrected, state["compressor"], ctx)
         residual = optree.tree_map(torch.sub, corrected.value, sent.value, namespace=NAMESPACE)
-        norm = global_norm(optree.tree_leaves(residual, namespace=NAMESPACE)).item()
-        return sent.applied("error_feedback", sent.value, ef_residual_norm=norm), {**state, adj.index: residual}
+        norm = global_norm(residual).item()
+        new_state = {"residuals": {**state["residuals"], adj.index: residual}, "compressor": compressor_state}
+        return sent.applied("error_feedback", sent.value, ef_residual_norm=norm), new_state
 
-    return StatefulPass(init, update)
+    return Pass(init, update, f"error_feedback({compressor.name})")
 
 
 def _check_like(adj: AdjointState, residual) -> None:

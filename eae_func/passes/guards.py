@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..adjoint import AdjointState
-from ._common import map_costate, named
+from .base import Pass, map_costate, stateless
 
 _POLICIES = ("raise", "zero", "skip")
 
@@ -16,7 +16,7 @@ def _where(adj: AdjointState) -> str:
     return f"boundary {adj.index} (output of stage {adj.stage!r})"
 
 
-def check_finite(policy: str = "raise"):
+def check_finite(policy: str = "raise") -> Pass:
     """Check that every entry of the costate is finite. On a NaN or inf:
     policy="raise": ``FloatingPointError`` naming the boundary and stage;
     policy="zero":  ``p <- 0`` (the whole costate: this boundary sends no signal);
@@ -24,7 +24,6 @@ def check_finite(policy: str = "raise"):
     if policy not in _POLICIES:
         raise ValueError(f"check_finite: policy must be one of {_POLICIES}, got {policy!r}")
 
-    @named(f"check_finite({policy!r})")
     def check_finite_pass(adj: AdjointState) -> AdjointState:
         tensors = adj.tensors()
         counts = [(~torch.isfinite(t)).sum() for t in tensors]
@@ -39,4 +38,4 @@ def check_finite(policy: str = "raise"):
             value = map_costate(torch.zeros_like, adj)
         return adj.applied("check_finite", value, finite=not nonfinite, nonfinite=nonfinite)
 
-    return check_finite_pass
+    return stateless(check_finite_pass, f"check_finite({policy!r})")

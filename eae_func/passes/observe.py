@@ -7,7 +7,7 @@ import logging
 import torch
 
 from ..adjoint import AdjointState
-from ._common import named
+from .base import Pass, stateless
 
 _FIELDS = ("mean", "std", "min", "max", "norm")
 
@@ -25,17 +25,16 @@ def costate_statistics(adj: AdjointState) -> dict:
     return dict(zip(_FIELDS, summary[:5]), numel=flat.numel(), has_nan=bool(summary[5]), has_inf=bool(summary[6]))
 
 
-def stats():
+def stats() -> Pass:
     """Record ``costate_statistics`` in ``meta`` (so they reach ``res.stats["boundaries"][l]``)."""
 
-    @named("stats()")
     def stats_pass(adj: AdjointState) -> AdjointState:
         return adj.applied("stats", adj.value, **costate_statistics(adj))
 
-    return stats_pass
+    return stateless(stats_pass, "stats()")
 
 
-def log(logger: logging.Logger | str | None = None, level: int | str = logging.INFO):
+def log(logger: logging.Logger | str | None = None, level: int | str = logging.INFO) -> Pass:
     """Emit ``costate_statistics`` of every boundary through Python logging, one record per
     boundary, the fields in ``record.eae`` (``extra={"eae": {...}}``: index, stage, history and
     the statistics). Costs nothing when ``logger`` is not enabled for ``level``."""
@@ -49,7 +48,6 @@ def log(logger: logging.Logger | str | None = None, level: int | str = logging.I
         if not isinstance(level, int):
             raise ValueError(f"log: unknown level {name!r}, expected a logging level name or int")
 
-    @named("log()")
     def log_pass(adj: AdjointState) -> AdjointState:
         if logger.isEnabledFor(level):
             fields = costate_statistics(adj)
@@ -59,4 +57,4 @@ def log(logger: logging.Logger | str | None = None, level: int | str = logging.I
                        extra={"eae": dict(index=adj.index, stage=adj.stage, history=adj.history, **fields)})
         return adj.applied("log", adj.value)
 
-    return log_pass
+    return stateless(log_pass, "log()")

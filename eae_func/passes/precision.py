@@ -1,23 +1,24 @@
-"""Reduced-precision round trips: float16 / bfloat16 casts, scaled float8, int8 fake quantisation."""
+"""Reduced-precision round trips: float16 / bfloat16 casts, scaled float8, int8 fake quantisation
+(the math lives in ``eae_func.quantise``, shared with the wire codecs)."""
 
 from __future__ import annotations
 
 import torch
 
+from .. import quantise as Q
 from ..adjoint import AdjointState
-from ._common import map_costate, map_costate_random, named
+from .base import Pass, map_costate, map_costate_random, stateless
 
 _CASTS = (torch.float16, torch.bfloat16)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_INT8_MAX = 127.0
 
 
 def _max_of(values: list) -> float:
     """The largest of a list of scalar tensors as a Python float (one sync); 0.0 when empty."""
-    return torch.stack([v.float() for v in values]).max().item() if values else 0.0
+    return torch.stack([v.double() for v in values]).max().item() if values else 0.0
 
 
-def cast(dtype: torch.dtype):
+def cast(dtype: torch.dtype) -> Pass:
     """``p <- dtype(p)`` cast back to p's dtype (float16 or bfloat16), as eae-runtime's ``FP16Pass``.
 
     Records ``cast_overflow``: how many finite entries became infinite (float16 saturates at 65504).
@@ -26,7 +27,6 @@ def cast(dtype: torch.dtype):
         raise ValueError(f"cast: dtype must be torch.float16 or torch.bfloat16, got {dtype!r} "
                          f"(use fp8(...) for float8 and int8(...) for int8)")
 
-    @named(f"cast({dtype})")
     def cast_pass(adj: AdjointState) -> AdjointState:
         overflows = []
 
@@ -39,42 +39,39 @@ def cast(dtype: torch.dtype):
         overflow = int(torch.stack(overflows).sum().item()) if overflows else 0
         return adj.applied("cast", value, cast_overflow=overflow)
 
-    return cast_pass
+    return stateless(cast_pass, f"cast({dtype})")
 
 
-def fp8(dtype: torch.dtype = torch.float8_e4m3fn):
+def fp8(dtype: torch.dtype = torch.float8_e4m3fn) -> Pass:
     """Scaled float8 round trip, per tensor: ``s = max|p| / finfo(dtype).max``,
     ``p <- float(dtype(clamp(p / s))) * s``, through the real float8 dtype; zero tensors unchanged.
 
-    Computed in float32. Records ``fp8_scale`` (the largest over the costate's tensors).
+    Computed in float32 (float64 for a float64 costate). Records ``fp8_scale`` (the largest over
+    the costate's tensors).
     """
     if dtype not in _FP8:
         raise ValueError(f"fp8: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype!r}")
-    fmax = torch.finfo(dtype).max
 
-    @named(f"fp8({dtype})")
     def fp8_pass(adj: AdjointState) -> AdjointState:
         scales = []
 
         def round_trip(t: torch.Tensor) -> torch.Tensor:
             if t.numel() == 0:
                 return t
-            x = t.float()
-            amax = x.abs().amax()
-            scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
-            scales.append(amax / fmax)
-            q = (x / scale).clamp(-fmax, fmax).to(dtype)
-            return (q.float() * scale).to(t.dtype)
+            q, s = Q.fp8_encode(t, dtype)
+            scales.append(s)
+            return Q.fp8_decode(q, Q.safe(s), t.dtype)
 
         value = map_costate(round_trip, adj)
         return adj.applied("fp8", value, fp8_scale=_max_of(scales))
 
-    return fp8_pass
+    return stateless(fp8_pass, f"fp8({dtype})")
 
 
-def int8(per: str = "tensor", stochastic: bool = False):
+def int8(per: str = "tensor", stochastic: bool = False) -> Pass:
     """Symmetric int8 fake quantisation: ``s = max|p| / 127``, ``q = clamp(round(p / s), -127, 127)``,
-    ``p <- q * s``, computed in float32 and cast back (eae-runtime's ``Int8QuantizationPass``).
+    ``p <- q * s``, computed in float32 (float64 for a float64 costate) and cast back
+    (eae-runtime's ``Int8QuantizationPass``).
 
     per="tensor": one scale per tensor of the costate. per="channel": one scale per index
     of the last dimension (the feature / channel dimension of a ``(..., D)`` costate),
@@ -91,23 +88,10 @@ def int8(per: str = "tensor", stochastic: bool = False):
     def quantise(t: torch.Tensor, generator: torch.Generator | None, scales: list) -> torch.Tensor:
         if t.numel() == 0:
             return t
-        x = t.float()
-        if per == "channel" and x.ndim > 1:
-            amax = x.abs().amax(dim=tuple(range(x.ndim - 1)), keepdim=True)
-        elif per == "channel" and x.ndim == 1:
-            amax = x.abs()
-        else:
-            amax = x.abs().amax()
-        scale = amax / _INT8_MAX
-        scales.append(scale.amax())
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        if generator is None:
-            q = torch.round(x / scale)
-        else:
-            q = torch.floor(x / scale + torch.rand(x.shape, generator=generator, device=x.device))
-        return (torch.clamp(q, -_INT8_MAX, _INT8_MAX) * scale).to(t.dtype)
+        q, s = Q.int8_encode(t, per == "channel", generator)
+        scales.append(s.amax())
+        return Q.int8_decode(q, s, t.dtype)
 
-    @named(f"int8(per={per!r}, stochastic={stochastic})")
     def int8_pass(adj: AdjointState) -> AdjointState:
         scales = []
         if stochastic:
@@ -116,4 +100,4 @@ def int8(per: str = "tensor", stochastic: bool = False):
             value = map_costate(lambda t: quantise(t, None, scales), adj)
         return adj.applied("int8", value, int8_scale=_max_of(scales))
 
-    return int8_pass
+    return stateless(int8_pass, f"int8(per={per!r}, stochastic={stochastic})")

@@ -1,46 +1,63 @@
-"""Norm clipping, constant scaling and additive gaussian noise."""
+"""Clipping (by global norm, by value), constant scaling and additive gaussian noise."""
 
 from __future__ import annotations
 
 import torch
 
 from ..adjoint import AdjointState
-from ._common import check_real, global_norm, map_costate, map_costate_random, named
+from ._common import check_real
+from .base import Pass, global_norm, map_costate, map_costate_random, stateless
 
 
-def clip(max_norm: float):
-    """Global-norm clipping: ``p <- p * max_norm / (|p| + 1e-6)`` when ``|p| > max_norm``, else ``p``.
+def clip_by_global_norm(max_norm: float) -> Pass:
+    """``p <- p * max_norm / (|p| + 1e-6)`` when ``|p| > max_norm``, else ``p``.
 
     ``|p|`` is the 2-norm over all the costate's tensors (in float32), the formula
     of eae-runtime's ``ClipPass``. Records ``clip_norm`` (before), ``clip_scale``
     and ``clipped``.
     """
-    max_norm = check_real("clip", "max_norm", max_norm, low=0.0, low_open=True)
+    max_norm = check_real("clip_by_global_norm", "max_norm", max_norm, low=0.0, low_open=True)
 
-    @named(f"clip({max_norm:g})")
     def clip_pass(adj: AdjointState) -> AdjointState:
-        norm = global_norm(adj.tensors())
+        norm = global_norm(adj.value)
         if not norm > max_norm:
             return adj.applied("clip", adj.value, clip_norm=norm.item(), clip_scale=1.0, clipped=False)
         scale = max_norm / (norm + 1e-6)
         value = map_costate(lambda t: t * scale.to(t.dtype), adj)
         return adj.applied("clip", value, clip_norm=norm.item(), clip_scale=scale.item(), clipped=True)
 
-    return clip_pass
+    return stateless(clip_pass, f"clip_by_global_norm({max_norm:g})")
 
 
-def scale(factor: float):
+def clip_by_value(limit: float) -> Pass:
+    """Element-wise ``p <- clamp(p, -limit, limit)``. Records ``clipped_fraction`` (entries changed)."""
+    limit = check_real("clip_by_value", "limit", limit, low=0.0, low_open=True)
+
+    def clip_value_pass(adj: AdjointState) -> AdjointState:
+        counts = []
+
+        def clamp(t: torch.Tensor) -> torch.Tensor:
+            counts.append(torch.stack([(t.abs() > limit).sum(), torch.tensor(t.numel(), device=t.device)]))
+            return t.clamp(-limit, limit)
+
+        value = map_costate(clamp, adj)
+        changed, total = torch.stack(counts).sum(0).tolist() if counts else (0, 0)
+        return adj.applied("clip_by_value", value, clipped_fraction=changed / total if total else 0.0)
+
+    return stateless(clip_value_pass, f"clip_by_value({limit:g})")
+
+
+def scale(factor: float) -> Pass:
     """``p <- factor * p`` (eae-runtime's ``RegularizationPass(s)`` is ``scale(1 - s)``)."""
     factor = check_real("scale", "factor", factor)
 
-    @named(f"scale({factor:g})")
     def scale_pass(adj: AdjointState) -> AdjointState:
         return adj.applied("scale", map_costate(lambda t: t * factor, adj))
 
-    return scale_pass
+    return stateless(scale_pass, f"scale({factor:g})")
 
 
-def gaussian_noise(std: float):
+def gaussian_noise(std: float) -> Pass:
     """``p <- p + std * z``, ``z ~ N(0, I)`` drawn from the boundary's key (same key, same noise)."""
     std = check_real("gaussian_noise", "std", std, low=0.0)
 
@@ -49,8 +66,7 @@ def gaussian_noise(std: float):
                         dtype=torch.promote_types(t.dtype, torch.float32))
         return t + (std * z).to(t.dtype)
 
-    @named(f"gaussian_noise({std:g})")
     def gaussian_noise_pass(adj: AdjointState) -> AdjointState:
         return adj.applied("gaussian_noise", map_costate_random(add_noise, adj))
 
-    return gaussian_noise_pass
+    return stateless(gaussian_noise_pass, f"gaussian_noise({std:g})")

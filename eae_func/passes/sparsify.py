@@ -2,59 +2,47 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from .. import quantise as Q
 from ..adjoint import AdjointState
-from ._common import check_ratio, map_costate, map_costate_random, named
+from ._common import check_ratio
+from .base import Pass, map_costate, map_costate_random, stateless
 
 
-def _kept(ratio: float, n: int) -> int:
-    """``k = ceil(ratio * n)`` entries of ``n`` (at least one of a non-empty tensor)."""
-    return min(n, max(1, math.ceil(ratio * n - 1e-9)))
-
-
-def _keep(t: torch.Tensor, index: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
-    """A tensor shaped like ``t``: ``factor * t`` at the flat ``index``, zero elsewhere."""
-    flat = t.reshape(-1)
-    return torch.zeros_like(flat).index_copy(0, index, flat[index] * factor).view(t.shape)
-
-
-def topk(ratio: float):
+def topk(ratio: float) -> Pass:
     """Top-k sparsification per tensor: keep the ``k = ceil(ratio * n)`` entries of largest ``|p|``,
     zero the rest (biased; pair it with ``error_feedback``). Records ``topk_kept`` (fraction of
     entries kept) and ``topk_energy`` (``|sent|^2 / |p|^2``)."""
     ratio = check_ratio("topk", ratio)
 
-    @named(f"topk({ratio:g})")
     def topk_pass(adj: AdjointState) -> AdjointState:
         kept, energy = [], []
 
         def sparsify(t: torch.Tensor) -> torch.Tensor:
             if t.numel() == 0:
                 return t
-            k = _kept(ratio, t.numel())
+            k = Q.kept(ratio, t.numel())
             kept.append((k, t.numel()))
-            top = t.reshape(-1).float().abs().topk(k, sorted=False)
-            energy.append(torch.stack([top.values.square().sum(), t.float().square().sum()]))
-            return _keep(t, top.indices)
+            index = Q.topk_indices(t, k)
+            values = t.reshape(-1)[index]
+            energy.append(torch.stack([values.double().square().sum(), t.double().square().sum()]))
+            return Q.scatter(index, values, t.shape)
 
         value = map_costate(sparsify, adj)
         sent, total = torch.stack(energy).sum(0).tolist() if energy else (0.0, 0.0)
         return adj.applied("topk", value, topk_kept=_fraction(kept),
                            topk_energy=sent / total if total > 0 else 1.0)
 
-    return topk_pass
+    return stateless(topk_pass, f"topk({ratio:g})")
 
 
-def randk(ratio: float):
+def randk(ratio: float) -> Pass:
     """Random-k sparsification per tensor: keep ``k = ceil(ratio * n)`` entries chosen uniformly
     without replacement (from the boundary's key), scaled by ``n / k`` (``~ 1 / ratio``), so
     ``E[sent] = p``. Records ``randk_kept``."""
     ratio = check_ratio("randk", ratio)
 
-    @named(f"randk({ratio:g})")
     def randk_pass(adj: AdjointState) -> AdjointState:
         kept = []
 
@@ -62,14 +50,14 @@ def randk(ratio: float):
             n = t.numel()
             if n == 0:
                 return t
-            k = _kept(ratio, n)
+            k = Q.kept(ratio, n)
             kept.append((k, n))
             index = torch.randperm(n, generator=generator, device=t.device)[:k]
-            return _keep(t, index, n / k)
+            return Q.scatter(index, t.reshape(-1)[index] * (n / k), t.shape)
 
         return adj.applied("randk", map_costate_random(sparsify, adj), randk_kept=_fraction(kept))
 
-    return randk_pass
+    return stateless(randk_pass, f"randk({ratio:g})")
 
 
 def _fraction(kept: list) -> float:

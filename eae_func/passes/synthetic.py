@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import optree
 import torch
 
-from ..adjoint import NAMESPACE, AdjointState
+from ..adjoint import AdjointState
+from ..tree import NAMESPACE
 from ._common import check_real
-from .combinators import StatefulPass
+from .base import Context, Pass
 
 
 def _features(x: torch.Tensor) -> torch.Tensor:
@@ -17,10 +20,10 @@ def _features(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows / rms, rows.new_ones(rows.shape[0], 1)], dim=-1)
 
 
-def synthetic(lr: float = 0.5, momentum: float = 0.9, warmup: int = 100, replace: bool = False) -> StatefulPass:
+def synthetic(lr: float = 0.5, momentum: float = 0.9, warmup: int = 100, replace: bool = False) -> Pass:
     """A linear synthetic-gradient model per boundary and per costate leaf, trained inside the pass.
 
-    Features ``phi = [x / rms(x), 1]`` of the boundary state ``x_l`` (``adj.boundary``) per
+    Features ``phi = [x / rms(x), 1]`` of the boundary state ``x_l`` (``ctx.boundary``) per
     row of its last dim; prediction ``p_hat = phi W`` (``W`` of shape ``(D_in + 1, D_out)``,
     zero at first). Each visit takes one normalised-LMS step with heavy-ball momentum on
     ``1/2 mean_rows |phi W - p|^2``:
@@ -48,15 +51,15 @@ def synthetic(lr: float = 0.5, momentum: float = 0.9, warmup: int = 100, replace
     def init() -> dict:
         return {}
 
-    def update(adj: AdjointState, state: dict) -> tuple[AdjointState, dict]:
+    def update(adj: AdjointState, state: Any, ctx: Context) -> tuple:
         if not isinstance(state, dict):
             raise TypeError(f"synthetic: expected a dict state (boundary index -> predictor), "
                             f"got {type(state).__name__}")
-        if adj.boundary is None:
-            raise ValueError(f"synthetic: boundary {adj.index} has no boundary state (adj.boundary is None); "
+        if ctx.boundary is None:
+            raise ValueError(f"synthetic: boundary {adj.index} has no boundary state (ctx.boundary is None); "
                              f"the pass predicts the costate from it, run it inside ef.sweep")
         costates, spec = optree.tree_flatten(adj.value, none_is_leaf=True, namespace=NAMESPACE)
-        boundaries = optree.tree_leaves(adj.boundary, none_is_leaf=True, namespace=NAMESPACE)
+        boundaries = optree.tree_leaves(ctx.boundary, none_is_leaf=True, namespace=NAMESPACE)
         if len(boundaries) != len(costates):
             raise ValueError(f"synthetic: at boundary {adj.index} the costate has {len(costates)} leaves "
                              f"but the boundary state has {len(boundaries)}")
@@ -90,4 +93,4 @@ def synthetic(lr: float = 0.5, momentum: float = 0.9, warmup: int = 100, replace
                     synthetic_step=step + 1, synthetic_used=use)
         return adj.applied("synthetic", spec.unflatten(sent), **meta), {**state, adj.index: new_entry}
 
-    return StatefulPass(init, update)
+    return Pass(init, update, f"synthetic(lr={lr:g}, momentum={momentum:g}, warmup={warmup}, replace={replace})")

@@ -1,0 +1,60 @@
+"""The estimator protocol and the ``Problem`` an estimator sees.
+
+A physical stage can be run forward but not differentiated; an estimator gives it a reverse
+step. The engine calls ``prepare(problem)`` once after the forward sweep of a microbatch (a
+model-level estimator probes the network there) and ``stage_vjp`` at each physical stage in
+the reverse fold. Digital stages always take the exact local vjp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from ..chain import Chain
+
+SCOPES = ("stage", "model")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What an estimator sees of one sweep (one microbatch).
+
+    chain, params, buffers:  the whole chain, one params / buffers entry per stage.
+    x, loss_args:            the microbatch's input and loss arguments (``None`` on a pipeline rank).
+    physical:                indices of the physical stages.
+    key:                     the sweep's key (probe streams derive from it).
+    loss_scale:              the microbatch's share of the loss (``n_j / n`` for a mean).
+    exact_trace:             ``exact_trace(chain) -> records``: the adjoint trace (L down to 0) of
+                             an exact sweep of ``chain`` (same stage count) on this microbatch;
+                             the oracle forms use it (``None`` on a pipeline rank).
+    """
+
+    chain: Chain
+    params: tuple
+    buffers: tuple
+    x: Any
+    loss_args: tuple | None
+    physical: tuple[int, ...]
+    key: int
+    loss_scale: float
+    exact_trace: Callable[[Chain], tuple] | None = None
+
+
+@runtime_checkable
+class Estimator(Protocol):
+    """``scope``: ``"stage"`` (needs only the stage: runs on any pipeline rank) or ``"model"``
+    (probes the whole chain in ``prepare``: needs it in one process).
+
+    ``prepare(problem) -> prepared``: once per microbatch, after the forward sweep.
+    ``stage_vjp(problem, prepared, i, h_in, costate) -> (grads_i, input_costate, cost)``: the
+    reverse step of physical stage i given its input state and the (processed) costate at its
+    output; ``input_costate`` mirrors ``h_in`` (``None`` at integer leaves) and ``cost`` is a
+    dict of counters (queries, forward_calls, ...) added to ``res.stats[stage]``.
+    """
+
+    scope: str
+
+    def prepare(self, problem: Problem) -> Any: ...
+
+    def stage_vjp(self, problem: Problem, prepared: Any, i: int, h_in: Any, costate: Any) -> tuple: ...

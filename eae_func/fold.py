@@ -1,0 +1,342 @@
+"""The engine: a forward sweep that records a tape, the loss boundary condition, and the
+reverse sweep as a fold over the tape (think ``jax.lax.scan`` run backwards).
+
+    forward:   x_l = h_l(W_l, x_{l-1}),  l = lo+1..hi      no autograd graph; the tape keeps
+                                                            x_{l-1}, its layout and RNG state
+    boundary:  p_L = loss_scale * d loss(x_L) / d x_L, then the passes
+    reverse:   carry, out_l = step(carry, entry_l),  l = hi..lo+1
+    step:      (grad W_l, p_{l-1}) = vjp(h_l at (W_l, x_{l-1}))(p_l), then the passes
+
+Everything works on a stage range ``lo..hi``, so ``ef.sweep`` (the whole chain), each
+microbatch and every pipeline rank run these same functions. ``reverse`` hands each tape
+entry to the step once and keeps no reference to it: the boundary, and the vjp closure
+built from it, are freed when the step returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any, Callable, Mapping
+
+import optree
+import torch
+from torch.func import vjp
+from torch.profiler import record_function
+
+from . import boundary as B
+from .adjoint import AdjointState, fold_in
+from .chain import Chain
+from .passes import Context, Pass
+from .tree import NAMESPACE
+
+STAGE_COUNTERS = ("forward_s", "recompute_s", "vjp_s", "pass_s", "boundary_bytes")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How a sweep runs (``ef.sweep``'s keyword arguments, checked).
+
+    passes:         the ``Pass`` applied to every costate p_L..p_0.
+    key:            int seed; boundary l gets ``fold_in(key, l)``.
+    boundary:       where boundary states live between the sweeps (dtype, offload).
+    autocast:       dtype stages compute in under ``torch.autocast`` (``None``: off).
+    estimator:      the reverse step of physical stages (``None``: every stage exact).
+    physical:       indices of the physical stages (empty without an estimator).
+    recompute:      rebuild each stage's graph from its saved input (``False``: keep the closures).
+    keep_costates:  keep costate values in the returned trace.
+    """
+
+    passes: Pass
+    key: int = 0
+    boundary: B.Policy = B.Policy()
+    autocast: torch.dtype | None = None
+    estimator: Any = None
+    physical: tuple[int, ...] = ()
+    recompute: bool = True
+    keep_costates: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """What the forward keeps of stage ``index`` for its reverse step.
+
+    boundary:   its input x_{index} (as stored on the tape; in the compute dtype and
+                device once handed out by ``Tape.pop``).
+    layout:     shape, dtype and device of the input as computed; ``out_layout`` of its output.
+    rng:        the global RNG state the stage saw (replayed by the recompute).
+    buffers:    the buffers it ran with (the recompute runs on throwaway clones).
+    closure:    its vjp closure from the forward (``recompute=False``), else ``None``.
+    """
+
+    index: int
+    boundary: Any
+    layout: B.Layout
+    out_layout: B.Layout
+    rng: tuple
+    buffers: Mapping
+    closure: Callable | None = None
+
+
+class Tape:
+    """The forward sweep's record of stages ``lo..hi-1``: one ``Entry`` per stage, the range's
+    output, the updated buffers and the forward's counters.
+
+    ``pop()`` hands out the last entry once, its boundary loaded back to the compute dtype and
+    device, and starts loading the next one (a side CUDA stream with ``offload``);
+    ``take_output()`` hands out x_hi once.
+    """
+
+    def __init__(self, policy: B.Policy, device: torch.device):
+        self.entries: list[Entry] = []
+        self.output: Any = None
+        self.buffers: dict[int, Mapping] = {}
+        self.stats: dict[str, dict] = {}
+        self.prefetch = B.Prefetcher(policy, device)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def pop(self) -> Entry:
+        entry = self.entries.pop()
+        loaded = self.prefetch.get(entry.index, entry.boundary, entry.layout)
+        if self.entries:
+            following = self.entries[-1]
+            self.prefetch.start(following.index, following.boundary, following.layout)
+        return dataclasses.replace(entry, boundary=loaded)
+
+    def take_output(self) -> Any:
+        output, self.output = self.output, None
+        return output
+
+
+@dataclasses.dataclass(frozen=True)
+class Carry:
+    """What the fold carries from boundary l to l-1: the record of p_l after the passes
+    (its costate feeds stage l's step) and the pass state."""
+
+    adj: AdjointState
+    pass_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOut:
+    """What one step emits: the stage's parameter gradients, the record of its input boundary
+    as the trace keeps it, and the step's counters."""
+
+    grads: Any
+    record: AdjointState
+    stats: dict
+
+
+# ----------------------------------------------------------------------------- small parts
+
+def where(chain: Chain, i: int) -> str:
+    return f"stage {i} ({chain.stages[i].name!r})"
+
+
+def boundary_name(chain: Chain, l: int) -> str:
+    """The ``stage`` field of boundary l's record: the stage whose output it is, ``"input"`` at 0."""
+    return chain.stages[l - 1].name if l > 0 else "input"
+
+
+def device_of(*trees: Any, default: torch.device = torch.device("cpu")) -> torch.device:
+    """Where the stages compute: the device of the first tensor of ``trees`` (the params first)."""
+    for tree in trees:
+        leaves = [t for t in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(t, torch.Tensor)]
+        if leaves:
+            return leaves[0].device
+    return default
+
+
+def rng_state(device: torch.device) -> tuple:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def replay_rng(state: tuple, device: torch.device):
+    """Run with the global RNG as it was when ``state`` was taken (dropout masks repeat)."""
+    cpu, cuda = state
+    with torch.random.fork_rng(devices=[device] if cuda is not None else []):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield
+
+
+def autocast(dtype: torch.dtype | None, device: torch.device):
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def timed(stats: dict, key: str, label: str):
+    """Add the seconds of the block to ``stats[key]``, inside a profiler range ``label``."""
+    with record_function(label):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            stats[key] = stats.get(key, 0) + time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def naming(what: str):
+    """Add ``what`` (the stage or boundary) as a note to any exception raised in the block."""
+    try:
+        yield
+    except Exception as e:
+        e.add_note(f"(eae_func: in {what})")
+        raise
+
+
+def local(stage, buffers: Mapping, rebuild: Callable) -> Callable:
+    """Stage as a function of its params and its input's differentiable leaves: ``(out, buffers')``."""
+    return lambda p, f: stage.call(p, buffers, rebuild(f))
+
+
+def check_costate(chain: Chain, adj: Any, layout: B.Layout) -> list:
+    """The costate's leaves (``None`` where a boundary leaf has no costate), checked against the
+    boundary's ``layout``: a record, of the boundary's structure and shapes."""
+    l = adj.index if isinstance(adj, AdjointState) else None
+    where_ = "costate at boundary 0 (the chain's input)" if l == 0 else \
+        f"costate entering {where(chain, l - 1)} at boundary {l}" if l is not None else "costate"
+    if not isinstance(adj, AdjointState):
+        raise TypeError(f"{where_}: a pass returned {type(adj).__name__}, expected an AdjointState")
+    flat, spec = optree.tree_flatten(adj.value, none_is_leaf=True, namespace=NAMESPACE)
+    expected = optree.tree_structure(layout.spec.unflatten([0] * layout.spec.num_leaves),
+                                     none_is_leaf=True, namespace=NAMESPACE)
+    what = "the chain's input" if l == 0 else "the stage output"
+    if spec != expected:
+        raise ValueError(f"{where_}: costate structure {spec} differs from {what} {expected}")
+    for t, shape in zip(flat, layout.shapes):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != shape):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{where_}: costate shape {got} differs from {what} shape {tuple(shape)}")
+    return flat
+
+
+def cotangent(costate: list, layout: B.Layout) -> Any:
+    """The costate leaves as a cotangent of the stage output: zeros where a leaf has none."""
+    return layout.spec.unflatten([torch.zeros(shape, dtype=dt, device=dev) if c is None else c.to(dt)
+                                  for c, shape, (dev, dt) in zip(costate, layout.shapes, layout.placements)])
+
+
+def processed(chain: Chain, opts: Options, adj: AdjointState, pass_state: Any, boundary: Any,
+              stats: dict) -> tuple[AdjointState, Any]:
+    """``adj`` and ``pass_state`` after the passes, the costate checked against ``boundary``."""
+    l = adj.index
+    ctx = Context(boundary=boundary, stage=chain.stages[l - 1] if l > 0 else None, key=opts.key)
+    with timed(stats, "pass_s", f"eae/{boundary_name(chain, l)}/passes"), naming(f"the passes at boundary {l}"):
+        adj, pass_state = opts.passes.update(adj, pass_state, ctx)
+    check_costate(chain, adj, B.Layout.of(boundary))
+    return adj, pass_state
+
+
+def traced(adj: AdjointState, opts: Options) -> AdjointState:
+    """The record as the trace keeps it: without its costate unless ``keep_costates``."""
+    return adj if opts.keep_costates else adj.replace(value=None)
+
+
+# ----------------------------------------------------------------------------- the three parts
+
+def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: Any, opts: Options,
+            device: torch.device) -> Tape:
+    """Stages ``lo..hi-1`` on ``h`` with no autograd graph (unless ``recompute=False``).
+
+    ``params`` and ``buffers`` have one entry per stage of the whole chain. Boundaries are stored
+    as ``opts.boundary`` says, and the next stage runs on exactly what is stored.
+    """
+    policy, tape = opts.boundary, Tape(opts.boundary, device)
+    kept = h
+    for i in range(lo, hi):
+        s = chain.stages[i]
+        stats = tape.stats[s.name] = dict.fromkeys(STAGE_COUNTERS, 0)
+        B.leaves(h, f"input of {where(chain, i)}")
+        layout, rng, closure = B.Layout.of(h), rng_state(device), None
+        stats["boundary_bytes"] = B.nbytes(kept)
+        with timed(stats, "forward_s", f"eae/{s.name}/forward"), autocast(opts.autocast, device), \
+                naming(f"the forward of {where(chain, i)}"):
+            if opts.recompute or i in opts.physical:
+                with torch.no_grad():
+                    out, tape.buffers[i] = s.call(params[i], buffers[i], h)
+            else:
+                floats, rebuild, _ = B.split(h, f"input of {where(chain, i)}")
+                out, closure, tape.buffers[i] = vjp(local(s, buffers[i], rebuild), params[i], floats, has_aux=True)
+        B.leaves(out, f"output of {where(chain, i)}")
+        tape.entries.append(Entry(i, kept, layout, B.Layout.of(out), rng, buffers[i], closure))
+        h = kept = out
+        if i < len(chain) - 1 and (policy.dtype is not None or policy.offload):
+            kept = policy.store(out)
+            h = policy.load(kept, B.Layout.of(out)) if policy.dtype is not None else out
+    tape.output = h
+    return tape
+
+
+def boundary_condition(chain: Chain, h: Any, loss_args: tuple, opts: Options, pass_state: Any,
+                       loss_scale: float, stats: dict) -> tuple[torch.Tensor, Carry]:
+    """``(loss, carry of p_L)``: p_L = loss_scale * d loss(x_L) / d x_L, through the passes."""
+    L = len(chain)
+    with timed(stats, "forward_s", "eae/loss"), naming("the loss"):
+        floats, rebuild, costate_like = B.split(h, "input of the loss")
+        loss, loss_vjp = vjp(lambda f: chain.loss(rebuild(f), *loss_args), floats)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss: expected a scalar tensor, got {shape}")
+        (p,) = loss_vjp(torch.full_like(loss, loss_scale), retain_graph=False, create_graph=False)
+    adj = AdjointState(costate_like(list(p)), L, boundary_name(chain, L), fold_in(opts.key, L))
+    adj, pass_state = processed(chain, opts, adj, pass_state, h, stats)
+    return loss.detach(), Carry(adj, pass_state)
+
+
+def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
+              problem: Any = None) -> Callable[[Carry, Entry], tuple[Carry, StepOut]]:
+    """The reverse step ``(carry, entry) -> (carry, out)`` of one stage.
+
+    A digital stage takes the exact local vjp: its closure from the tape, or one rebuilt from the
+    entry's boundary under the replayed RNG state. A physical stage asks the estimator
+    (``stage_vjp(problem, prepared, i, h_in, costate)``, fresh randomness, no replay); with
+    physical stages, ``opts.estimator.prepare(problem)`` runs here, once.
+    """
+    prepared = opts.estimator.prepare(problem) if opts.physical else None
+
+    def step(carry: Carry, entry: Entry) -> tuple[Carry, StepOut]:
+        i, s = entry.index, chain.stages[entry.index]
+        stats: dict = {}
+        costate = check_costate(chain, carry.adj, entry.out_layout)
+        floats, rebuild, costate_like = B.split(entry.boundary, f"input of {where(chain, i)}")
+        with naming(f"the reverse step of {where(chain, i)}"):
+            if i in opts.physical:
+                with timed(stats, "vjp_s", f"eae/{s.name}/estimate"), autocast(opts.autocast, device):
+                    grads, costate_in, cost = opts.estimator.stage_vjp(
+                        problem, prepared, i, entry.boundary, entry.out_layout.spec.unflatten(costate))
+                stats.update(cost)
+            else:
+                closure = entry.closure
+                if closure is None:
+                    with timed(stats, "recompute_s", f"eae/{s.name}/recompute"), replay_rng(entry.rng, device), \
+                            autocast(opts.autocast, device):
+                        _, closure, _ = vjp(local(s, entry.buffers, rebuild), params[i], floats, has_aux=True)
+                with timed(stats, "vjp_s", f"eae/{s.name}/vjp"):
+                    grads, g_in = closure(cotangent(costate, entry.out_layout), retain_graph=False,
+                                          create_graph=False)
+                costate_in = costate_like(list(g_in))
+        adj = AdjointState(costate_in, i, boundary_name(chain, i), fold_in(opts.key, i))
+        adj, pass_state = processed(chain, opts, adj, carry.pass_state, entry.boundary, stats)
+        return Carry(adj, pass_state), StepOut(grads, traced(adj, opts), stats)
+
+    return step
+
+
+def reverse(step: Callable[[Carry, Entry], tuple[Carry, StepOut]], carry: Carry,
+            tape: Tape) -> tuple[Carry, tuple[StepOut, ...]]:
+    """The fold: ``step`` over the tape's entries, last first, each handed out once.
+
+    Returns the final carry (boundary lo) and the outputs in stage order lo..hi-1.
+    """
+    outputs = []
+    while len(tape):
+        carry, out = step(carry, tape.pop())
+        outputs.append(out)
+    return carry, tuple(reversed(outputs))

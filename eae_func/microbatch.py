@@ -1,0 +1,108 @@
+"""Microbatching, in one place for ``ef.sweep`` and the pipeline: cut a batch into pieces
+whose gradients sum to the full batch's, and join the pieces' results.
+
+With ``k`` pieces of ``n_j`` rows (``n = Σ n_j``) and a loss that is a ``mean`` over rows,
+piece j's loss is scaled by ``n_j / n`` (``sum``: by 1), so Σ_j scale_j loss_j is the full
+batch's loss and the summed gradients are its gradients. Piece j's key is
+``fold_in(key, -1 - j)`` (the key itself when k = 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import optree
+import torch
+
+from .adjoint import AdjointState, fold_in
+from .tree import NAMESPACE
+
+REDUCTIONS = ("mean", "sum")
+
+
+@dataclasses.dataclass(frozen=True)
+class Microbatch:
+    """One piece: its input (``None`` where this process has none), loss args, loss scale and key."""
+
+    x: Any
+    loss_args: tuple
+    scale: float | None
+    key: int
+
+
+def check(microbatches: Any, reduction: Any, where: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{where}: reduction must be 'mean' or 'sum', got {reduction!r}")
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"{where}: microbatches must be a positive int, got {microbatches!r}")
+
+
+def _batched(tree: Any) -> list:
+    return [t for t in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(t, torch.Tensor) and t.ndim > 0]
+
+
+def _pieces(tree: Any, k: int) -> list:
+    """``tree`` cut into ``k`` pieces along dim 0 of every tensor leaf (other leaves repeated)."""
+    flat, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    cut = [t.tensor_split(k) if isinstance(t, torch.Tensor) and t.ndim > 0 else (t,) * k for t in flat]
+    return [spec.unflatten([c[j] for c in cut]) for j in range(k)]
+
+
+def split(x: Any, loss_args: tuple, k: int, reduction: str, key: int, where: str = "sweep") -> list[Microbatch]:
+    """``k`` microbatches of ``x`` and ``loss_args`` (either may be ``None``: a pipeline rank that
+    has no input or computes no loss). The rows are counted on the first batched tensor of
+    ``x``, else of ``loss_args``; ``scale`` is ``None`` where neither has one."""
+    check(k, reduction, where)
+    if k == 1:
+        return [Microbatch(x, loss_args, 1.0, key)]
+    reference = _batched(x) or _batched(loss_args)
+    if x is not None and not _batched(x):
+        raise ValueError(f"{where}: microbatches={k} cuts the input on dim 0, but it has no tensor with a batch dim")
+    n = reference[0].shape[0] if reference else None
+    if n is not None and n < k:
+        raise ValueError(f"{where}: microbatches={k} is more than the {n} rows of the batch; "
+                         f"use at most {n} microbatches")
+    sizes = [len(r) for r in torch.arange(n).tensor_split(k)] if n is not None else [None] * k
+    xs = _pieces(x, k) if x is not None else [None] * k
+    args = _pieces(loss_args, k) if loss_args is not None else [None] * k
+    scales = [(s / n if reduction == "mean" else 1.0) if s is not None else None for s in sizes]
+    return [Microbatch(xs[j], args[j], scales[j], fold_in(key, -1 - j)) for j in range(k)]
+
+
+def join_adjoints(traces: Sequence[tuple]) -> tuple:
+    """One record per boundary from the microbatches' traces: costates concatenated on dim 0,
+    each piece's meta under ``meta["microbatches"]``."""
+    if len(traces) == 1:
+        return traces[0]
+    return tuple(_join(records) for records in zip(*traces))
+
+
+def _join(records: Sequence[AdjointState]) -> AdjointState:
+    values = [r.value for r in records]
+    value = None if values[0] is None else optree.tree_map(lambda *ts: torch.cat(ts), *values, namespace=NAMESPACE)
+    return records[0].replace(value=value, meta={"microbatches": tuple(dict(r.meta) for r in records)})
+
+
+def sum_grads(grads: Sequence) -> Any:
+    total = grads[0]
+    for g in grads[1:]:
+        total = optree.tree_map(torch.add, total, g, namespace=NAMESPACE)
+    return total
+
+
+def sum_stats(all_stats: Sequence[dict]) -> dict:
+    """Counters added over microbatches (``boundary_bytes``: the largest); ``boundaries`` keeps
+    each piece's meta under ``"microbatches"``."""
+    if len(all_stats) == 1:
+        return all_stats[0]
+    total = {name: dict(entry) for name, entry in all_stats[0].items() if name != "boundaries"}
+    total["boundaries"] = {i: {"microbatches": tuple(s["boundaries"][i] for s in all_stats)}
+                           for i in all_stats[0]["boundaries"]}
+    for stats in all_stats[1:]:
+        for name, entry in stats.items():
+            if name == "boundaries":
+                continue
+            for k, v in entry.items():
+                total[name][k] = max(total[name].get(k, 0), v) if k == "boundary_bytes" else total[name].get(k, 0) + v
+    return total

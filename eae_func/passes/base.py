@@ -1,0 +1,115 @@
+"""The one pass type, and what a pass author needs.
+
+A pass is a ``Pass(init, update)`` record, as an optax ``GradientTransformation``:
+
+    state = p.init()
+    adj, state = p.update(adj, state, ctx)
+
+``adj`` is the ``AdjointState`` at one boundary; ``ctx`` (a ``Context``) is what a
+pass may read besides the costate: the boundary state x_l, the stage whose output
+it is, and the sweep's key. The state is any pytree, threaded by the caller.
+``stateless(fn)`` lifts a plain ``adj -> adj`` function (its state is ``None``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import optree
+import torch
+
+from ..adjoint import AdjointState, fold_in
+from ..tree import NAMESPACE
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a pass may read at boundary l besides the costate.
+
+    boundary: the boundary state x_l (``None`` outside a sweep).
+    stage:    the ``Stage`` whose output x_l is (``None`` at the input, l = 0, or outside a sweep).
+    key:      the sweep's key (the record's own ``adj.key`` is ``fold_in(key, l)``).
+    """
+
+    boundary: Any = None
+    stage: Any = None
+    key: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """``init() -> state``; ``update(adj, state, ctx) -> (adj, state)``; pure functions.
+
+    ``name`` is what ``repr`` shows; ``members`` lists the passes of a ``compose``
+    (``()`` for ``identity()``, the empty composition; ``None`` for any other pass).
+    """
+
+    init: Callable[[], Any]
+    update: Callable[[AdjointState, Any, Context], tuple]
+    name: str = "pass"
+    members: tuple | None = None
+
+    def apply(self, adj: AdjointState, state: Any = None, ctx: Context | None = None) -> tuple:
+        """One application outside a sweep: ``update(adj, init() if state is None else state, ctx)``."""
+        return self.update(adj, self.init() if state is None else state, Context() if ctx is None else ctx)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _no_state() -> None:
+    return None
+
+
+def _unchanged(adj: AdjointState, state: Any, ctx: Context) -> tuple:
+    return adj, state
+
+
+def identity() -> Pass:
+    """The pass that changes nothing: the empty ``compose()``, its neutral element."""
+    return Pass(_no_state, _unchanged, "identity", members=())
+
+
+def stateless(fn: Callable[[AdjointState], AdjointState], name: str | None = None) -> Pass:
+    """The pass ``adj -> fn(adj)`` with no state (its state is ``None``)."""
+    if isinstance(fn, Pass):
+        return fn
+    if not callable(fn):
+        raise TypeError(f"stateless: expected a callable adj -> adj, got {type(fn).__name__}")
+    name = name or getattr(fn, "__name__", "pass")
+
+    def update(adj: AdjointState, state: Any, ctx: Context) -> tuple:
+        out = fn(adj)
+        if not isinstance(out, AdjointState):
+            raise TypeError(f"pass {name!r} at boundary {adj.index} (output of stage {adj.stage!r}) returned a "
+                            f"{type(out).__name__}, expected an AdjointState (return adj.applied(name, value) "
+                            f"or adj.replace(...))")
+        return out, state
+
+    return Pass(_no_state, update, name)
+
+
+def map_costate(fn: Callable[[torch.Tensor], torch.Tensor], adj: AdjointState) -> Any:
+    """``fn`` applied to every tensor leaf of the costate (``None`` leaves stay ``None``)."""
+    return optree.tree_map(fn, adj.value, namespace=NAMESPACE)
+
+
+def map_costate_random(fn: Callable[[torch.Tensor, torch.Generator], torch.Tensor], adj: AdjointState) -> Any:
+    """``fn(leaf, generator)`` on every tensor leaf, leaf i drawing from ``fold_in(adj.seed(), i)``:
+    the same key gives the same draws; two random passes at one boundary never share draws."""
+    leaves, spec = optree.tree_flatten(adj.value, namespace=NAMESPACE)
+    seed = adj.seed()
+    return spec.unflatten([fn(t, torch.Generator(device=t.device).manual_seed(fold_in(seed, i)))
+                           for i, t in enumerate(leaves)])
+
+
+def global_norm(tree: Any) -> torch.Tensor:
+    """``sqrt(sum_i |t_i|^2)`` over every tensor leaf of ``tree``, in float32 (float64 stays float64)."""
+    norms = [torch.linalg.vector_norm(t.float() if t.dtype != torch.float64 else t)
+             for t in optree.tree_leaves(tree, namespace=NAMESPACE)]
+    if not norms:
+        return torch.zeros(())
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack([n.double() for n in norms]))
