@@ -19,7 +19,7 @@ from . import boundary as B
 from . import fold as F
 from . import microbatch as M
 from .chain import Chain
-from .estimators.base import Estimator, Problem
+from .estimators.base import Problem
 from .passes import compose
 from .tree import NAMESPACE
 
@@ -51,7 +51,7 @@ def options(chain: Chain, *, passes: Any = None, key: int = 0, boundary_dtype: t
                             f"got {dtype!r}")
     if isinstance(key, bool) or not isinstance(key, int):
         raise TypeError(f"sweep: key must be an int seed, got {type(key).__name__}")
-    if estimator is not None and not isinstance(estimator, Estimator):
+    if estimator is not None and not all(callable(getattr(estimator, m, None)) for m in ("prepare", "stage_vjp")):
         raise TypeError(f"sweep: estimator must have prepare(problem) and stage_vjp(...) (eae_func.estimators), "
                         f"got {type(estimator).__name__}")
     if physical is None:

@@ -9,7 +9,7 @@ the reverse fold. Digital stages always take the exact local vjp.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol
 
 from ..chain import Chain
 
@@ -41,10 +41,10 @@ class Problem:
     exact_trace: Callable[[Chain], tuple] | None = None
 
 
-@runtime_checkable
 class Estimator(Protocol):
-    """``scope``: ``"stage"`` (needs only the stage: runs on any pipeline rank) or ``"model"``
-    (probes the whole chain in ``prepare``: needs it in one process).
+    """``scope`` (optional, ``"model"`` when absent): ``"stage"`` if the estimator needs only the
+    stage (it then runs on any pipeline rank), ``"model"`` if it probes the whole chain in
+    ``prepare`` (it needs the chain in one process).
 
     ``prepare(problem) -> prepared``: once per microbatch, after the forward sweep.
     ``stage_vjp(problem, prepared, i, h_in, costate) -> (grads_i, input_costate, cost)``: the
