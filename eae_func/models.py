@@ -76,13 +76,14 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``, with optional residual dropout."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``; ``dropout`` applies to the
+    attention weights and to both residual branches."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, ffn_hidden: int | None = None,
                  dropout: float = 0.0):
         super().__init__()
         self.attn_norm, self.ffn_norm = RMSNorm(dim), RMSNorm(dim)
-        self.attn = CausalSelfAttention(dim, n_heads, n_kv_heads)
+        self.attn = CausalSelfAttention(dim, n_heads, n_kv_heads, dropout)
         self.ffn = SwiGLU(dim, ffn_hidden or 4 * dim)
         self.drop = nn.Dropout(dropout)
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import eae_func as ef
 import eae_func.distributed as D
+from eae_func import estimators as E
 from eae_func import passes as P
 from eae_func.models import lm_loss, transformer_lm
 
@@ -69,6 +70,66 @@ def _state_error(state, ref_state):
     return max((mine[i] - theirs[i]).abs().max().item() for i in mine if mine[i] is not None), sorted(mine)
 
 
+# ----------------------------------------------------------------------------- one engine
+
+def _mlp_with_a_physical_stage(depth=6, width=8):
+    """Pure-function stages ``tanh(h W + b)``; stage 3 is physical (a fixed medium times its own gain)."""
+    g = torch.Generator().manual_seed(0)
+    medium = torch.randn(width, width, generator=g) / width ** 0.5
+    stages = [ef.stage(lambda p, h: torch.tanh(h @ p["w"] + p["b"]), name=f"layer{i}") for i in range(depth)]
+    stages[3] = ef.stage(lambda p, h: torch.tanh(p["gain"] * h @ medium), name="medium", physical=True)
+    params = tuple({"w": torch.randn(width, width, generator=g) / width ** 0.5, "b": torch.zeros(width)}
+                   for _ in range(depth))
+    params = params[:3] + ({"gain": torch.ones(())},) + params[4:]
+    chain = ef.Chain(stages, loss=lambda out, y: torch.nn.functional.mse_loss(out, y))
+    return chain, params, torch.randn(6, width, generator=g), torch.randn(6, width, generator=g)
+
+
+def _random_split(rng, stages, ranks):
+    cuts = sorted(rng.sample(range(1, stages), ranks - 1))
+    return list(zip([0] + cuts, cuts + [stages]))
+
+
+def engine_checks(ranks, seed, configs=3):
+    """Random stage splits, each with a random mix of the sweep's options (the first config has
+    them all: bf16 boundaries, a pass with state and random draws, zbp on the physical stage);
+    every rank's grads, trace and pass state against one single-process ``ef.sweep``."""
+    import random
+    rng = random.Random(seed)
+    chain, params, x, y = _mlp_with_a_physical_stage()
+    out = {}
+    for c in range(configs):
+        ranges = _random_split(rng, len(chain), ranks)
+        use = [True] * 3 if c == 0 else [rng.random() < 0.5 for _ in range(3)]
+        options = {"boundary_dtype": torch.bfloat16 if use[0] else None,
+                   "passes": ef.compose(P.error_feedback(P.topk(0.5)), P.int8(stochastic=True)) if use[1] else None,
+                   "estimator": E.zbp(E.Probes(4), method=rng.choice(["jvp", "fd"])) if use[2] else None,
+                   "microbatches": rng.choice([1, 2, 3]), "key": rng.randrange(100)}
+        pipe = D.Pipeline(chain, ranges, schedule=rng.choice(["gpipe", "1f1b"]), timeout=60)
+        res = pipe.sweep(params, x, y, **options)
+        ref = ef.sweep(chain, params, x, y, **options)
+        by_index = {a.index: a for a in ref.adjoints}
+        grad_err = max(((res.grads[i - pipe.lo][n] - ref.grads[i][n]).abs().max().item()
+                        for i in pipe.stages for n in ref.grads[i]), default=0.0)
+        trace_err = max((a.value - by_index[a.index].value).abs().max().item() for a in res.adjoints)
+        state_err = 0.0
+        if use[1]:
+            mine, theirs = res.pass_state[0]["residuals"], ref.pass_state[0]["residuals"]
+            state_err = max((mine[l] - theirs[l]).abs().max().item() for l in mine)
+        out[f"{ranges} {options}"] = {"grad_err": grad_err, "loss_err": abs(res.loss.item() - ref.loss.item()),
+                                      "trace_err": trace_err, "state_err": state_err,
+                                      "histories": all(a.history == by_index[a.index].history for a in res.adjoints)}
+    return out
+
+
+def _assert_engine_checks(results):
+    for out in results:
+        assert out, "no configurations ran"
+        for name, r in out.items():
+            assert r["histories"], name
+            assert r["grad_err"] == r["loss_err"] == r["trace_err"] == r["state_err"] == 0.0, (name, r)
+
+
 def two_rank_checks():
     chain, params = _lm()
     x, y = _batch(7)  # 7 rows: microbatches of unequal size
@@ -92,7 +153,7 @@ def two_rank_checks():
     for name, codec in (("raw", None), ("int8", D.codecs.int8())):
         pipe = D.Pipeline(chain, [(0, 3), (3, 5)], costate_codec=codec, timeout=20)
         wire[name] = pipe.sweep(params, x, y, microbatches=2).stats["wire"]
-    return dist.get_rank(), out, wire
+    return dist.get_rank(), out, wire, engine_checks(2, seed=2)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +162,7 @@ def two_ranks():
 
 
 def test_two_rank_pipeline_equals_single_process_sweep(two_ranks):
-    for rank, out, _ in two_ranks:
+    for rank, out, _, _ in two_ranks:
         for name, r in out.items():
             assert r["grad_err"] < 1e-6 and r["loss_err"] < 1e-6, (rank, name, r["grad_err"], r["loss_err"])
 
@@ -110,15 +171,15 @@ def test_ranks_together_produce_the_single_process_trace(two_ranks):
     """Rank 1 records L down to its first boundary, rank 0 the rest; values, stages and histories
     (codec round trip included) are those of one sweep."""
     for name in two_ranks[0][1]:
-        indices = sorted(i for _, out, _ in two_ranks for i in out[name]["indices"])
+        indices = sorted(i for _, out, _, _ in two_ranks for i in out[name]["indices"])
         assert indices == list(range(6)), name
-        for rank, out, _ in two_ranks:
+        for rank, out, _, _ in two_ranks:
             assert out[name]["trace_err"] < 1e-6 and out[name]["trace_same"], (rank, name)
 
 
 def test_error_feedback_state_per_rank_is_the_single_process_state(two_ranks):
     keys = []
-    for _, out, _ in two_ranks:
+    for _, out, _, _ in two_ranks:
         r = out["error feedback + int8 wire"]
         assert r["state_err"] < 1e-6
         keys += r["state_keys"]
@@ -127,7 +188,7 @@ def test_error_feedback_state_per_rank_is_the_single_process_state(two_ranks):
 
 def test_int8_costates_cost_a_quarter_of_the_bytes(two_ranks):
     """The costate bytes rank 1 sends (and rank 0 receives) shrink 4x: n int8 + one float32 scale."""
-    (_, _, wire0), (_, _, wire1) = two_ranks
+    (_, _, wire0, _), (_, _, wire1, _) = two_ranks
     raw, int8 = wire1["raw"]["costate_bytes_sent"], wire1["int8"]["costate_bytes_sent"]
     assert raw == 8 * 16 * 32 * 4  # two microbatches of 4 x 16 x 32 float32
     assert int8 == raw // 4 + 2 * 4  # and two float32 scales
@@ -138,7 +199,7 @@ def test_int8_costates_cost_a_quarter_of_the_bytes(two_ranks):
 
 
 def test_pipeline_reports_its_schedule(two_ranks):
-    for _, out, _ in two_ranks:
+    for _, out, _, _ in two_ranks:
         s = out["plain 1f1b m=3"]["stats"]["schedule"]
         assert (s["name"], s["ranks"], s["microbatches"]) == ("1f1b", 2, 3)
         assert s["ideal_bubble"] == pytest.approx(1 / 4)
@@ -171,6 +232,7 @@ def four_rank_checks():
                         "bound": bound, "bytes": int8_stats["bytes_sent"],
                         "checksum": [sum(g.double().sum().item() * (k + 1) for k, g in enumerate(s.values()))
                                      for s in int8_grads]}
+    out["engine"] = engine_checks(4, seed=4)
     return dist.get_rank(), m.replica, m.stage_rank, out
 
 
@@ -185,6 +247,12 @@ def test_four_rank_pipeline_equals_single_process_sweep(four_ranks):
             r = out[name]
             assert r["grad_err"] < 1e-6 and r["loss_err"] < 1e-6 and r["trace_err"] < 1e-6, (rank, name)
             assert r["trace_same"]
+
+
+def test_pipeline_runs_the_single_process_engine_on_random_splits(two_ranks, four_ranks):
+    """Same fold on every rank: exactly the single process's numbers, options included."""
+    _assert_engine_checks([checks for *_, checks in two_ranks])
+    _assert_engine_checks([out["engine"] for *_, out in four_ranks])
 
 
 def test_pipeline_x_data_parallel_equals_the_full_batch(four_ranks):

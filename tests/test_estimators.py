@@ -159,6 +159,19 @@ def test_fd_probes_physical_parameters_without_differentiating():
     assert F.cosine_similarity(probed, exact, dim=0) > 0.99
 
 
+def test_fd_probes_a_scalar_parameter_of_a_physical_stage():
+    """A 0-dim parameter (a gain) is one probe direction: with d = 1, every probe gives the exact
+    projection, so the estimate equals the central difference."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(5, D, generator=g, dtype=F64), torch.randn(5, D, generator=g, dtype=F64)
+    chain = ef.Chain([ef.stage(lambda p, h: torch.tanh(p["gain"] * h), name="gain", physical=True),
+                      ef.stage(lambda p, h: h @ p["w"], name="out")], loss=F.mse_loss)
+    params = ({"gain": torch.tensor(0.7, dtype=F64)}, {"w": torch.randn(D, D, generator=g, dtype=F64)})
+    exact = ef.sweep(chain, params, x, y).grads[0]["gain"]
+    probed = ef.sweep(chain, params, x, y, estimator=E.zbp(E.Probes(3, "rademacher"), method="fd")).grads[0]["gain"]
+    assert probed.shape == () and torch.allclose(probed, exact, rtol=1e-6)
+
+
 # ---- the black box contract ----
 
 def numpy_stage(params, h):

@@ -5,10 +5,14 @@ by one stage's internals per stage; the EAE sweep holds one stage's tape plus
 the boundaries, costates and parameter gradients, which the test subtracts.
 """
 
+import weakref
+
+import pytest
 import torch
 from torch import nn
 
 import eae_func as ef
+from eae_func import passes as P
 from live_bytes import LiveBytes
 
 WIDTH, INNER, BATCH = 16, 256, 1024
@@ -46,3 +50,26 @@ def test_live_bytes_do_not_grow_with_depth():
     assert abs(e8 - e4) < 0.1 * stage_tape and abs(e16 - e8) < 0.1 * stage_tape
     assert e16 < 2 * stage_tape
 
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_no_tape_entry_or_closure_outlives_its_step(recompute):
+    """When the passes run at boundary l, the stage inputs x_j of every stage j > l (and so the
+    tape entries and vjp closures that hold them) are gone; x_1..x_l are still on the tape."""
+    depth, first_inputs = 5, {}
+
+    def layer(i):
+        def fn(p, h):
+            first_inputs.setdefault(i, weakref.ref(h))  # the forward's call (the recompute sees the same x_i)
+            return torch.tanh(h @ p["w"])
+        return fn
+
+    chain = ef.Chain([ef.stage(layer(i), name=f"layer{i}") for i in range(depth)], loss=lambda h: h.square().sum())
+    params = tuple({"w": torch.randn(4, 4)} for _ in range(depth))
+    alive = {}
+
+    def look(adj):
+        alive[adj.index] = sorted(j for j, ref in first_inputs.items() if j > 0 and ref() is not None)
+
+    ef.sweep(chain, params, torch.randn(3, 4), passes=P.tap(look), recompute=recompute)
+    assert alive == {l: list(range(1, min(l, depth - 1) + 1)) for l in range(depth + 1)}

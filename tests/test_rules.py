@@ -1,4 +1,4 @@
-"""DESIGN §5: dropout replay, buffers updated once, integer inputs, tied weights, nothing mutated."""
+"""Correctness rules: dropout replay, buffers updated once, integer inputs, tied weights, nothing mutated."""
 
 import copy
 
@@ -11,7 +11,7 @@ from torch import nn
 
 import eae_func as ef
 from eae_func.adjoint import NAMESPACE
-from eae_func.models import lm_loss, transformer_lm
+from eae_func.models import Block, lm_loss, transformer_lm
 from helpers import assert_grads_match, autograd_grads
 
 
@@ -40,6 +40,28 @@ def test_dropout_gives_autograds_gradients_under_the_same_seed(seed, p):
     torch.testing.assert_close(res.loss, loss)
     assert_grads_match(chain, res.grads, reference, rtol=1e-10, atol=1e-12)
     assert torch.equal(after_eae, after_autograd), "the sweep must advance the global RNG like one forward"
+
+
+def test_attention_and_residual_dropout_of_a_block_are_replayed():
+    """``Block(dropout=p)`` drops attention weights too; the recompute draws the same masks."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(16, n_heads=4, n_kv_heads=2, ffn_hidden=24, dropout=0.3) for _ in range(3)])
+    model = model.double().train()
+    assert all(b.attn.dropout == 0.3 for b in model)
+    x, y = torch.randn(2, 7, 16, dtype=torch.float64), torch.randn(2, 7, 16, dtype=torch.float64)
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    torch.manual_seed(5)
+    res = ef.sweep(chain, params, x, y)
+    torch.manual_seed(5)
+    loss, reference = autograd_grads(model, F.mse_loss, x, y)
+    torch.testing.assert_close(res.loss, loss)
+    assert_grads_match(chain, res.grads, reference, rtol=1e-10, atol=1e-12)
+    model.eval()
+    with torch.no_grad():  # attention dropout is on in train mode: the attention path differs from eval
+        block = model[0]
+        h = block.attn_norm(x)
+        torch.manual_seed(5)
+        assert not torch.allclose(block.train().attn(h), block.eval().attn(h))
 
 
 def test_batchnorm_stats_updated_once_returned_and_inputs_untouched():

@@ -65,7 +65,7 @@ class Flat:
     def leaves(self, v: torch.Tensor) -> list:
         """The leaves from ``v: (*lead, *batch_shape, d)``, each ``(*lead, *leaf_shape)``."""
         lead = v.shape[: v.ndim - len(self.batch_shape) - 1]
-        return [piece.reshape(*lead, *shape) for piece, shape in zip(v.split(self.sizes, dim=-1), self.shapes)]
+        return [piece.reshape((*lead, *shape)) for piece, shape in zip(v.split(self.sizes, dim=-1), self.shapes)]
 
 
 def per_position(v: torch.Tensor, batch_dims: int, lead: int = 1) -> torch.Tensor:
