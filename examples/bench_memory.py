@@ -12,7 +12,7 @@ optimizer). Methods:
                   .compute_gradients(x, loss_fn)
     eae_func      ef.value_and_grad(*ef.from_module(nn.ModuleList(blocks), loss=loss_fn), x, target)
 
-How memory is measured (CPU; DESIGN section 8)
+How memory is measured (CPU)
 ----------------------------------------------
 Every (method, depth, allocator) runs in its own fresh subprocess, one after the
 other (never two at once), all importing the same modules (torch, eae_func,
@@ -49,7 +49,7 @@ adds the bytes of every storage an operator creates and subtracts them when the
 storage dies (as tests/live_bytes.py): "live MB" is the peak of tensor bytes
 created inside the step and alive at once.
 
-Floor of the EAE sweep (DESIGN section 8): parameter gradients + one stage's tape +
+Floor of the EAE sweep: parameter gradients + one stage's tape +
 the boundaries still needed (+ the costate entering and leaving the stage). With
 ``G`` one block's gradient bytes, ``A`` one boundary (batch*seq*dim*4 bytes), ``T``
 one block's tape (bytes of the tensors autograd saves in a block's forward,

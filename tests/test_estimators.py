@@ -1,4 +1,4 @@
-"""Estimators (DESIGN §4): probes, exactness of the forms against each other, the black-box
+"""Estimators (docs/estimators.md): probes, exactness of the forms against each other, the black-box
 contract, transformer blocks, cost counters and errors. Statistics: test_estimators_stats.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Statistical properties of the estimators against the theory of DESIGN §4.
+"""Statistical properties of the estimators against the theory of docs/estimators.md.
 
 Every batch position (sample) has its own probes, so one sweep on a batch of B samples gives
 B independent estimates; K keys give K·B. Bounds are many standard errors wide: a correct
@@ -98,7 +98,7 @@ def test_node_perturbation_is_unbiased_with_cross_stage_variance(form):
     for i, other in ((1, 3), (3, 1)):
         samples = torch.stack([r.adjoints[len(chain) - i].value for r in runs])
         assert_unbiased(samples, g[i], projection_variance("gaussian", g[i], n, others=norms[other]))
-        d = g[i].shape[-1]  # DESIGN: [(d+1)|g_l|^2 + d Σ_{l'≠l} |g_l'|^2] / n per sample
+        d = g[i].shape[-1]  # docs/estimators.md (gaussian np): [(d+1)|g_l|^2 + d Σ_{l'≠l} |g_l'|^2] / n per sample
         theory = ((d + 1) * norms[i] + d * norms[other]).sum().item() / n
         measured = ((samples - g[i]) ** 2).sum().item() / KEYS
         assert 0.9 < measured / theory < 1.1

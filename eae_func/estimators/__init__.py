@@ -1,4 +1,4 @@
-"""Forward-only gradient estimators for physical (black-box) stages (DESIGN §4).
+"""Forward-only gradient estimators for physical (black-box) stages (docs/estimators.md).
 
     res = ef.sweep(chain, params, x, y, estimator=E.zbp(E.Probes(64), method="fd"), physical=[1, 3])
 
@@ -7,9 +7,10 @@ backprop, stage by stage. ``node_perturbation`` / ``direct``: model-level
 estimates of every physical stage's input costate from the loss, then replayed.
 """
 
+from .base import Estimator, Problem
 from .exact import exact
 from .model_level import direct, node_perturbation
 from .probes import Probes
 from .zbp import zbp
 
-__all__ = ["Probes", "direct", "exact", "node_perturbation", "zbp"]
+__all__ = ["Estimator", "Problem", "Probes", "direct", "exact", "node_perturbation", "zbp"]
