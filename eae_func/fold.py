@@ -196,18 +196,17 @@ def local(stage, buffers: Mapping, rebuild: Callable) -> Callable:
     return lambda p, f: stage.call(p, buffers, rebuild(f))
 
 
-def check_costate(chain: Chain, adj: Any, layout: B.Layout) -> list:
-    """The costate's leaves (``None`` where a boundary leaf has no costate), checked against the
-    boundary's ``layout``: a record, of the boundary's structure and shapes."""
-    l = adj.index if isinstance(adj, AdjointState) else None
+def check_costate(chain: Chain, l: int, adj: Any, layout: B.Layout) -> list:
+    """The leaves of the costate at boundary ``l`` (``None`` where a boundary leaf has none),
+    checked against the boundary's ``layout``: a record, of the boundary's structure and shapes."""
     where_ = "costate at boundary 0 (the chain's input)" if l == 0 else \
-        f"costate entering {where(chain, l - 1)} at boundary {l}" if l is not None else "costate"
+        f"costate entering {where(chain, l - 1)} at boundary {l}"
+    what = "the chain's input" if l == 0 else "the stage output"
     if not isinstance(adj, AdjointState):
         raise TypeError(f"{where_}: a pass returned {type(adj).__name__}, expected an AdjointState")
     flat, spec = optree.tree_flatten(adj.value, none_is_leaf=True, namespace=NAMESPACE)
     expected = optree.tree_structure(layout.spec.unflatten([0] * layout.spec.num_leaves),
                                      none_is_leaf=True, namespace=NAMESPACE)
-    what = "the chain's input" if l == 0 else "the stage output"
     if spec != expected:
         raise ValueError(f"{where_}: costate structure {spec} differs from {what} {expected}")
     for t, shape in zip(flat, layout.shapes):
@@ -229,9 +228,12 @@ def processed(chain: Chain, opts: Options, adj: AdjointState, pass_state: Any, b
     l = adj.index
     ctx = Context(boundary=boundary, stage=chain.stages[l - 1] if l > 0 else None, key=opts.key)
     with timed(stats, "pass_s", f"eae/{boundary_name(chain, l)}/passes"), naming(f"the passes at boundary {l}"):
-        adj, pass_state = opts.passes.update(adj, pass_state, ctx)
-    check_costate(chain, adj, B.Layout.of(boundary))
-    return adj, pass_state
+        out = opts.passes.update(adj, pass_state, ctx)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(f"pass {opts.passes.name!r} at boundary {l}: update must return (AdjointState, state), "
+                        f"got {type(out).__name__}")
+    check_costate(chain, l, out[0], B.Layout.of(boundary))
+    return out
 
 
 def traced(adj: AdjointState, opts: Options) -> AdjointState:
@@ -304,7 +306,7 @@ def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
     def step(carry: Carry, entry: Entry) -> tuple[Carry, StepOut]:
         i, s = entry.index, chain.stages[entry.index]
         stats: dict = {}
-        costate = check_costate(chain, carry.adj, entry.out_layout)
+        costate = check_costate(chain, i + 1, carry.adj, entry.out_layout)
         floats, rebuild, costate_like = B.split(entry.boundary, f"input of {where(chain, i)}")
         with naming(f"the reverse step of {where(chain, i)}"):
             if i in opts.physical:

@@ -88,3 +88,35 @@ def test_a_failing_sweep_leaves_pass_state_and_inputs_alone():
     with pytest.raises(ValueError, match="costate shape"):
         ef.sweep(chain, params, x, y, passes=broken, pass_state=state)
     assert state == 0
+
+
+@pytest.mark.parametrize("option", [{"boundary_dtype": torch.int8}, {"boundary_dtype": int},
+                                    {"boundary_dtype": "bfloat16"}, {"autocast": torch.int32}])
+def test_non_floating_dtypes_are_refused_before_anything_runs(option):
+    _, chain, params, x, y = small()
+    name = next(iter(option))
+    with pytest.raises(TypeError, match=f"{name} must be a floating torch.dtype"):
+        ef.sweep(chain, params, x, y, **option)
+
+
+def test_microbatches_must_fit_the_batch():
+    _, chain, params, x, y = small()
+    with pytest.raises(ValueError, match=r"microbatches=6 is more than the 5 rows of the batch"):
+        ef.sweep(chain, params, x, y, microbatches=6)
+    scalar_chain = ef.Chain([ef.stage(lambda p, h: h * p["w"], name="scale")], loss=lambda out: out)
+    with pytest.raises(ValueError, match="no tensor with a batch dim"):
+        ef.sweep(scalar_chain, ({"w": torch.ones(())},), torch.tensor(2.0), microbatches=2)
+
+
+def test_a_pass_returning_something_else_than_a_pair_is_named():
+    _, chain, params, x, y = small()
+    bad = Pass(init=lambda: None, update=lambda a, s, ctx: a, name="forgot_the_state")
+    with pytest.raises(TypeError, match=r"pass 'forgot_the_state' at boundary 3: update must return"):
+        ef.sweep(chain, params, x, y, passes=bad)
+
+
+def test_an_error_inside_a_stage_names_the_stage():
+    chain = ef.Chain([ef.stage(lambda p, h: h @ p["w"], name="proj")], loss=torch.sum)
+    with pytest.raises(RuntimeError) as info:
+        ef.sweep(chain, ({"w": torch.ones(3, 2)},), torch.ones(4, 5))
+    assert "in the forward of stage 0 ('proj')" in "".join(info.value.__notes__)

@@ -502,3 +502,21 @@ def test_sweep_threads_the_state_of_a_stateful_composite_and_fills_stats():
             assert {"finite", "topk_kept", "ef_residual_norm", "synthetic_error", "numel"} <= recorded.keys()
     # p_L does not depend on the passes: the costates sent at L sum to 3 p_L minus the last residual
     torch.testing.assert_close(sum(sent), 3 * true_pL - state[1]["residuals"][3], rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("make", [P.int8, lambda: P.int8("channel"), P.fp8])
+def test_quantisers_keep_float64_costates_beyond_float32_range_finite(make):
+    """Computed in the costate's dtype: 1e300 does not overflow to inf / nan through float32."""
+    value = torch.tensor([[1e300, -3e299], [5e299, 1.0]], dtype=torch.float64)
+    out = apply1(make(), record(value)).value
+    assert out.dtype == torch.float64 and torch.isfinite(out).all()
+    assert torch.allclose(out, value, rtol=0.1, atol=1e298)
+
+
+@given(value=costates(), limit=st.floats(1e-3, 1e3))
+def test_clip_by_value_clamps_each_entry(value, limit):
+    out = apply1(P.clip_by_value(limit), record(value))
+    for o, v in zip(leaves(out.value), leaves(value)):
+        assert torch.equal(o, v.clamp(-limit, limit))
+    changed = sum(int((v.abs() > limit).sum()) for v in leaves(value))
+    assert out.meta["clipped_fraction"] == pytest.approx(changed / sum(v.numel() for v in leaves(value)))

@@ -26,7 +26,7 @@ import torch
 from .. import quantise as Q
 from ..adjoint import AdjointState
 from ..passes import Pass, stateless
-from ..passes._common import check_ratio
+from ..checks import check_ratio
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,9 +2,11 @@
 its range on a pipeline schedule; boundary states go forward and costates go back with
 point-to-point ops, the costate optionally encoded by a wire codec.
 
-Rank k owns stages ``[lo_k, hi_k)``. For microbatch j it receives x_{lo_k}, runs its
-forward, sends x_{hi_k}; later it receives p_{hi_k}, runs its reverse fold (passes at
-boundaries hi_k-1..lo_k, and at L on the last rank) and sends p_{lo_k}, encoded. So
+Rank k owns stages ``[lo_k, hi_k)`` and runs the engine's own parts on them
+(``eae_func.fold``: ``forward``, ``boundary_condition``, ``reverse``; microbatches cut by
+``eae_func.microbatch``). For microbatch j it receives x_{lo_k}, runs its forward, sends
+x_{hi_k}; later it receives p_{hi_k}, runs the reverse fold (passes at boundaries
+hi_k-1..lo_k, and at L on the last rank) and sends p_{lo_k}, encoded. So
 
     grads on every rank = those of ef.sweep(whole chain, same passes, key, microbatches)
 

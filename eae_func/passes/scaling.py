@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..adjoint import AdjointState
-from ._common import check_real
+from ..checks import check_real
 from .base import Pass, global_norm, map_costate, map_costate_random, stateless
 
 

@@ -6,7 +6,7 @@ import torch
 
 from .. import quantise as Q
 from ..adjoint import AdjointState
-from ._common import check_ratio
+from ..checks import check_ratio
 from .base import Pass, map_costate, map_costate_random, stateless
 
 

@@ -9,7 +9,7 @@ import torch
 
 from ..adjoint import AdjointState
 from ..tree import NAMESPACE
-from ._common import check_real
+from ..checks import check_real
 from .base import Context, Pass
 
 

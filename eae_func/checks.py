@@ -1,4 +1,5 @@
-"""Argument checks shared by the built-in passes."""
+"""Argument checks shared by the passes and the wire codecs: a bad argument gets a
+``ValueError`` naming its owner and the expected range."""
 
 from __future__ import annotations
 
