@@ -17,8 +17,11 @@ def is_differentiable(t: torch.Tensor) -> bool:
 
 
 def leaves(tree: Any, where: str) -> tuple[list, Any]:
-    """Leaves and treespec of a boundary state; every leaf must be a tensor."""
+    """Leaves and treespec of a boundary state: at least one leaf, every leaf a tensor."""
     flat, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    if not flat:
+        raise TypeError(f"{where}: boundary states must be tensors or pytrees of tensors, got "
+                        f"{type(tree).__name__} with no tensor in it")
     for t in flat:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}: boundary states must be tensors or pytrees of tensors, "

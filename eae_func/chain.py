@@ -83,6 +83,13 @@ class Chain:
         object.__setattr__(self, "stages", named)
         object.__setattr__(self, "loss", loss)
         object.__setattr__(self, "ties", tuple(tuple((int(i), str(n)) for i, n in group) for group in ties))
+        for group in self.ties:
+            for i, n in group:
+                if not 0 <= i < len(named):
+                    raise ValueError(f"Chain: ties name stage {i}, but the chain has {len(named)} stages")
+                if named[i].param_names is not None and n not in named[i].param_names:
+                    raise ValueError(f"Chain: ties name parameter {n!r} of {self.where(i)}, which has "
+                                     f"{list(named[i].param_names)}")
 
     def __len__(self) -> int:
         return len(self.stages)
@@ -127,6 +134,11 @@ class Chain:
             for leaf in optree.tree_leaves(p, namespace=NAMESPACE):
                 if not isinstance(leaf, torch.Tensor):
                     raise TypeError(f"params of {self.where(i)}: leaves must be tensors, found {type(leaf).__name__}")
+            if s.module is not None:
+                for name, own in s.module.named_parameters():
+                    if (p[name].shape, p[name].dtype) != (own.shape, own.dtype):
+                        raise ValueError(f"params of {self.where(i)}: {name!r} has shape {tuple(p[name].shape)} and "
+                                         f"dtype {p[name].dtype}, the module's has {tuple(own.shape)} and {own.dtype}")
         return tuple(params)
 
     def check_buffers(self, buffers: Any) -> tuple:
@@ -216,6 +228,10 @@ def write_grads(model: nn.Module | Sequence, grads: Sequence[Mapping[str, torch.
             if name not in by_name:
                 raise KeyError(f"write_grads: stage {i} has no parameter {name!r}")
             p = by_name[name]
+            if not isinstance(g, torch.Tensor) or g.shape != p.shape:
+                got = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
+                raise ValueError(f"write_grads: the gradient of stage {i}'s {name!r} has shape {got}, "
+                                 f"the parameter has {tuple(p.shape)}")
             if id(p) not in written:
                 p.grad = g.detach().to(dtype=p.dtype, device=p.device).clone()
                 written.add(id(p))

@@ -248,14 +248,18 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
     """Stages ``lo..hi-1`` on ``h`` with no autograd graph (unless ``recompute=False``).
 
     ``params`` and ``buffers`` have one entry per stage of the whole chain. Boundaries are stored
-    as ``opts.boundary`` says, and the next stage runs on exactly what is stored.
+    as ``opts.boundary`` says, and the next stage runs on exactly what is stored. The chain's
+    input (``lo == 0``) is copied first, and a stage that writes into its input is refused.
     """
     policy, tape = opts.boundary, Tape(opts.boundary, device)
+    if lo == 0:  # the caller's input: a stage that writes into its input must not reach it
+        h = optree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, h, namespace=NAMESPACE)
     kept = h
     for i in range(lo, hi):
         s = chain.stages[i]
         stats = tape.stats[s.name] = dict.fromkeys(STAGE_COUNTERS, 0)
-        B.leaves(h, f"input of {where(chain, i)}")
+        inputs = B.leaves(h, f"input of {where(chain, i)}")[0]
+        versions = [t._version for t in inputs]
         layout, rng, closure = B.Layout.of(h), rng_state(device), None
         stats["boundary_bytes"] = B.nbytes(kept)
         with timed(stats, "forward_s", f"eae/{s.name}/forward"), autocast(opts.autocast, device), \
@@ -266,7 +270,15 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
             else:
                 floats, rebuild, _ = B.split(h, f"input of {where(chain, i)}")
                 out, closure, tape.buffers[i] = vjp(local(s, buffers[i], rebuild), params[i], floats, has_aux=True)
-        B.leaves(out, f"output of {where(chain, i)}")
+        if [t._version for t in inputs] != versions:
+            raise ValueError(f"{where(chain, i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
+                             f"sweep keeps each stage's input to recompute it: use the out-of-place form")
+        outputs = B.leaves(out, f"output of {where(chain, i)}")[0]
+        if not any(B.is_differentiable(t) for t in outputs) and optree.tree_leaves(params[lo:i + 1],
+                                                                                   namespace=NAMESPACE):
+            raise TypeError(f"output of {where(chain, i)}: only integer tensors "
+                            f"({', '.join(str(t.dtype) for t in outputs)}), so no costate flows back to the "
+                            f"parameters before it; a stage must return a floating-point tensor")
         tape.entries.append(Entry(i, kept, layout, B.Layout.of(out), rng, buffers[i], closure))
         h = kept = out
         if i < len(chain) - 1 and (policy.dtype is not None or policy.offload):
@@ -280,12 +292,16 @@ def boundary_condition(chain: Chain, h: Any, loss_args: tuple, opts: Options, pa
                        loss_scale: float, stats: dict) -> tuple[torch.Tensor, Carry]:
     """``(loss, carry of p_L)``: p_L = loss_scale * d loss(x_L) / d x_L, through the passes."""
     L = len(chain)
+    def loss_of(floats: list) -> torch.Tensor:
+        loss = chain.loss(rebuild(floats), *loss_args)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not B.is_differentiable(loss):
+            got = f"shape {tuple(loss.shape)}, {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss: expected a scalar floating-point tensor, got {got}")
+        return loss
+
     with timed(stats, "forward_s", "eae/loss"), naming("the loss"):
         floats, rebuild, costate_like = B.split(h, "input of the loss")
-        loss, loss_vjp = vjp(lambda f: chain.loss(rebuild(f), *loss_args), floats)
-        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"loss: expected a scalar tensor, got {shape}")
+        loss, loss_vjp = vjp(loss_of, floats)
         (p,) = loss_vjp(torch.full_like(loss, loss_scale), retain_graph=False, create_graph=False)
     adj = AdjointState(costate_like(list(p)), L, boundary_name(chain, L), fold_in(opts.key, L))
     adj, pass_state = processed(chain, opts, adj, pass_state, h, stats)

@@ -292,15 +292,23 @@ def _sweep_with_fault(kind, dying_rank):
     elif kind == "shape":
         fault = P.only(lambda adj: adj.replace(value=adj.value[:, :-1]) if rank == dying_rank else adj,
                        indices=pipe.lo)
-    else:
-        codec = D.codecs.int8() if rank == dying_rank else None
-        pipe = D.Pipeline(chain, params=params, schedule="1f1b", timeout=TIMEOUT, costate_codec=codec)
     start = time.monotonic()
     try:
+        if kind == "codec":
+            codec = D.codecs.int8() if rank == dying_rank else None
+            pipe = D.Pipeline(chain, params=params, schedule="1f1b", timeout=TIMEOUT, costate_codec=codec)
+        elif kind == "ranges":
+            pipe = D.Pipeline(chain, [(0, 2), (2, 5)] if rank == dying_rank else [(0, 3), (3, 5)], timeout=TIMEOUT)
         pipe.sweep(params, x, y, microbatches=4, passes=fault)
     except Exception as e:  # noqa: BLE001 - the test inspects whatever each rank raised
-        return type(e).__name__, " ".join([str(e), *getattr(e, "__notes__", ())]), time.monotonic() - start
-    return None, None, time.monotonic() - start
+        seconds = time.monotonic() - start
+        try:  # a pipeline whose step failed is not reused
+            pipe.sweep(params, x, y, microbatches=4)
+            again = None
+        except Exception as later:  # noqa: BLE001
+            again = str(later)
+        return type(e).__name__, " ".join([str(e), *getattr(e, "__notes__", ())]), seconds, again
+    return None, None, time.monotonic() - start, None
 
 
 def _survivors_fail_within_the_bound(outcomes, dying_rank, bound):
@@ -308,7 +316,7 @@ def _survivors_fail_within_the_bound(outcomes, dying_rank, bound):
         if o.rank == dying_rank and o.value is None:
             continue
         assert o.error is None, o.error
-        kind, message, seconds = o.value
+        kind, message, seconds, again = o.value
         assert kind is not None, f"rank {o.rank} finished the sweep although rank {dying_rank} failed"
         assert seconds < bound, (o.rank, seconds, message)
         assert f"rank {o.rank}" in message and "stage" in message, message
@@ -333,10 +341,22 @@ def test_a_costate_of_the_wrong_shape_fails_both_neighbours():
     assert "costate shape (2, 9, 16) differs" in messages[1] and "(on rank 1, stages 3-4" in messages[1]
     assert kinds[0] == "PeerError" and "from rank 1" in messages[0]
     _survivors_fail_within_the_bound(outcomes, None, bound=3 * TIMEOUT)
+    for o in outcomes:  # and neither rank runs another step on the broken pipeline
+        assert "an earlier step of this pipeline failed" in o.value[3], o.value[3]
 
 
 def test_ranks_disagreeing_on_the_codec_fail_with_a_clear_error():
     outcomes = D.spawn(_sweep_with_fault, 2, "codec", 1, timeout=60)
     messages = {o.rank: o.value[1] for o in outcomes}
-    assert "costate 0 from rank 1" in messages[0] and "encoded with int8, this rank expects raw" in messages[0]
+    assert {o.value[0] for o in outcomes} == {"PeerError"}
+    assert "costate_codec: raw here, int8 on rank 1" in messages[0]
+    assert "costate_codec: int8 here, raw on rank 0" in messages[1]
     _survivors_fail_within_the_bound(outcomes, None, bound=3 * TIMEOUT)
+
+
+def test_ranks_disagreeing_on_the_stage_ranges_fail_before_the_first_step():
+    outcomes = D.spawn(_sweep_with_fault, 2, "ranges", 1, timeout=60)
+    messages = {o.rank: o.value[1] for o in outcomes}
+    assert {o.value[0] for o in outcomes} == {"PeerError"}
+    assert "ranges: [[0, 3], [3, 5]] here, [[0, 2], [2, 5]] on rank 1" in messages[0]
+    assert "ranges: [[0, 2], [2, 5]] here, [[0, 3], [3, 5]] on rank 0" in messages[1]

@@ -37,7 +37,7 @@ def test_params_that_do_not_match_the_chain():
 def test_loss_that_is_not_a_scalar():
     model = nn.Sequential(nn.Linear(3, 2))
     chain, params = ef.from_module(model, loss=lambda out: out.sum(0))
-    with pytest.raises(ValueError, match=r"loss: expected a scalar tensor, got \(2,\)"):
+    with pytest.raises(ValueError, match=r"loss: expected a scalar floating-point tensor, got shape \(2,\)"):
         ef.sweep(chain, params, torch.randn(4, 3))
 
 

@@ -17,7 +17,9 @@ get the sum of all uses' gradients by exchanging their partial sums.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import time
 from types import MappingProxyType
 from typing import Any, Sequence
@@ -35,7 +37,7 @@ from ..sweep import SweepResult, merge_counters, options
 from ..tree import NAMESPACE
 from . import schedule as S
 from .codecs import Codec, Raw, round_trip
-from .wire import Wire
+from .wire import PeerError, Wire
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +132,45 @@ class Pipeline:
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = device
         self.ties = self._tie_groups()
+        self.failure: str | None = None
+        self._agree()
+
+    def plan(self) -> dict:
+        """What every rank of the pipeline must agree on: ranks, stage ranges, schedule, codecs and
+        the chain's structure (stage names; a module stage's parameter names, shapes and dtypes)."""
+        def structure(s):
+            if s.module is None:
+                return [s.name, s.physical]
+            return [s.name, s.physical, [[n, list(t.shape), str(t.dtype)] for n, t in s.module.named_parameters()]]
+
+        return {"ranks": list(self.ranks), "ranges": [list(r) for r in self.ranges], "schedule": self.schedule,
+                "costate_codec": self.costate_codec.name, "boundary_codec": self.boundary_codec.name,
+                "stages": [structure(s) for s in self.chain.stages]}
+
+    def _agree(self) -> None:
+        """Exchange ``plan()`` with both neighbours (every rank sends its own whatever it receives, so
+        every rank of a disagreeing pair raises) and raise ``PeerError`` naming what differs."""
+        wire = Wire(self.rank, self.where, self.timeout, self.device)
+        mine = self.plan()
+        payload = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8).to(self.device)
+        differences = []
+        k = self.position
+        for peer, first_send in ((k - 1, False), (k + 1, True)):  # the lower rank of a pair sends first
+            if not 0 <= peer < len(self.ranks):
+                continue
+            rank = self.ranks[peer]
+            if first_send:
+                wire.send(rank, "plan", 0, Raw().encode(payload))
+            theirs = json.loads(bytes(wire.recv(rank, "plan", 0, Raw()).cpu().tolist()).decode())
+            if not first_send:
+                wire.send(rank, "plan", 0, Raw().encode(payload))
+            differences += [f"{key}: {mine[key]} here, {theirs.get(key)} on rank {rank}"
+                            for key in mine if mine[key] != theirs.get(key)]
+        wire.flush()
+        if differences:
+            raise PeerError(f"rank {self.rank} ({self.where(self.rank)}): the ranks of the pipeline disagree before "
+                            f"the first step; give every rank the same chain, ranges, schedule and codecs: "
+                            + "; ".join(differences))
 
     @property
     def stages(self) -> range:
@@ -173,6 +214,9 @@ class Pipeline:
         estimator, physical: as for ``ef.sweep``, for estimators that need only the stage
                  (``zbp``, ``exact``); model-level ones probe the whole chain and need one process.
         """
+        if self.failure is not None:
+            raise PeerError(f"rank {self.rank}: an earlier step of this pipeline failed ({self.failure}); its links "
+                            f"may be closed: re-create the process group and the pipeline")
         chain, lo, hi, p, k = self.chain, self.lo, self.hi, len(self.ranks), self.position
         first, last = k == 0, k == p - 1
         params = chain.check_params(params, self.stages)
@@ -192,52 +236,53 @@ class Pipeline:
         state = opts.passes.init() if pass_state is None else pass_state
         device = F.device_of(params[lo:hi], x if first else None, default=self.device)
 
-        wire = Wire(self.rank, self.where, self.timeout, self.device)
-        prev = self.ranks[k - 1] if not first else None
-        nxt = self.ranks[k + 1] if not last else None
-        inbox, outbox, tapes, costates, outgoing = {}, {}, {}, {}, {}
-        grads, losses, traces, all_stats = [], [], {}, {}
-        busy, step_start = 0.0, time.perf_counter()
-        for op in S.schedule(self.schedule, p, microbatches)[k]:
-            j = op.microbatch
-            mb = pieces[j]
-            if op.kind == "recv_activation":
-                inbox[j] = wire.recv(prev, "activation", j, self.boundary_codec)
-            elif op.kind == "send_activation":
-                wire.send(nxt, "activation", j, self.boundary_codec.encode(outbox.pop(j)))
-            elif op.kind == "recv_costate":
-                like = tapes[j].entries[-1].out_layout
-                costates[j] = wire.recv(nxt, "costate", j, self.costate_codec, shape=like.shapes[0])
-            elif op.kind == "send_costate":
-                wire.send(prev, "costate", j, outgoing.pop(j))
-            else:
-                start = time.perf_counter()
-                try:
-                    mb_opts = dataclasses.replace(opts, key=mb.key)
-                    if op.kind == "forward":
-                        h = mb.x if first else inbox.pop(j)
-                        tapes[j] = F.forward(chain, lo, hi, params, buffers, h, mb_opts, device)
-                        buffers = buffers[:lo] + tuple(tapes[j].buffers[i] for i in self.stages) + buffers[hi:]
-                        if not last:
-                            outbox[j] = tapes[j].take_output()
-                            _check_tensor(outbox[j], f"output of {chain.where(hi - 1)}, sent to rank {nxt}")
-                    else:
-                        tape = tapes.pop(j)
-                        input_shape = tape.entries[0].layout.shapes[0]
-                        loss, g, trace, state, stats = self._backward(tape, mb, mb_opts, costates.pop(j, None),
-                                                                      state, params, buffers, device)
-                        if not first:
-                            outgoing[j], trace = self._encode_costate(trace, input_shape)
-                        losses.append(loss)
-                        grads.append(g)
-                        traces[j], all_stats[j] = trace, stats
-                except Exception as e:
-                    e.add_note(f"(on rank {self.rank}, {self.where(self.rank)}, {op.kind} of microbatch {j})")
-                    raise
-                busy += time.perf_counter() - start
-        loss = self._share_loss(wire, losses)
-        grads = self._tie(wire, M.sum_grads(grads))
-        wire.flush()
+        with self._guard():  # a failed step leaves the ranks out of step: no later step may reuse them
+            wire = Wire(self.rank, self.where, self.timeout, self.device)
+            prev = self.ranks[k - 1] if not first else None
+            nxt = self.ranks[k + 1] if not last else None
+            inbox, outbox, tapes, costates, outgoing = {}, {}, {}, {}, {}
+            grads, losses, traces, all_stats = [], [], {}, {}
+            busy, step_start = 0.0, time.perf_counter()
+            for op in S.schedule(self.schedule, p, microbatches)[k]:
+                j = op.microbatch
+                mb = pieces[j]
+                if op.kind == "recv_activation":
+                    inbox[j] = wire.recv(prev, "activation", j, self.boundary_codec)
+                elif op.kind == "send_activation":
+                    wire.send(nxt, "activation", j, self.boundary_codec.encode(outbox.pop(j)))
+                elif op.kind == "recv_costate":
+                    like = tapes[j].entries[-1].out_layout
+                    costates[j] = wire.recv(nxt, "costate", j, self.costate_codec, shape=like.shapes[0])
+                elif op.kind == "send_costate":
+                    wire.send(prev, "costate", j, outgoing.pop(j))
+                else:
+                    start = time.perf_counter()
+                    try:
+                        mb_opts = dataclasses.replace(opts, key=mb.key)
+                        if op.kind == "forward":
+                            h = mb.x if first else inbox.pop(j)
+                            tapes[j] = F.forward(chain, lo, hi, params, buffers, h, mb_opts, device)
+                            buffers = buffers[:lo] + tuple(tapes[j].buffers[i] for i in self.stages) + buffers[hi:]
+                            if not last:
+                                outbox[j] = tapes[j].take_output()
+                                _check_tensor(outbox[j], f"output of {chain.where(hi - 1)}, sent to rank {nxt}")
+                        else:
+                            tape = tapes.pop(j)
+                            input_shape = tape.entries[0].layout.shapes[0]
+                            loss, g, trace, state, stats = self._backward(tape, mb, mb_opts, costates.pop(j, None),
+                                                                          state, params, buffers, device)
+                            if not first:
+                                outgoing[j], trace = self._encode_costate(trace, input_shape)
+                            losses.append(loss)
+                            grads.append(g)
+                            traces[j], all_stats[j] = trace, stats
+                    except Exception as e:
+                        e.add_note(f"(on rank {self.rank}, {self.where(self.rank)}, {op.kind} of microbatch {j})")
+                        raise
+                    busy += time.perf_counter() - start
+            loss = self._share_loss(wire, losses)
+            grads = self._tie(wire, M.sum_grads(grads))
+            wire.flush()
         step = time.perf_counter() - step_start
 
         stats = M.sum_stats([all_stats[j] for j in range(microbatches)])
@@ -247,6 +292,15 @@ class Pipeline:
                              "ideal_bubble": S.ideal_bubble(p, microbatches)}
         trace = M.join_adjoints([traces[j] for j in range(microbatches)])
         return PipelineResult(loss, grads, trace, buffers[lo:hi], state, MappingProxyType(stats), self.stages)
+
+    @contextlib.contextmanager
+    def _guard(self):
+        """Record any failure of a step, so the next ``sweep`` refuses to run on broken links."""
+        try:
+            yield
+        except Exception as e:
+            self.failure = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            raise
 
     def _backward(self, tape: F.Tape, mb: M.Microbatch, opts: F.Options, received: Any, state: Any,
                   params: tuple, buffers: tuple, device: torch.device):

@@ -33,7 +33,7 @@ MAX_NDIM = 8
 HEADER_LEN = 7 + MAX_NDIM
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)
-KINDS = ("activation", "costate", "loss", "tie")
+KINDS = ("activation", "costate", "loss", "tie", "plan")
 
 
 class PeerError(RuntimeError):
@@ -72,7 +72,7 @@ class Wire:
             header[7:7 + len(enc.shape)] = torch.tensor(enc.shape, dtype=torch.int64)
         what = f"{kind} {index} to rank {dst} ({self.where(dst)})"
         for t in (header.to(self.device), *(enc.payload if enc is not None else ())):
-            self.pending.append((dist.isend(t, dst), t, what))
+            self.pending.append((self._post(dist.isend, t, dst, f"sending {what}"), t, what))
         payload = enc.nbytes if enc is not None else 0
         self.counts["bytes_sent"] += payload + header.numel() * 8
         self.counts["header_bytes"] += header.numel() * 8
@@ -93,7 +93,7 @@ class Wire:
         costate), decoded. ``shape``: the shape it must have (checked from the header)."""
         what = f"{kind} {index} from rank {src} ({self.where(src)})"
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(header, src), f"waiting for {what}")
+        self._wait(self._post(dist.irecv, header, src, f"waiting for {what}"), f"waiting for {what}")
         h = header.tolist()
         if h[0] != MAGIC:
             raise PeerError(f"rank {self.rank} ({self.where(self.rank)}): garbled header for {what}: {h}")
@@ -114,13 +114,21 @@ class Wire:
                             f"but the boundary it belongs to has shape {tuple(shape)}")
         dtype = DTYPES[h[5]]
         payload = tuple(torch.empty(s, dtype=d, device=self.device) for s, d in codec.layout(got_shape, dtype, h[4]))
-        works = [dist.irecv(t, src) for t in payload]
+        works = [self._post(dist.irecv, t, src, f"waiting for the payload of {what}") for t in payload]
         for work in works:
             self._wait(work, f"waiting for the payload of {what}")
         enc = Encoded(codec, got_shape, dtype, h[4], payload)
         self.counts["bytes_received"] += enc.nbytes
         self.counts[f"{kind}_bytes_received"] += enc.nbytes
         return enc.decode()
+
+    def _post(self, op, tensor: torch.Tensor, peer: int, what: str):
+        """``op(tensor, peer)`` (``dist.isend`` / ``dist.irecv``), a failure to post it a ``PeerError``."""
+        try:
+            return op(tensor, peer)
+        except RuntimeError as e:
+            raise PeerError(f"rank {self.rank} ({self.where(self.rank)}): {what} failed at once; the peer died "
+                            f"or the process group is broken: {e}") from e
 
     def _wait(self, work, what: str) -> None:
         start = time.perf_counter()

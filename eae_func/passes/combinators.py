@@ -71,6 +71,9 @@ def only(p: Any, stages: Any = None, indices: Any = None) -> Pass:
     ``indices`` (a name / int or a collection of them), the record unchanged elsewhere."""
     stages = _as_set("stages", stages, str)
     indices = _as_set("indices", indices, int)
+    if any(i < 0 for i in indices):
+        raise ValueError(f"only: indices are boundary indices 0..L (a pass does not know L, so none counts from "
+                         f"the end), got {sorted(indices)}")
     if not stages and not indices:
         raise ValueError("only: give the stages (names) and/or the boundary indices where the pass applies")
     return when(lambda adj: adj.stage in stages or adj.index in indices, p)

@@ -1,0 +1,149 @@
+"""Bad input through the public API: every malformed call either raises an error whose message
+(or note) names the stage or argument at fault, or returns exactly the well-formed call's
+result. Nothing is silent, and a failing call leaves the caller's tensors as they were."""
+
+import re
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import eae_func as ef
+from eae_func import estimators as E
+from eae_func import passes as P
+from eae_func.adjoint import NAMESPACE
+
+
+def problem(depth, width, seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)])
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    return chain, params, torch.randn(4, width), torch.randn(4, width)
+
+
+def replace_stage(params, i, new):
+    return tuple(new if j == i else p for j, p in enumerate(params))
+
+
+def wrong_shape_at(l):
+    return lambda a: a.replace(value=a.value[:, :-1]) if a.index == l else a
+
+
+# Each case: (what it breaks, how: (chain, params, x, y, i) -> (args, kwargs), what the error must name).
+# ``i`` is a stage index drawn by hypothesis; ``None`` as the name means "must equal the well-formed result".
+CASES = {
+    "params: one entry short": (lambda c, p, x, y, i: ((p[:-1], x, y), {}), r"params: expected a tuple with one entry"),
+    "params: a list, not a tuple": (lambda c, p, x, y, i: ((list(p), x, y), {}), None),
+    "params: a missing name": (lambda c, p, x, y, i: ((replace_stage(p, i, {"0.weight": p[i]["0.weight"]}), x, y), {}),
+                               r"params of stage {i} \(.*missing \['0.bias'\]"),
+    "params: a wrong shape": (lambda c, p, x, y, i: ((replace_stage(p, i, {**p[i], "0.bias": p[i]["0.bias"][:1]}), x, y),
+                                                     {}), r"params of stage {i} \(.*'0.bias' has shape \(1,\)"),
+    "params: a wrong dtype": (lambda c, p, x, y, i: ((replace_stage(p, i, {**p[i], "0.bias": p[i]["0.bias"].double()}),
+                                                      x, y), {}), r"params of stage {i} \(.*torch.float64"),
+    "params: a non-tensor leaf": (lambda c, p, x, y, i: ((replace_stage(p, i, {**p[i], "0.bias": 0.0}), x, y), {}),
+                                  r"params of stage {i} \(.*leaves must be tensors"),
+    "x: a float": (lambda c, p, x, y, i: ((p, 1.5, y), {}), r"input of stage 0 \(.*found a leaf of type float"),
+    "x: None": (lambda c, p, x, y, i: ((p, None, y), {}), r"input of stage 0 \(.*got NoneType"),
+    "x: the wrong width": (lambda c, p, x, y, i: ((p, x[:, :-1], y), {}), r"in the forward of stage 0 \("),
+    "x: float64 into float32 stages": (lambda c, p, x, y, i: ((p, x.double(), y), {}), r"in the forward of stage 0"),
+    "loss arg: the wrong batch": (lambda c, p, x, y, i: ((p, x, y[:-1]), {}), r"in the loss"),
+    "boundary_dtype: an int dtype": (lambda c, p, x, y, i: ((p, x, y), {"boundary_dtype": torch.int8}),
+                                     r"boundary_dtype must be a floating torch.dtype"),
+    "boundary_dtype: a string": (lambda c, p, x, y, i: ((p, x, y), {"boundary_dtype": "bfloat16"}),
+                                 r"boundary_dtype must be a floating torch.dtype"),
+    "autocast: an int dtype": (lambda c, p, x, y, i: ((p, x, y), {"autocast": torch.int32}),
+                               r"autocast must be a floating torch.dtype"),
+    "key: a float": (lambda c, p, x, y, i: ((p, x, y), {"key": 1.7}), r"key must be an int seed"),
+    "microbatches: zero": (lambda c, p, x, y, i: ((p, x, y), {"microbatches": 0}), r"microbatches must be a positive"),
+    "microbatches: more than the rows": (lambda c, p, x, y, i: ((p, x, y), {"microbatches": 5}),
+                                         r"microbatches=5 is more than the 4 rows"),
+    "microbatches: True": (lambda c, p, x, y, i: ((p, x, y), {"microbatches": True}), r"microbatches must be a positive"),
+    "reduction: unknown": (lambda c, p, x, y, i: ((p, x, y), {"reduction": "max"}), r"reduction must be 'mean' or 'sum'"),
+    "buffers: one short": (lambda c, p, x, y, i: ((p, x, y), {"buffers": c.buffers()[:-1]}), r"buffers: expected"),
+    "pass: returns a tensor": (lambda c, p, x, y, i: ((p, x, y), {"passes": lambda a: a.value}),
+                               r"at boundary \d+ \(output of stage .*returned a Tensor"),
+    "pass: a wrong shape at boundary i": (lambda c, p, x, y, i: ((p, x, y), {"passes": wrong_shape_at(i)}),
+                                          r"boundary {i}.*costate shape \(4, \d+\) differs"),
+    "pass: not a pass": (lambda c, p, x, y, i: ((p, x, y), {"passes": "int8"}), r"compose: expected a pass"),
+    "pass_state: the wrong structure": (lambda c, p, x, y, i: ((p, x, y), {"passes": ef.compose(P.int8(), P.stats()),
+                                                                          "pass_state": (None,)}),
+                                        r"compose: expected a pass state tuple of 2 entries"),
+    "physical: a missing stage": (lambda c, p, x, y, i: ((p, x, y), {"estimator": E.exact(), "physical": ["nope"]}),
+                                  r"no stage named 'nope'"),
+    "physical: an index out of range": (lambda c, p, x, y, i: ((p, x, y), {"estimator": E.exact(), "physical": [99]}),
+                                        r"no stage 99"),
+    "estimator: not an estimator": (lambda c, p, x, y, i: ((p, x, y), {"estimator": "zbp"}),
+                                    r"estimator must have prepare"),
+    "passes: None is identity()": (lambda c, p, x, y, i: ((p, x, y), {"passes": ef.identity()}), None),
+    "physical without estimator": (lambda c, p, x, y, i: ((p, x, y), {"physical": [i]}), None),
+}
+
+
+def _message(e):
+    return " ".join([str(e), *getattr(e, "__notes__", ())])
+
+
+def _snapshot(*trees):
+    return [(t, t.clone()) for t in optree.tree_leaves(trees, namespace=NAMESPACE) if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@given(depth=st.integers(1, 4), width=st.integers(2, 5), seed=st.integers(0, 2**16), pick=st.integers(0, 100))
+def test_bad_input_is_named_or_harmless(case, depth, width, seed, pick):
+    chain, params, x, y = problem(depth, width, seed)
+    i = pick % depth
+    make, names = CASES[case]
+    args, kwargs = make(chain, params, x, y, i)
+    before = _snapshot(params, x, y, chain.buffers())
+    try:
+        res = ef.sweep(chain, *args, **kwargs)
+    except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as e:
+        assert names is not None, f"{case}: the well-formed equivalent must not raise: {_message(e)}"
+        assert re.search(names.format(i=i), _message(e)), f"{case}: {_message(e)!r} does not name {names!r}"
+    else:
+        assert names is None, f"{case}: silently accepted"
+        ref = ef.sweep(chain, params, x, y, key=kwargs.get("key", 0))
+        assert torch.equal(res.loss, ref.loss)
+        for g, r in zip(optree.tree_leaves(res.grads, namespace=NAMESPACE),
+                        optree.tree_leaves(ref.grads, namespace=NAMESPACE)):
+            assert torch.equal(g, r), case
+    assert all(torch.equal(t, c) for t, c in before), f"{case}: a caller's tensor was modified"
+
+
+def test_bad_chain_definitions_are_refused_at_construction():
+    chain, _ = ef.from_module(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), loss=F.mse_loss)
+    with pytest.raises(ValueError, match=r"Chain: ties name parameter 'zz' of stage 1 \('Linear_1'\)"):
+        ef.Chain(chain.stages, loss=F.mse_loss, ties=[((0, "weight"), (1, "zz"))])
+    with pytest.raises(ValueError, match="Chain: ties name stage 5"):
+        ef.Chain([ef.stage(lambda p, h: h, name="a")], loss=torch.sum, ties=[((0, "w"), (5, "w"))])
+    with pytest.raises(ValueError, match=r"only: indices are boundary indices 0..L .*got \[-1\]"):
+        P.only(P.int8(), indices=[-1])
+
+
+def test_stages_that_return_no_floats_or_write_into_their_input_are_named():
+    x = torch.randn(3, 4)
+    ids = ef.Chain([ef.stage(lambda p, h: (h @ p["w"]).long(), name="ids"), ef.stage(lambda p, h: h.float(), name="f")],
+                   loss=lambda out: out.sum())
+    with pytest.raises(TypeError, match=r"output of stage 0 \('ids'\): only integer tensors"):
+        ef.sweep(ids, ({"w": torch.ones(4, 4)}, {}), x)
+    nothing = ef.Chain([ef.stage(lambda p, h: None, name="void")], loss=lambda out: out.sum())
+    with pytest.raises(TypeError, match=r"output of stage 0 \('void'\).*got NoneType"):
+        ef.sweep(nothing, ({},), x)
+    before = x.clone()
+    inplace = ef.from_module(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 2)), loss=F.mse_loss)
+    with pytest.raises(ValueError, match=r"stage 0 \('ReLU_0'\) modified its input in place"):
+        ef.sweep(*inplace, x, torch.randn(3, 2))
+    assert torch.equal(x, before)  # the caller's input is never written
+    python_float = ef.Chain([ef.stage(lambda p, h: h, name="id")], loss=lambda out: 1.0)
+    with pytest.raises(ValueError, match=r"loss: expected a scalar floating-point tensor, got float"):
+        ef.sweep(python_float, ({},), x)
+
+
+def test_write_grads_refuses_gradients_of_the_wrong_shape():
+    model = nn.Sequential(nn.Linear(3, 2))
+    with pytest.raises(ValueError, match=r"write_grads: the gradient of stage 0's 'bias' has shape \(3,\)"):
+        ef.write_grads(model, ({"weight": torch.zeros(2, 3), "bias": torch.zeros(3)},))
