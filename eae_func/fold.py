@@ -248,19 +248,21 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
     """Stages ``lo..hi-1`` on ``h`` with no autograd graph (unless ``recompute=False``).
 
     ``params`` and ``buffers`` have one entry per stage of the whole chain. Boundaries are stored
-    as ``opts.boundary`` says, and the next stage runs on exactly what is stored. The chain's
-    input (``lo == 0``) is copied first, and a stage that writes into its input is refused.
+    as ``opts.boundary`` says, and the next stage runs on exactly what is stored. A stage that
+    writes into its input is refused (the first one runs on a copy, so the caller's input is
+    never written).
     """
     policy, tape = opts.boundary, Tape(opts.boundary, device)
-    if lo == 0:  # the caller's input: a stage that writes into its input must not reach it
-        h = optree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, h, namespace=NAMESPACE)
     kept = h
     for i in range(lo, hi):
         s = chain.stages[i]
         stats = tape.stats[s.name] = dict.fromkeys(STAGE_COUNTERS, 0)
-        inputs = B.leaves(h, f"input of {where(chain, i)}")[0]
-        versions = [t._version for t in inputs]
+        B.leaves(h, f"input of {where(chain, i)}")
         layout, rng, closure = B.Layout.of(h), rng_state(device), None
+        if i == 0:  # the caller's input: the first stage runs on a copy, which a write into it cannot leave
+            h = optree.tree_map(torch.clone, h, namespace=NAMESPACE)
+        inputs = optree.tree_leaves(h, namespace=NAMESPACE)
+        versions = [t._version for t in inputs]
         stats["boundary_bytes"] = B.nbytes(kept)
         with timed(stats, "forward_s", f"eae/{s.name}/forward"), autocast(opts.autocast, device), \
                 naming(f"the forward of {where(chain, i)}"):

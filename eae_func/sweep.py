@@ -9,6 +9,7 @@ the engine's parts (``eae_func.fold``) for each microbatch:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
@@ -49,7 +50,7 @@ def options(chain: Chain, *, passes: Any = None, key: int = 0, boundary_dtype: t
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"sweep: {name} must be a floating torch.dtype (e.g. torch.bfloat16) or None, "
                             f"got {dtype!r}")
-    if isinstance(key, bool) or not isinstance(key, int):
+    if isinstance(key, bool) or not isinstance(key, numbers.Integral):
         raise TypeError(f"sweep: key must be an int seed, got {type(key).__name__}")
     if estimator is not None and not all(callable(getattr(estimator, m, None)) for m in ("prepare", "stage_vjp")):
         raise TypeError(f"sweep: estimator must have prepare(problem) and stage_vjp(...) (eae_func.estimators), "
@@ -57,7 +58,7 @@ def options(chain: Chain, *, passes: Any = None, key: int = 0, boundary_dtype: t
     if physical is None:
         physical = [i for i, s in enumerate(chain.stages) if s.physical]
     physical = tuple(sorted({chain.index(p) for p in physical})) if estimator is not None else ()
-    return F.Options(compose(passes) if passes is not None else compose(), key, B.Policy(boundary_dtype, offload),
+    return F.Options(compose(passes) if passes is not None else compose(), int(key), B.Policy(boundary_dtype, offload),
                      autocast, estimator, physical, bool(recompute), bool(keep_costates))
 
 

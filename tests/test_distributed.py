@@ -282,9 +282,12 @@ def _sweep_with_fault(kind, dying_rank):
     Survivors return (error type, message, seconds from the start of the sweep to the error)."""
     chain, params = _lm()
     x, y = _batch(8)
-    # Warm up under a generous timeout: the first step of 4 ranks on 2 busy cores can take longer than TIMEOUT.
+    # Warm up under a generous timeout, then scale the timeout to the measured step: on 2 cores shared
+    # with other work, a step of 4 ranks can take longer than TIMEOUT.
+    warm_up = time.monotonic()
     D.Pipeline(chain, params=params, schedule="1f1b", timeout=120).sweep(params, x, y, microbatches=4)
-    pipe = D.Pipeline(chain, params=params, schedule="1f1b", timeout=TIMEOUT)
+    timeout = max(TIMEOUT, 3 * (time.monotonic() - warm_up))
+    pipe = D.Pipeline(chain, params=params, schedule="1f1b", timeout=timeout)
     rank = dist.get_rank()
     fault = None
     if kind == "die":
@@ -296,9 +299,9 @@ def _sweep_with_fault(kind, dying_rank):
     try:
         if kind == "codec":
             codec = D.codecs.int8() if rank == dying_rank else None
-            pipe = D.Pipeline(chain, params=params, schedule="1f1b", timeout=TIMEOUT, costate_codec=codec)
+            pipe = D.Pipeline(chain, params=params, schedule="1f1b", timeout=timeout, costate_codec=codec)
         elif kind == "ranges":
-            pipe = D.Pipeline(chain, [(0, 2), (2, 5)] if rank == dying_rank else [(0, 3), (3, 5)], timeout=TIMEOUT)
+            pipe = D.Pipeline(chain, [(0, 2), (2, 5)] if rank == dying_rank else [(0, 3), (3, 5)], timeout=timeout)
         pipe.sweep(params, x, y, microbatches=4, passes=fault)
     except Exception as e:  # noqa: BLE001 - the test inspects whatever each rank raised
         seconds = time.monotonic() - start
@@ -307,30 +310,29 @@ def _sweep_with_fault(kind, dying_rank):
             again = None
         except Exception as later:  # noqa: BLE001
             again = str(later)
-        return type(e).__name__, " ".join([str(e), *getattr(e, "__notes__", ())]), seconds, again
-    return None, None, time.monotonic() - start, None
+        return type(e).__name__, " ".join([str(e), *getattr(e, "__notes__", ())]), seconds, again, timeout
+    return None, None, time.monotonic() - start, None, timeout
 
 
-def _survivors_fail_within_the_bound(outcomes, dying_rank, bound):
+def _survivors_fail_within_the_bound(outcomes, dying_rank):
+    """Each survivor raised within 3 of its timeouts (a receive times out, then its peers' do)."""
     for o in outcomes:
         if o.rank == dying_rank and o.value is None:
             continue
         assert o.error is None, o.error
-        kind, message, seconds, again = o.value
+        kind, message, seconds, again, timeout = o.value
         assert kind is not None, f"rank {o.rank} finished the sweep although rank {dying_rank} failed"
-        assert seconds < bound, (o.rank, seconds, message)
+        assert seconds < 3 * timeout, (o.rank, seconds, timeout, message)
         assert f"rank {o.rank}" in message and "stage" in message, message
 
 
 def test_a_dead_rank_makes_every_other_rank_raise_within_the_timeout():
-    start = time.monotonic()
-    outcomes = D.spawn(_sweep_with_fault, 4, "die", 2, timeout=60)
+    outcomes = D.spawn(_sweep_with_fault, 4, "die", 2, timeout=120)  # a rank still alive by then is killed
     assert outcomes[2].exitcode == 3 and outcomes[2].value is None
-    _survivors_fail_within_the_bound(outcomes, 2, bound=3 * TIMEOUT)
+    _survivors_fail_within_the_bound(outcomes, 2)
     messages = {o.rank: o.value[1] for o in outcomes if o.value}
     assert "from rank 2" in messages[1] or "to rank 2" in messages[1]  # the neighbours name the dead rank
     assert "PeerError" == outcomes[3].value[0] and "rank 2" in messages[3]
-    assert time.monotonic() - start < 40
 
 
 def test_a_costate_of_the_wrong_shape_fails_both_neighbours():
@@ -340,7 +342,7 @@ def test_a_costate_of_the_wrong_shape_fails_both_neighbours():
     assert kinds[1] == "ValueError" and "costate entering stage 2 ('Block_2') at boundary 3" in messages[1]
     assert "costate shape (2, 9, 16) differs" in messages[1] and "(on rank 1, stages 3-4" in messages[1]
     assert kinds[0] == "PeerError" and "from rank 1" in messages[0]
-    _survivors_fail_within_the_bound(outcomes, None, bound=3 * TIMEOUT)
+    _survivors_fail_within_the_bound(outcomes, None)
     for o in outcomes:  # and neither rank runs another step on the broken pipeline
         assert "an earlier step of this pipeline failed" in o.value[3], o.value[3]
 
@@ -351,7 +353,7 @@ def test_ranks_disagreeing_on_the_codec_fail_with_a_clear_error():
     assert {o.value[0] for o in outcomes} == {"PeerError"}
     assert "costate_codec: raw here, int8 on rank 1" in messages[0]
     assert "costate_codec: int8 here, raw on rank 0" in messages[1]
-    _survivors_fail_within_the_bound(outcomes, None, bound=3 * TIMEOUT)
+    _survivors_fail_within_the_bound(outcomes, None)
 
 
 def test_ranks_disagreeing_on_the_stage_ranges_fail_before_the_first_step():
