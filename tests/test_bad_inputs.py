@@ -92,23 +92,28 @@ def _snapshot(*trees):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@given(depth=st.integers(1, 4), width=st.integers(2, 5), seed=st.integers(0, 2**16), pick=st.integers(0, 100))
-def test_bad_input_is_named_or_harmless(case, depth, width, seed, pick):
+@given(depth=st.integers(1, 4), width=st.integers(2, 5), seed=st.integers(0, 2**16), pick=st.integers(0, 100),
+       entry=st.sampled_from(["sweep", "grad"]))
+def test_bad_input_is_named_or_harmless(case, depth, width, seed, pick, entry):
     chain, params, x, y = problem(depth, width, seed)
     i = pick % depth
     make, names = CASES[case]
     args, kwargs = make(chain, params, x, y, i)
     before = _snapshot(params, x, y, chain.buffers())
     try:
-        res = ef.sweep(chain, *args, **kwargs)
+        if entry == "sweep":
+            res = ef.sweep(chain, *args, **kwargs)
+            loss, grads = res.loss, res.grads
+        else:
+            loss, grads = ef.value_and_grad(chain, *args, **kwargs)
     except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as e:
         assert names is not None, f"{case}: the well-formed equivalent must not raise: {_message(e)}"
         assert re.search(names.format(i=i), _message(e)), f"{case}: {_message(e)!r} does not name {names!r}"
     else:
         assert names is None, f"{case}: silently accepted"
         ref = ef.sweep(chain, params, x, y, key=kwargs.get("key", 0))
-        assert torch.equal(res.loss, ref.loss)
-        for g, r in zip(optree.tree_leaves(res.grads, namespace=NAMESPACE),
+        assert torch.equal(loss, ref.loss)
+        for g, r in zip(optree.tree_leaves(grads, namespace=NAMESPACE),
                         optree.tree_leaves(ref.grads, namespace=NAMESPACE)):
             assert torch.equal(g, r), case
     assert all(torch.equal(t, c) for t, c in before), f"{case}: a caller's tensor was modified"
