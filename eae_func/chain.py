@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from . import capture
 from .tree import NAMESPACE
 
 
@@ -117,7 +118,8 @@ class Chain:
 
     def check_params(self, params: Any, stages: range | None = None) -> tuple:
         """``params`` as a tuple with one entry per stage, those of ``stages`` (default: all)
-        checked: a dict of exactly the module's parameter names, tensor leaves only."""
+        checked (a dict of exactly the module's parameter names, shapes and dtypes, tensor leaves
+        only) and detached (one tensor given twice stays one tensor: ties are kept)."""
         if not isinstance(params, (tuple, list)) or len(params) != len(self):
             got = f"{len(params)} entries" if isinstance(params, (tuple, list)) else type(params).__name__
             raise ValueError(f"params: expected a tuple with one entry per stage ({len(self)}), got {got}")
@@ -139,7 +141,9 @@ class Chain:
                     if (p[name].shape, p[name].dtype) != (own.shape, own.dtype):
                         raise ValueError(f"params of {self.where(i)}: {name!r} has shape {tuple(p[name].shape)} and "
                                          f"dtype {p[name].dtype}, the module's has {tuple(own.shape)} and {own.dtype}")
-        return tuple(params)
+        detached: dict = {}
+        return tuple(optree.tree_map(lambda t: detached.setdefault(id(t), t.detach()), p, namespace=NAMESPACE)
+                     if p is not None else None for p in params)
 
     def check_buffers(self, buffers: Any) -> tuple:
         """``buffers`` as a tuple with one dict per stage; ``None``: the modules' own."""
@@ -161,9 +165,11 @@ def _children(model: nn.Module | Sequence) -> list:
     if isinstance(model, (list, tuple)):
         return list(model)
     if isinstance(model, nn.Module):
-        return [model]
+        raise TypeError(f"from_module: a {type(model).__name__} is not a sequence of stages; cut it at module paths "
+                        f"with split_at=[...] (e.g. split_at=['transformer.h.*'], with example= an input batch), "
+                        f"or give an nn.Sequential, an nn.ModuleList or a list of modules ([model] for one stage)")
     raise TypeError("from_module: expected an nn.Sequential, an nn.ModuleList, a list of modules or functions, "
-                    f"or one nn.Module, got {type(model).__name__}")
+                    f"or a module with split_at, got {type(model).__name__}")
 
 
 def _function_stage(f: Callable) -> Callable:
@@ -174,8 +180,11 @@ def _function_stage(f: Callable) -> Callable:
     return apply
 
 
-def from_module(model: nn.Module | Sequence, loss: Callable, physical: Iterable[int | str] = ()):
-    """``(chain, params)`` with one stage per child of ``model``.
+def from_module(model: nn.Module | Sequence, loss: Callable, physical: Iterable[int | str] = (),
+                split_at: Sequence[str] | None = None, example: Any = None):
+    """``(chain, params)`` with one stage per child of ``model``, or, with ``split_at``, one per
+    piece of ``model``'s own forward cut at those module paths (glob patterns, e.g.
+    ``["transformer.h.*"]``) by graph capture on ``example`` (``eae_func.capture``).
 
     ``params`` is a tuple of ``{name: tensor}`` dicts, detached but sharing
     storage with the module's parameters, so an optimizer stepping the module
@@ -183,8 +192,15 @@ def from_module(model: nn.Module | Sequence, loss: Callable, physical: Iterable[
     tensor object in both dicts and recorded in ``chain.ties``. Parameter-free
     plain functions ``f(h)`` may appear in the list too.
     """
-    named_children = (list(model.named_children()) if isinstance(model, nn.Sequential)
-                      else [(None, c) for c in _children(model)])
+    if split_at is not None:
+        if example is None:
+            raise ValueError("from_module: split_at captures the model's forward on an input: give example= (a "
+                             "tensor, a tuple of positional inputs or a dict of keyword inputs)")
+        stages, names = capture.cut(model, example, split_at)
+        named_children = list(zip(names, stages))
+    else:
+        named_children = (list(model.named_children()) if isinstance(model, nn.Sequential)
+                          else [(None, c) for c in _children(model)])
     detached: dict[int, torch.Tensor] = {}
     positions: dict[int, list] = {}
     stages, params = [], []

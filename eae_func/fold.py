@@ -192,8 +192,34 @@ def naming(what: str):
 
 
 def local(stage, buffers: Mapping, rebuild: Callable) -> Callable:
-    """Stage as a function of its params and its input's differentiable leaves: ``(out, buffers')``."""
-    return lambda p, f: stage.call(p, buffers, rebuild(f))
+    """Stage as a function of its params and its input's differentiable leaves, for ``vjp(..., has_aux=True)``:
+    ``(the output's differentiable leaves, (the output, updated buffers))``."""
+    def f(params: Any, floats: list) -> tuple:
+        out, updated = stage.call(params, buffers, rebuild(floats))
+        return [t for t in optree.tree_leaves(out, namespace=NAMESPACE) if B.is_differentiable(t)], (out, updated)
+    return f
+
+
+def check_closed_over(chain: Chain, i: int, out: Any) -> None:
+    """Refuse an output that requires grad: stage i ran on detached params and input, so it used a
+    tensor that requires grad but is not among its params (a closure over a module's weights), whose
+    gradient the sweep would silently drop."""
+    grad_fns = [t.grad_fn for t in optree.tree_leaves(out, namespace=NAMESPACE)
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not grad_fns:
+        return
+    leaves, seen, todo = [], set(), [f for f in grad_fns if f is not None]
+    while todo and len(leaves) < 3:
+        fn = todo.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):
+            leaves.append(tuple(fn.variable.shape))
+        todo += [f for f, _ in fn.next_functions if f is not None]
+    raise ValueError(f"{where(chain, i)}: its output depends on a tensor that requires grad but is not among its "
+                     f"params (shapes {leaves or 'unknown'}): a stage that closes over a module's weights would get "
+                     f"no gradient for them; pass them in params (ef.from_module, or functional_call on them)")
 
 
 def check_costate(chain: Chain, l: int, adj: Any, layout: B.Layout) -> list:
@@ -216,10 +242,11 @@ def check_costate(chain: Chain, l: int, adj: Any, layout: B.Layout) -> list:
     return flat
 
 
-def cotangent(costate: list, layout: B.Layout) -> Any:
-    """The costate leaves as a cotangent of the stage output: zeros where a leaf has none."""
-    return layout.spec.unflatten([torch.zeros(shape, dtype=dt, device=dev) if c is None else c.to(dt)
-                                  for c, shape, (dev, dt) in zip(costate, layout.shapes, layout.placements)])
+def cotangent(costate: list, layout: B.Layout) -> list:
+    """The costate leaves as a cotangent of the output's differentiable leaves (zeros where one has none)."""
+    return [torch.zeros(shape, dtype=dt, device=dev) if c is None else c.to(dt)
+            for c, shape, (dev, dt) in zip(costate, layout.shapes, layout.placements) if dt.is_floating_point
+            or dt.is_complex]
 
 
 def processed(chain: Chain, opts: Options, adj: AdjointState, pass_state: Any, boundary: Any,
@@ -260,18 +287,20 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
         B.leaves(h, f"input of {where(chain, i)}")
         layout, rng, closure = B.Layout.of(h), rng_state(device), None
         if i == 0:  # the caller's input: the first stage runs on a copy, which a write into it cannot leave
-            h = optree.tree_map(torch.clone, h, namespace=NAMESPACE)
+            h = optree.tree_map(lambda t: t.detach().clone(), h, namespace=NAMESPACE)
         inputs = optree.tree_leaves(h, namespace=NAMESPACE)
         versions = [t._version for t in inputs]
         stats["boundary_bytes"] = B.nbytes(kept)
         with timed(stats, "forward_s", f"eae/{s.name}/forward"), autocast(opts.autocast, device), \
                 naming(f"the forward of {where(chain, i)}"):
             if opts.recompute or i in opts.physical:
-                with torch.no_grad():
+                with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
                     out, tape.buffers[i] = s.call(params[i], buffers[i], h)
+                check_closed_over(chain, i, out)
             else:
                 floats, rebuild, _ = B.split(h, f"input of {where(chain, i)}")
-                out, closure, tape.buffers[i] = vjp(local(s, buffers[i], rebuild), params[i], floats, has_aux=True)
+                _, closure, (out, tape.buffers[i]) = vjp(local(s, buffers[i], rebuild), params[i], floats,
+                                                         has_aux=True)
         if [t._version for t in inputs] != versions:
             raise ValueError(f"{where(chain, i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
                              f"sweep keeps each stage's input to recompute it: use the out-of-place form")

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import weakref
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import optree
 import torch
+from torch import nn
 
 from . import boundary as B
 from . import fold as F
 from . import microbatch as M
-from .chain import Chain
+from .chain import Chain, from_module
 from .estimators.base import Problem
 from .passes import compose
 from .tree import NAMESPACE
@@ -90,12 +92,22 @@ def _one(chain: Chain, params: tuple, buffers: tuple, mb: M.Microbatch, opts: F.
     return loss * mb.scale, tuple(o.grads for o in outs), trace, buffers_out, carry.pass_state, stats
 
 
-def sweep(chain: Chain, params: Sequence, x: Any, *loss_args: Any, passes: Any = None, pass_state: Any = None,
-          key: int = 0, buffers: Sequence | None = None, boundary_dtype: torch.dtype | None = None,
-          offload: bool = False, autocast: torch.dtype | None = None, microbatches: int = 1,
-          reduction: str = "mean", estimator: Any = None, physical: Sequence | None = None,
-          recompute: bool = True, keep_costates: bool = True) -> SweepResult:
+def sweep(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_args: Any, loss: Callable | None = None,
+          split_at: Sequence[str] | None = None, passes: Any = None, pass_state: Any = None, key: int = 0,
+          buffers: Sequence | None = None, boundary_dtype: torch.dtype | None = None, offload: bool = False,
+          autocast: torch.dtype | None = None, microbatches: int = 1, reduction: str = "mean",
+          estimator: Any = None, physical: Sequence | None = None, recompute: bool = True,
+          keep_costates: bool = True) -> SweepResult:
     """Loss, parameter gradients and the costate trace of ``chain`` at ``params`` on ``x``.
+
+    chain:          a ``Chain``, or a model (``nn.Module``) with ``loss=``: an ``nn.Sequential`` /
+                    ``nn.ModuleList`` runs one stage per child, any other model is cut at the
+                    module paths ``split_at`` by graph capture (once per input layout and mode).
+    params:         one dict per stage, or, with a model, a flat ``{qualified name: tensor}``
+                    dict as ``dict(model.named_parameters())`` gives; ``grads`` (and ``buffers``)
+                    come back in the structure given, a tied parameter once with the summed gradient.
+    x:              the input: a tensor, a tuple of positional inputs or (captured models) a
+                    dict of keyword inputs.
 
     passes:         a pass (``compose(...)``, or a plain ``adj -> adj`` callable) applied to
                     every costate p_L..p_0 before use.
@@ -119,6 +131,13 @@ def sweep(chain: Chain, params: Sequence, x: Any, *loss_args: Any, passes: Any =
     keep_costates:  ``False`` returns the trace records with ``value=None`` (history and meta
                     kept), saving L costates of memory; ``grad``/``value_and_grad`` use it.
     """
+    if not isinstance(chain, Chain):
+        return _on_model(chain, params, x, loss_args, loss, split_at, buffers, dict(
+            passes=passes, pass_state=pass_state, key=key, boundary_dtype=boundary_dtype, offload=offload,
+            autocast=autocast, microbatches=microbatches, reduction=reduction, estimator=estimator,
+            physical=physical, recompute=recompute, keep_costates=keep_costates))
+    if loss is not None or split_at is not None:
+        raise TypeError("sweep: loss= and split_at= go with a model (nn.Module); a Chain has its own loss and stages")
     params = chain.check_params(params)
     buffers = chain.check_buffers(buffers)
     opts = options(chain, passes=passes, key=key, boundary_dtype=boundary_dtype, offload=offload,
@@ -137,6 +156,65 @@ def sweep(chain: Chain, params: Sequence, x: Any, *loss_args: Any, passes: Any =
     loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
     return SweepResult(loss, tie_grads(chain, params, M.sum_grads(grads)), M.join_adjoints(traces), buffers, state,
                        MappingProxyType(M.sum_stats(all_stats)))
+
+
+_CAPTURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def chain_of(model: nn.Module | Sequence, loss: Callable, split_at: Sequence[str] | None, x: Any) -> tuple:
+    """``(chain, qualified)`` for a model: ``qualified[i]`` maps stage i's parameter and buffer
+    names to the model's own (canonical: a tied tensor has one name). A captured chain is kept
+    per model, cut, mode and input layout, so a training loop captures once."""
+    if loss is None:
+        raise TypeError(f"sweep: a model ({type(model).__name__}) needs loss=loss_fn(output, *loss_args)")
+    if split_at is None:
+        chain, _ = from_module(model, loss)
+        prefixes = [n for n, _ in model.named_children()] if isinstance(model, nn.Module) else [None] * len(chain)
+    else:
+        layout = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
+                       for t in optree.tree_leaves(x, namespace=NAMESPACE))
+        cache = _CAPTURED.setdefault(model, {})
+        cache_key = (tuple(split_at), model.training, layout)
+        if cache_key not in cache:
+            cache[cache_key] = from_module(model, loss, split_at=split_at, example=x)[0]
+        chain = Chain(cache[cache_key].stages, loss=loss, ties=cache[cache_key].ties)
+        prefixes = [None] * len(chain)
+    names = {}
+    if isinstance(model, nn.Module):
+        names = {**_canonical_names(model.named_parameters(remove_duplicate=False)),
+                 **_canonical_names(model.named_buffers(remove_duplicate=False))}
+    qualified = []
+    for s, prefix in zip(chain.stages, prefixes):
+        own = [n for n, _ in s.module.named_parameters()] + [n for n, _ in s.module.named_buffers()] \
+            if s.module is not None else []
+        qualified.append({n: names.get(n if prefix is None else f"{prefix}.{n}") for n in own})
+    return chain, qualified
+
+
+def _canonical_names(named) -> dict:
+    first: dict = {}
+    return {name: first.setdefault(id(t), name) for name, t in named}
+
+
+def _on_model(model, params, x, loss_args, loss, split_at, buffers, options_) -> SweepResult:
+    """``sweep`` of a model: its chain, params per stage from a flat dict, results back in its structure."""
+    chain, qualified = chain_of(model, loss, split_at, x)
+    flat = isinstance(params, Mapping)
+    if flat:
+        missing = sorted({q for names in qualified for q in names.values() if q is not None and q not in params
+                          and q in dict(model.named_parameters())})
+        if missing:
+            raise ValueError(f"params: the flat dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''} "
+                             f"(expected the names of dict(model.named_parameters()))")
+        params = tuple({n: params[q] for n, q in names.items() if q in params} for names in qualified)
+    res = sweep(chain, params, x, *loss_args, buffers=buffers, **options_)
+    if not flat:
+        return res
+    grads = {q: g for stage, names in zip(res.grads, qualified) for n, g in stage.items()
+             for q in [names[n]] if q is not None}
+    new_buffers = {q: b for stage, names in zip(res.buffers, qualified) for n, b in stage.items()
+                   for q in [names[n]] if q is not None}
+    return dataclasses.replace(res, grads=grads, buffers=new_buffers)
 
 
 def tie_grads(chain: Chain, params: tuple, grads: tuple) -> tuple:
@@ -161,27 +239,31 @@ def tie_grads(chain: Chain, params: tuple, grads: tuple) -> tuple:
     return tuple(spec.unflatten(f) for spec, f in zip(specs, flat))
 
 
-def value_and_grad(chain: Chain, params: Sequence, x: Any, *loss_args: Any, passes: Any = None,
+def value_and_grad(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_args: Any,
+                   loss: Callable | None = None, split_at: Sequence[str] | None = None, passes: Any = None,
                    pass_state: Any = None, key: int = 0, buffers: Sequence | None = None,
                    boundary_dtype: torch.dtype | None = None, offload: bool = False,
                    autocast: torch.dtype | None = None, microbatches: int = 1, reduction: str = "mean",
                    estimator: Any = None, physical: Sequence | None = None, recompute: bool = True):
-    """``(loss, grads)`` of ``chain`` at ``params``: ``sweep``'s loss and grads (the same options),
-    without keeping the costates of the trace."""
-    res = sweep(chain, params, x, *loss_args, passes=passes, pass_state=pass_state, key=key, buffers=buffers,
+    """``(loss, grads)`` of ``chain`` (or a model with ``loss=``) at ``params``: ``sweep``'s loss and
+    grads (the same options), without keeping the costates of the trace."""
+    res = sweep(chain, params, x, *loss_args, loss=loss, split_at=split_at, passes=passes, pass_state=pass_state,
+                key=key, buffers=buffers,
                 boundary_dtype=boundary_dtype, offload=offload, autocast=autocast, microbatches=microbatches,
                 reduction=reduction, estimator=estimator, physical=physical, recompute=recompute,
                 keep_costates=False)
     return res.loss, res.grads
 
 
-def grad(chain: Chain, params: Sequence, x: Any, *loss_args: Any, passes: Any = None, pass_state: Any = None,
-         key: int = 0, buffers: Sequence | None = None, boundary_dtype: torch.dtype | None = None,
-         offload: bool = False, autocast: torch.dtype | None = None, microbatches: int = 1,
-         reduction: str = "mean", estimator: Any = None, physical: Sequence | None = None,
-         recompute: bool = True):
-    """Parameter gradients of ``chain`` at ``params`` (same tree as ``params``); options as ``sweep``."""
-    return value_and_grad(chain, params, x, *loss_args, passes=passes, pass_state=pass_state, key=key,
+def grad(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_args: Any, loss: Callable | None = None,
+         split_at: Sequence[str] | None = None, passes: Any = None, pass_state: Any = None, key: int = 0,
+         buffers: Sequence | None = None, boundary_dtype: torch.dtype | None = None, offload: bool = False,
+         autocast: torch.dtype | None = None, microbatches: int = 1, reduction: str = "mean",
+         estimator: Any = None, physical: Sequence | None = None, recompute: bool = True):
+    """Parameter gradients of ``chain`` (or a model with ``loss=``) at ``params``, in the structure
+    of ``params``; options as ``sweep``."""
+    return value_and_grad(chain, params, x, *loss_args, loss=loss, split_at=split_at, passes=passes,
+                          pass_state=pass_state, key=key,
                           buffers=buffers, boundary_dtype=boundary_dtype, offload=offload, autocast=autocast,
                           microbatches=microbatches, reduction=reduction, estimator=estimator, physical=physical,
                           recompute=recompute)[1]

@@ -1,0 +1,253 @@
+"""Cutting any model into stages with PyTorch's own graph capture.
+
+``cut(model, example, split_at)`` exports the model's forward with
+``torch.export.export(strict=False)`` (the KV cache of a Hugging Face model turned
+off), assigns every node of the graph to a stage by the module it runs in
+(``node.meta["nn_module_stack"]``) and splits the graph there with
+``torch.fx.passes.split_module``. A module whose path matches a pattern of
+``split_at`` (glob per dotted part: ``"transformer.h.*"`` matches
+``transformer.h.3``, not ``transformer.h.3.attn``) gets a stage of its own; the
+operations between two matches form a stage too. So GPT-2 cut at
+``"transformer.h.*"`` is: embeddings, h.0, ..., h.11, final norm + head.
+
+Each stage is an ``nn.Module`` holding exactly the model's parameters and buffers
+it uses, under their names in the model (the same tensor objects: a tied
+embedding and head is one parameter in two stages), so the engine runs it with
+``functional_call`` like any module stage. Every value alive across a cut (the
+residual stream, a causal mask, rotary tables, a skip connection) travels in the
+boundary state, a dict ``{graph node name: tensor}``; integer and boolean ones
+have no costate. The graph is fixed to the example's shapes and to the model's
+train / eval mode at capture; a stage called otherwise says so.
+"""
+
+from __future__ import annotations
+
+import collections
+import fnmatch
+import functools
+import types
+import weakref
+from typing import Any, Sequence
+
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+from torch import nn
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx.passes.split_module import split_module
+
+from .tree import NAMESPACE
+
+_ROOT = "model."
+
+
+class _Exportable(nn.Module):
+    """The model with its KV cache off (a Hugging Face model's cache is not exportable)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        if getattr(getattr(self.model, "config", None), "use_cache", None) is not None:
+            kwargs.setdefault("use_cache", False)
+        return self.model(*args, **kwargs)
+
+
+def matches(path: str, pattern: str) -> bool:
+    """``pattern`` matches module ``path`` part by part (``fnmatch`` globs per dotted part)."""
+    parts, globs = path.split("."), pattern.split(".")
+    return len(parts) == len(globs) and all(fnmatch.fnmatchcase(p, g) for p, g in zip(parts, globs))
+
+
+def as_call(x: Any) -> tuple[tuple, dict]:
+    """The model's ``(args, kwargs)`` from an input: a tensor, a tuple of positional inputs or a dict
+    of keyword inputs."""
+    if isinstance(x, tuple):
+        return x, {}
+    if isinstance(x, dict):
+        return (), dict(x)
+    return (x,), {}
+
+
+def _module_paths(node) -> list[str]:
+    """The module paths a graph node runs in, outermost first, relative to the model."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [path.split("@")[0] for path, _ in stack.values()]
+    return [p[len(_ROOT):] for p in paths if p.startswith(_ROOT)]
+
+
+def _canonical(named) -> dict:
+    """Every name of a tensor (aliases included) -> its first name."""
+    first: dict = {}
+    return {name: first.setdefault(id(t), name) for name, t in named}
+
+
+_NATIVE = (tuple, list, dict, collections.OrderedDict, collections.defaultdict, collections.deque, type(None))
+_REGISTERED: set = set()
+
+
+def _register_output_types(spec) -> None:
+    """Make optree (in this library's namespace) see through the output's pytree nodes the way
+    torch's pytree does (``ModelOutput`` and other registered classes)."""
+    cls = spec.type
+    if cls in torch_pytree.SUPPORTED_NODES and cls not in _NATIVE and cls not in _REGISTERED:
+        node = torch_pytree.SUPPORTED_NODES[cls]
+        optree.register_pytree_node(cls, node.flatten_fn, lambda context, children: node.unflatten_fn(children, context),
+                                    namespace=NAMESPACE)
+        _REGISTERED.add(cls)
+    for child in spec.children():
+        _register_output_types(child)
+
+
+class CapturedStage(nn.Module):
+    """One piece of a captured forward: ``h -> h'`` over the model's own parameters and buffers.
+
+    Its submodules mirror the model's module paths, so ``named_parameters()`` gives the
+    model's names; ``functional_call`` substitutes them, and BatchNorm running statistics
+    are updated in place in the buffers it is given, as the model's own forward would.
+    """
+
+    def __init__(self, model: nn.Module, graph: nn.Module | None, inputs: list, outputs: list, sources: dict,
+                 carried: list, user_inputs: list | None, user_outputs: list | None, out_spec, constants: dict,
+                 example: list, training: bool):
+        super().__init__()
+        # Everything but the mirrored tensors lives in one attribute whose name no module path uses.
+        self._eae = types.SimpleNamespace(
+            graph=graph, inputs=inputs, outputs=outputs, sources=sources, carried=carried, user_inputs=user_inputs,
+            user_outputs=user_outputs, out_spec=out_spec, constants=constants, example=example, training=training,
+            model=weakref.ref(model))
+        for kind, name in sources.values():
+            if kind in ("parameter", "buffer"):
+                self._mirror(name, model.get_parameter(name) if kind == "parameter" else model.get_buffer(name), kind)
+
+    def _mirror(self, name: str, tensor: torch.Tensor, kind: str) -> None:
+        *path, leaf = name.split(".")
+        module = self
+        for part in path:
+            if part not in module._modules:
+                module.add_module(part, nn.Module())
+            module = module._modules[part]
+        if leaf not in module._parameters and leaf not in module._buffers:
+            (module.register_parameter if kind == "parameter" else module.register_buffer)(leaf, tensor)
+
+    def _lookup(self, name: str) -> torch.Tensor:
+        return functools.reduce(getattr, name.split("."), self)
+
+    def _environment(self, h: Any) -> dict:
+        plan = self._eae
+        if plan.user_inputs is None:
+            return dict(h)
+        flat = torch_pytree.tree_leaves(as_call(h))
+        got = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in flat]
+        if got != plan.example:
+            raise ValueError(f"captured stage: the model was captured for inputs {plan.example}, got {got}; "
+                             f"capture again with this input (ef.grad(model, ...) captures once per input layout)")
+        return dict(zip(plan.user_inputs, flat))
+
+    def forward(self, h: Any) -> Any:
+        plan = self._eae
+        model = plan.model()
+        if model is not None and model.training != plan.training:
+            mode = "train" if plan.training else "eval"
+            raise ValueError(f"captured stage: the model was captured in {mode} mode and is now in the other; "
+                             f"capture again (ef.grad(model, ...) captures once per mode)")
+        env = self._environment(h)
+        args = []
+        for name in plan.inputs:
+            kind, key = plan.sources.get(name, ("value", name))
+            args.append(self._lookup(key) if kind in ("parameter", "buffer") else
+                        plan.constants[key] if kind == "constant" else env[name])
+        if plan.graph is not None:
+            env.update(zip(plan.outputs, plan.graph(*args)))
+        if plan.user_outputs is not None:
+            return torch_pytree.tree_unflatten([env[n] for n in plan.user_outputs], plan.out_spec)
+        return {name: env[name] for name in plan.carried}
+
+
+def _stage_of_nodes(graph, cut_modules: set) -> tuple[dict, list]:
+    """Stage index of every computing node (in execution order), and each stage's name."""
+    stage_of, names, current, owner, seen = {}, [], -1, None, []
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        paths = _module_paths(node)
+        hit = next((p for p in paths if p in cut_modules), None)
+        if current < 0 or (paths and hit != owner):
+            current, owner, seen = current + 1, hit, []
+            names.append(hit)
+        ancestor = any(c.startswith(paths[-1] + ".") for c in cut_modules) if paths else True
+        if not ancestor and paths[-1] not in seen and hit is None:
+            seen.append(paths[-1])
+            names[current] = "+".join(seen) if len(seen) < 4 else f"{seen[0]}..{seen[-1]}"
+        stage_of[node] = current
+    names = [n or f"stage_{k}" for k, n in enumerate(names)]
+    return stage_of, [n if names.count(n) == 1 else f"{n}#{k}" for k, n in enumerate(names)]
+
+
+def cut(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[list[CapturedStage], list[str]]:
+    """``(stages, names)``: ``model``'s forward on ``example`` cut before and after every module
+    whose path matches a pattern of ``split_at`` (see the module docstring)."""
+    if isinstance(split_at, str) or not all(isinstance(p, str) for p in split_at) or not split_at:
+        raise TypeError(f"split_at: expected a list of module paths (glob patterns), got {split_at!r}")
+    cut_modules = {n for n, _ in model.named_modules() if n and any(matches(n, p) for p in split_at)}
+    if not cut_modules:
+        shown = [n for n, _ in model.named_modules() if n][:12]
+        raise ValueError(f"split_at: no module of {type(model).__name__} matches {list(split_at)}; "
+                         f"its modules include {shown}")
+    args, kwargs = as_call(example)
+    try:
+        with torch.random.fork_rng():  # capture draws no random numbers the next forward should see
+            program = torch.export.export(_Exportable(model), args, kwargs, strict=False)
+    except Exception as e:
+        raise RuntimeError(f"split_at: torch.export could not capture {type(model).__name__}'s forward ({e}); "
+                           f"cut it by hand instead: ef.Chain([ef.stage(fn, name=...), ...], loss=...) with one "
+                           f"pure function per piece, or an nn.Sequential / list of modules") from e
+    module, signature = program.graph_module, program.graph_signature
+    stage_of, names = _stage_of_nodes(module.graph, cut_modules)
+    split = split_module(module, None, lambda node: stage_of[node], keep_original_node_name=True,
+                         keep_original_input_name=True, tuple_return=True)
+
+    parameters = _canonical(model.named_parameters(remove_duplicate=False))
+    buffers = _canonical(model.named_buffers(remove_duplicate=False))
+    sources = {}
+    for spec in signature.input_specs:
+        target = spec.target[len(_ROOT):] if spec.target else None
+        if spec.kind == InputKind.PARAMETER:
+            sources[spec.arg.name] = ("parameter", parameters[target])
+        elif spec.kind == InputKind.BUFFER:
+            sources[spec.arg.name] = ("buffer", buffers[target])
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            sources[spec.arg.name] = ("constant", spec.target)
+        elif spec.kind != InputKind.USER_INPUT:
+            raise RuntimeError(f"split_at: the captured graph has an input of kind {spec.kind}, which eae_func "
+                               f"cannot feed; cut the model by hand")
+    user_inputs = [s.arg.name for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
+    user_outputs = [s.arg.name for s in signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
+    if len(user_outputs) != len(signature.output_specs):
+        kinds = sorted({str(s.kind) for s in signature.output_specs if s.kind != OutputKind.USER_OUTPUT})
+        raise RuntimeError(f"split_at: the captured graph returns {kinds} besides the model output (in-place "
+                           f"updates of inputs); cut the model by hand")
+
+    pieces, produced, last_use = [], {n: 0 for n in user_inputs}, {n: len(names) for n in user_outputs}
+    for k in range(len(names)):
+        graph = getattr(split, f"submod_{k}", None)
+        inputs = [n.name for n in graph.graph.nodes if n.op == "placeholder"] if graph is not None else []
+        outputs = [a.name for a in next(n for n in graph.graph.nodes if n.op == "output").args[0]] \
+            if graph is not None else []
+        pieces.append((graph, inputs, outputs))
+        produced.update({n: k for n in outputs})
+        for n in inputs:
+            if n not in sources:
+                last_use[n] = max(last_use.get(n, -1), k)
+    example_layout = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
+                      for t in torch_pytree.tree_leaves((args, kwargs))]
+    _register_output_types(program.call_spec.out_spec)
+    stages = []
+    for k, (graph, inputs, outputs) in enumerate(pieces):
+        carried = [n for n, at in produced.items() if at <= k < last_use.get(n, -1)]
+        stages.append(CapturedStage(
+            model, graph, inputs, outputs, {n: sources[n] for n in inputs if n in sources}, carried,
+            user_inputs if k == 0 else None, user_outputs if k == len(pieces) - 1 else None,
+            program.call_spec.out_spec, dict(program.constants), example_layout, model.training))
+    return stages, names
