@@ -7,7 +7,8 @@
 
 from . import estimators, passes
 from .adjoint import AdjointState, fold_in
-from .chain import Chain, Stage, from_module, stage, write_grads
+from . import capture
+from .chain import Chain, Stage, from_module, stage, write_back, write_buffers, write_grads
 from .estimators.base import Estimator, Problem
 from .passes import Context, Pass, compose, global_norm, identity, map_costate, stateless
 from .sweep import SweepResult, grad, sweep, value_and_grad
@@ -16,7 +17,7 @@ from .tree import tree_leaves, tree_map, tree_structure
 __version__ = "0.2.0"
 
 __all__ = [
-    "AdjointState", "Chain", "Context", "Estimator", "Pass", "Problem", "Stage", "SweepResult", "compose", "estimators",
+    "AdjointState", "Chain", "capture", "Context", "Estimator", "Pass", "Problem", "Stage", "SweepResult", "compose", "estimators",
     "fold_in", "from_module", "global_norm", "grad", "identity", "map_costate", "passes", "stage", "stateless",
-    "sweep", "tree_leaves", "tree_map", "tree_structure", "value_and_grad", "write_grads",
+    "sweep", "tree_leaves", "tree_map", "tree_structure", "value_and_grad", "write_back", "write_buffers", "write_grads",
 ]

@@ -226,28 +226,63 @@ def from_module(model: nn.Module | Sequence, loss: Callable, physical: Iterable[
     return chain, tuple(params)
 
 
-def write_grads(model: nn.Module | Sequence, grads: Sequence[Mapping[str, torch.Tensor]]) -> None:
-    """Set ``.grad`` of ``model``'s parameters from ``grads`` (overwriting, like ``optimizer.zero_grad`` + backward).
+def _entries(model: nn.Module | Sequence, tree: Any, what: str):
+    """``(label, owner module, name, value)`` for every entry of a grads or buffers tree: a flat dict
+    of the model's names, one dict per stage of a captured model (the model's names too), or one dict
+    per child of a sequence (the child's names)."""
+    if isinstance(tree, Mapping):
+        for name, value in tree.items():
+            yield repr(name), model, name, value
+    elif isinstance(model, nn.Module) and not isinstance(model, (nn.Sequential, nn.ModuleList)):
+        for i, stage in enumerate(tree):
+            for name, value in stage.items():
+                yield f"stage {i}'s {name!r}", model, name, value
+    else:
+        children = _children(model)
+        if len(children) != len(tree):
+            raise ValueError(f"{what}: the model has {len(children)} stages but got {len(tree)} entries")
+        for i, (child, stage) in enumerate(zip(children, tree)):
+            for name, value in (stage.items() if isinstance(child, nn.Module) else ()):
+                yield f"stage {i}'s {name!r}", child, name, value
 
-    A tied parameter appears in several stages' dicts; the sweep already gives
-    each of those entries the summed gradient, so it is written once.
+
+def _target(owner: nn.Module, name: str, label: str, value: Any, what: str, kind: str) -> torch.Tensor:
+    try:
+        target = owner.get_parameter(name) if kind == "parameter" else owner.get_buffer(name)
+    except AttributeError as e:
+        raise KeyError(f"{what}: the model has no {kind} {label}") from e
+    if not isinstance(value, torch.Tensor) or value.shape != target.shape:
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{what}: the {'gradient' if kind == 'parameter' else 'value'} of {label} has shape {got}, "
+                         f"the {kind} has {tuple(target.shape)}")
+    return target
+
+
+def write_grads(model: nn.Module | Sequence, grads: Any) -> None:
+    """Set ``.grad`` of ``model``'s parameters from ``grads`` (overwriting, like ``optimizer.zero_grad`` + backward):
+    one dict per stage, or a flat ``{name: grad}`` dict as ``ef.grad(model, dict(model.named_parameters()), ...)``
+    returns. A tied parameter appears in several stages' dicts with the summed gradient; it is written once.
     """
-    children = _children(model)
-    if len(children) != len(grads):
-        raise ValueError(f"write_grads: the model has {len(children)} stages but grads has {len(grads)} entries")
+    pairs = [(_target(owner, name, label, g, "write_grads", "parameter"), g)
+             for label, owner, name, g in _entries(model, grads, "write_grads")]  # every check before any write
     written: set[int] = set()
-    for i, (child, stage_grads) in enumerate(zip(children, grads)):
-        if not isinstance(child, nn.Module):
-            continue
-        by_name = dict(child.named_parameters())
-        for name, g in stage_grads.items():
-            if name not in by_name:
-                raise KeyError(f"write_grads: stage {i} has no parameter {name!r}")
-            p = by_name[name]
-            if not isinstance(g, torch.Tensor) or g.shape != p.shape:
-                got = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
-                raise ValueError(f"write_grads: the gradient of stage {i}'s {name!r} has shape {got}, "
-                                 f"the parameter has {tuple(p.shape)}")
-            if id(p) not in written:
-                p.grad = g.detach().to(dtype=p.dtype, device=p.device).clone()
-                written.add(id(p))
+    for p, g in pairs:
+        if id(p) not in written:
+            p.grad = g.detach().to(dtype=p.dtype, device=p.device).clone()
+            written.add(id(p))
+
+
+def write_buffers(model: nn.Module | Sequence, buffers: Any) -> None:
+    """Copy updated buffers (``res.buffers``: BatchNorm running statistics) into ``model``'s own."""
+    pairs = [(_target(owner, name, label, b, "write_buffers", "buffer"), b)
+             for label, owner, name, b in _entries(model, buffers, "write_buffers")]
+    with torch.no_grad():
+        for target, b in pairs:
+            target.copy_(b)
+
+
+def write_back(model: nn.Module | Sequence, res: Any) -> None:
+    """Put a sweep's result into ``model``: ``res.grads`` into ``.grad`` (for a ``torch.optim``
+    optimizer) and ``res.buffers`` into its buffers, so nothing the step computed is lost."""
+    write_grads(model, res.grads)
+    write_buffers(model, res.buffers)

@@ -120,7 +120,9 @@ def sweep(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_ar
     autocast:       run stages under ``torch.autocast`` with this dtype.
     microbatches:   split x and the tensor loss_args on dim 0 into this many pieces and
                     sum their gradients; ``reduction`` ("mean" or "sum") says how the loss
-                    reduces over dim 0, so the result equals the full batch's.
+                    reduces over dim 0, so the result equals the full batch's, unless a stage
+                    mixes samples (BatchNorm's batch statistics) or draws random numbers
+                    (dropout masks differ per piece), as in plain PyTorch.
     estimator:      how physical stages get their reverse step (``eae_func.estimators``);
                     ``None`` differentiates every stage exactly.
     physical:       names or indices of the physical stages (``None``: those made with
@@ -198,7 +200,15 @@ def _canonical_names(named) -> dict:
 
 def _on_model(model, params, x, loss_args, loss, split_at, buffers, options_) -> SweepResult:
     """``sweep`` of a model: its chain, params per stage from a flat dict, results back in its structure."""
-    chain, qualified = chain_of(model, loss, split_at, x)
+    example = x
+    if split_at is not None and options_["microbatches"] != 1:  # the graph is captured for one piece's shapes
+        pieces = M.split(x, (), options_["microbatches"], options_["reduction"], 0)
+        layouts = {tuple(tuple(t.shape) for t in optree.tree_leaves(mb.x, namespace=NAMESPACE)) for mb in pieces}
+        if len(layouts) > 1:
+            raise ValueError(f"sweep: a model cut with split_at is captured for one input shape; microbatches="
+                             f"{options_['microbatches']} cuts the batch into pieces of different sizes {sorted(layouts)}")
+        example = pieces[0].x
+    chain, qualified = chain_of(model, loss, split_at, example)
     flat = isinstance(params, Mapping)
     if flat:
         missing = sorted({q for names in qualified for q in names.values() if q is not None and q not in params
