@@ -280,7 +280,7 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
     never written).
     """
     policy, tape = opts.boundary, Tape(opts.boundary, device)
-    kept = h
+    kept, upstream_params = h, False
     for i in range(lo, hi):
         s = chain.stages[i]
         stats = tape.stats[s.name] = dict.fromkeys(STAGE_COUNTERS, 0)
@@ -305,8 +305,8 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
             raise ValueError(f"{where(chain, i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
                              f"sweep keeps each stage's input to recompute it: use the out-of-place form")
         outputs = B.leaves(out, f"output of {where(chain, i)}")[0]
-        if not any(B.is_differentiable(t) for t in outputs) and optree.tree_leaves(params[lo:i + 1],
-                                                                                   namespace=NAMESPACE):
+        upstream_params = upstream_params or bool(optree.tree_leaves(params[i], namespace=NAMESPACE))
+        if upstream_params and not any(B.is_differentiable(t) for t in outputs):
             raise TypeError(f"output of {where(chain, i)}: only integer tensors "
                             f"({', '.join(str(t.dtype) for t in outputs)}), so no costate flows back to the "
                             f"parameters before it; a stage must return a floating-point tensor")
