@@ -349,18 +349,14 @@ def test_a_costate_of_the_wrong_shape_fails_both_neighbours():
         assert "an earlier step of this pipeline failed" in o.value[3], o.value[3]
 
 
-def test_ranks_disagreeing_on_the_codec_fail_with_a_clear_error():
-    outcomes = D.spawn(_sweep_with_fault, 2, "codec", 1, timeout=60)
+@pytest.mark.parametrize("kind, rank_0_says, rank_1_says", [
+    ("codec", "costate_codec: raw here, int8 on rank 1", "costate_codec: int8 here, raw on rank 0"),
+    ("ranges", "ranges: [[0, 3], [3, 5]] here, [[0, 2], [2, 5]] on rank 1",
+     "ranges: [[0, 2], [2, 5]] here, [[0, 3], [3, 5]] on rank 0"),
+])
+def test_ranks_disagreeing_on_the_plan_fail_before_the_first_step(kind, rank_0_says, rank_1_says):
+    outcomes = D.spawn(_sweep_with_fault, 2, kind, 1, timeout=60)
     messages = {o.rank: o.value[1] for o in outcomes}
     assert {o.value[0] for o in outcomes} == {"PeerError"}
-    assert "costate_codec: raw here, int8 on rank 1" in messages[0]
-    assert "costate_codec: int8 here, raw on rank 0" in messages[1]
+    assert rank_0_says in messages[0] and rank_1_says in messages[1]
     _survivors_fail_within_the_bound(outcomes, None)
-
-
-def test_ranks_disagreeing_on_the_stage_ranges_fail_before_the_first_step():
-    outcomes = D.spawn(_sweep_with_fault, 2, "ranges", 1, timeout=60)
-    messages = {o.rank: o.value[1] for o in outcomes}
-    assert {o.value[0] for o in outcomes} == {"PeerError"}
-    assert "ranges: [[0, 3], [3, 5]] here, [[0, 2], [2, 5]] on rank 1" in messages[0]
-    assert "ranges: [[0, 2], [2, 5]] here, [[0, 3], [3, 5]] on rank 0" in messages[1]
