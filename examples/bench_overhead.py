@@ -1,0 +1,126 @@
+"""Per-stage fixed cost: a sweep over tiny stages against plain autograd and checkpointing.
+
+Stages of ``Linear(16, 16) + Tanh`` on a batch of 4, one thread, so almost no arithmetic: what
+is left is each method's Python and dispatch cost per stage. One step is forward + gradients of
+``mean(x_L^2)``:
+
+    autograd     loss.backward() through the whole model
+    checkpoint   torch.utils.checkpoint.checkpoint(stage, h, use_reentrant=False) per stage
+    eae_func     ef.value_and_grad(chain, params, x) (and with compose(int8, clip_by_global_norm))
+
+The methods alternate step by step (interleaved), and the table gives the median microseconds
+per stage over ``--reps`` rounds. Then tokens/s of a training forward + gradient step of
+``examples/train_lm.py``'s model (4 blocks of width 128, sequence 64, batch 8) for the same
+three methods, and a cProfile summary of where eae_func's time goes.
+
+    python examples/bench_overhead.py            # 8 and 32 stages, 30 rounds
+    python examples/bench_overhead.py --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import eae_func as ef
+from eae_func import passes as P
+from eae_func.models import lm_loss, transformer_lm
+
+
+def tiny(depth: int) -> tuple[nn.Sequential, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(depth)]), torch.randn(4, 16)
+
+
+def methods(model: nn.Module, x: torch.Tensor, loss_fn, *loss_args) -> dict:
+    """One gradient step per method, as a function of nothing."""
+    chain, params = ef.from_module(model, loss=loss_fn)
+    passes = ef.compose(P.int8(), P.clip_by_global_norm(1.0))
+
+    def autograd():
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x), *loss_args).backward()
+
+    def checkpointed():
+        model.zero_grad(set_to_none=True)
+        h = x
+        for stage in model:
+            h = checkpoint(stage, h, use_reentrant=False)
+        loss_fn(h, *loss_args).backward()
+
+    return {"autograd": autograd, "checkpoint": checkpointed,
+            "eae_func": lambda: ef.value_and_grad(chain, params, x, *loss_args),
+            "eae_func + int8, clip": lambda: ef.value_and_grad(chain, params, x, *loss_args, passes=passes)}
+
+
+def interleaved(steps: dict, reps: int) -> dict:
+    """Median seconds per step of each method, the methods alternating round by round."""
+    for step in steps.values():
+        step()
+    times: dict = {name: [] for name in steps}
+    for _ in range(reps):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def profile(step, rounds: int = 10, lines: int = 12) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(rounds):
+        step()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(lines)
+    return out.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--depths", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--quick", action="store_true", help="smoke run: depth 4, 3 rounds, a small LM")
+    args = parser.parse_args()
+    if args.quick:
+        args.depths, args.reps = [4], 3
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, 1 thread, median of {args.reps} interleaved rounds\n")
+    print("| stages | method | us / stage | vs autograd | vs checkpoint |")
+    print("|---|---|---|---|---|")
+    for depth in args.depths:
+        model, x = tiny(depth)
+        med = interleaved(methods(model, x, lambda out: out.square().mean()), args.reps)
+        for name, t in med.items():
+            print(f"| {depth} | {name} | {t / depth * 1e6:.0f} | {t / med['autograd']:.2f}x | "
+                  f"{t / med['checkpoint']:.2f}x |")
+
+    torch.manual_seed(0)
+    width, depth, seq, batch = (32, 2, 16, 2) if args.quick else (128, 4, 64, 8)
+    lm = transformer_lm(256, width, depth, n_heads=4, n_kv_heads=2)
+    ids = torch.randint(0, 256, (batch, seq + 1))
+    steps = methods(lm, ids[:, :-1], lm_loss, ids[:, 1:])
+    steps.pop("eae_func + int8, clip")
+    med = interleaved(steps, max(3, args.reps // 3))
+    print(f"\n| method | tokens/s ({depth} blocks, width {width}, seq {seq}, batch {batch}) | vs checkpoint |")
+    print("|---|---|---|")
+    for name, t in med.items():
+        print(f"| {name} | {batch * seq / t:,.0f} | {med['checkpoint'] / t:.2f}x |")
+
+    model, x = tiny(args.depths[-1])
+    step = methods(model, x, lambda out: out.square().mean())["eae_func"]
+    print(f"\nWhere eae_func's time goes ({args.depths[-1]} tiny stages, by own time):\n")
+    print(profile(step, rounds=3 if args.quick else 10))
+
+
+if __name__ == "__main__":
+    main()
