@@ -35,13 +35,16 @@ class Stage:
     physical: bool = False
     module: nn.Module | None = None
     param_names: tuple[str, ...] | None = None
+    aliased: bool = True
 
     def call(self, params: Any, buffers: Mapping[str, torch.Tensor], h: Any):
-        """``(h', updated_buffers)``: the stage applied to ``h``; ``buffers`` are not modified."""
+        """``(h', updated_buffers)``: the stage applied to ``h``; ``buffers`` are not modified.
+        Params are checked by ``Chain.check_params``; ``functional_call`` ties aliases only where the
+        module has a tensor under two names (``aliased``)."""
         if self.module is None:
             return self.fn(params, h), {}
         fresh = {name: b.clone() for name, b in buffers.items()}
-        return functional_call(self.module, {**params, **fresh}, (h,), strict=True), fresh
+        return functional_call(self.module, {**params, **fresh}, (h,), tie_weights=self.aliased, strict=False), fresh
 
     def default_buffers(self) -> dict[str, torch.Tensor]:
         if self.module is None:
@@ -208,7 +211,9 @@ def from_module(model: nn.Module | Sequence, loss: Callable, physical: Iterable[
         name = child_name if child_name and not child_name.isdigit() else None
         if isinstance(child, nn.Module):
             names = tuple(n for n, _ in child.named_parameters())
-            stages.append(Stage(fn=None, name=name, module=child, param_names=names))
+            tensors = [*child.named_parameters(remove_duplicate=False), *child.named_buffers(remove_duplicate=False)]
+            aliased = len({id(t) for _, t in tensors}) < len(tensors)
+            stages.append(Stage(fn=None, name=name, module=child, param_names=names, aliased=aliased))
             stage_params = {}
             for n, p in child.named_parameters():
                 stage_params[n] = detached.setdefault(id(p), p.detach())

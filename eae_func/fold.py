@@ -172,8 +172,10 @@ def autocast(dtype: torch.dtype | None, device: torch.device):
 
 @contextlib.contextmanager
 def timed(stats: dict, key: str, label: str):
-    """Add the seconds of the block to ``stats[key]``, inside a profiler range ``label``."""
-    with record_function(label):
+    """Add the seconds of the block to ``stats[key]``, inside a profiler range ``label`` while a
+    profiler runs (a range costs about as much as a tiny stage's kernel, so none is opened otherwise)."""
+    with record_function(label) if getattr(torch.autograd.profiler, "_is_profiler_enabled", True) \
+            else contextlib.nullcontext():
         start = time.perf_counter()
         try:
             yield
@@ -191,13 +193,27 @@ def naming(what: str):
         raise
 
 
-def local(stage, buffers: Mapping, rebuild: Callable) -> Callable:
-    """Stage as a function of its params and its input's differentiable leaves, for ``vjp(..., has_aux=True)``:
-    ``(the output's differentiable leaves, (the output, updated buffers))``."""
-    def f(params: Any, floats: list) -> tuple:
-        out, updated = stage.call(params, buffers, rebuild(floats))
-        return [t for t in optree.tree_leaves(out, namespace=NAMESPACE) if B.is_differentiable(t)], (out, updated)
-    return f
+def local_vjp(stage, params: Any, buffers: Mapping, floats: list, rebuild: Callable) -> tuple:
+    """``(output, pullback, updated buffers)`` of one stage run with its local autograd graph, the
+    graph ``torch.utils.checkpoint`` builds: ``pullback(cotangents)`` is ``(J_W^T p, J_x^T p)`` for the
+    cotangents of the output's differentiable leaves, by one ``torch.autograd.grad`` that frees the
+    graph as it goes and records no double-backward graph. The output is detached."""
+    leaves, spec = optree.tree_flatten(params, namespace=NAMESPACE)
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_(B.is_differentiable(t)) for t in (*leaves, *floats)]
+        out, updated = stage.call(spec.unflatten(inputs[:len(leaves)]), buffers, rebuild(inputs[len(leaves):]))
+    outputs = [t for t in optree.tree_leaves(out, namespace=NAMESPACE) if B.is_differentiable(t)]
+
+    def pullback(cotangents: list) -> tuple:
+        wanted = [t for t in inputs if t.requires_grad]
+        connected = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
+        grads = iter(torch.autograd.grad([o for o, _ in connected], wanted, [c for _, c in connected],
+                                         allow_unused=True) if connected and wanted else [None] * len(wanted))
+        full = [next(grads) if t.requires_grad else None for t in inputs]
+        full = [torch.zeros_like(t) if g is None else g for g, t in zip(full, inputs)]
+        return spec.unflatten(full[:len(leaves)]), full[len(leaves):]
+
+    return optree.tree_map(torch.Tensor.detach, out, namespace=NAMESPACE), pullback, updated
 
 
 def check_closed_over(chain: Chain, i: int, out: Any) -> None:
@@ -249,9 +265,9 @@ def cotangent(costate: list, layout: B.Layout) -> list:
             or dt.is_complex]
 
 
-def processed(chain: Chain, opts: Options, adj: AdjointState, pass_state: Any, boundary: Any,
+def processed(chain: Chain, opts: Options, adj: AdjointState, pass_state: Any, boundary: Any, layout: B.Layout,
               stats: dict) -> tuple[AdjointState, Any]:
-    """``adj`` and ``pass_state`` after the passes, the costate checked against ``boundary``."""
+    """``adj`` and ``pass_state`` after the passes, the costate checked against the boundary's ``layout``."""
     l = adj.index
     ctx = Context(boundary=boundary, stage=chain.stages[l - 1] if l > 0 else None, key=opts.key)
     with timed(stats, "pass_s", f"eae/{boundary_name(chain, l)}/passes"), naming(f"the passes at boundary {l}"):
@@ -259,7 +275,7 @@ def processed(chain: Chain, opts: Options, adj: AdjointState, pass_state: Any, b
     if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(f"pass {opts.passes.name!r} at boundary {l}: update must return (AdjointState, state), "
                         f"got {type(out).__name__}")
-    check_costate(chain, l, out[0], B.Layout.of(boundary))
+    check_costate(chain, l, out[0], layout)
     return out
 
 
@@ -299,8 +315,7 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
                 check_closed_over(chain, i, out)
             else:
                 floats, rebuild, _ = B.split(h, f"input of {where(chain, i)}")
-                _, closure, (out, tape.buffers[i]) = vjp(local(s, buffers[i], rebuild), params[i], floats,
-                                                         has_aux=True)
+                out, closure, tape.buffers[i] = local_vjp(s, params[i], buffers[i], floats, rebuild)
         if [t._version for t in inputs] != versions:
             raise ValueError(f"{where(chain, i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
                              f"sweep keeps each stage's input to recompute it: use the out-of-place form")
@@ -335,7 +350,7 @@ def boundary_condition(chain: Chain, h: Any, loss_args: tuple, opts: Options, pa
         loss, loss_vjp = vjp(loss_of, floats)
         (p,) = loss_vjp(torch.full_like(loss, loss_scale), retain_graph=False, create_graph=False)
     adj = AdjointState(costate_like(list(p)), L, boundary_name(chain, L), fold_in(opts.key, L))
-    adj, pass_state = processed(chain, opts, adj, pass_state, h, stats)
+    adj, pass_state = processed(chain, opts, adj, pass_state, h, B.Layout.of(h), stats)
     return loss.detach(), Carry(adj, pass_state)
 
 
@@ -366,13 +381,12 @@ def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
                 if closure is None:
                     with timed(stats, "recompute_s", f"eae/{s.name}/recompute"), replay_rng(entry.rng, device), \
                             autocast(opts.autocast, device):
-                        _, closure, _ = vjp(local(s, entry.buffers, rebuild), params[i], floats, has_aux=True)
+                        _, closure, _ = local_vjp(s, params[i], entry.buffers, floats, rebuild)
                 with timed(stats, "vjp_s", f"eae/{s.name}/vjp"):
-                    grads, g_in = closure(cotangent(costate, entry.out_layout), retain_graph=False,
-                                          create_graph=False)
+                    grads, g_in = closure(cotangent(costate, entry.out_layout))
                 costate_in = costate_like(list(g_in))
         adj = AdjointState(costate_in, i, boundary_name(chain, i), fold_in(opts.key, i))
-        adj, pass_state = processed(chain, opts, adj, carry.pass_state, entry.boundary, stats)
+        adj, pass_state = processed(chain, opts, adj, carry.pass_state, entry.boundary, entry.layout, stats)
         return Carry(adj, pass_state), StepOut(grads, traced(adj, opts), stats)
 
     return step
