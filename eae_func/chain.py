@@ -35,6 +35,7 @@ class Stage:
     physical: bool = False
     module: nn.Module | None = None
     param_names: tuple[str, ...] | None = None
+    param_layout: tuple[tuple[torch.Size, torch.dtype], ...] = ()
     aliased: bool = True
 
     def call(self, params: Any, buffers: Mapping[str, torch.Tensor], h: Any):
@@ -139,11 +140,10 @@ class Chain:
             for leaf in optree.tree_leaves(p, namespace=NAMESPACE):
                 if not isinstance(leaf, torch.Tensor):
                     raise TypeError(f"params of {self.where(i)}: leaves must be tensors, found {type(leaf).__name__}")
-            if s.module is not None:
-                for name, own in s.module.named_parameters():
-                    if (p[name].shape, p[name].dtype) != (own.shape, own.dtype):
-                        raise ValueError(f"params of {self.where(i)}: {name!r} has shape {tuple(p[name].shape)} and "
-                                         f"dtype {p[name].dtype}, the module's has {tuple(own.shape)} and {own.dtype}")
+            for name, (shape, dtype) in zip(s.param_names or (), s.param_layout):
+                if (p[name].shape, p[name].dtype) != (shape, dtype):
+                    raise ValueError(f"params of {self.where(i)}: {name!r} has shape {tuple(p[name].shape)} and "
+                                     f"dtype {p[name].dtype}, the module's has {tuple(shape)} and {dtype}")
         detached: dict = {}
         return tuple(optree.tree_map(lambda t: detached.setdefault(id(t), t.detach()), p, namespace=NAMESPACE)
                      if p is not None else None for p in params)
@@ -210,10 +210,12 @@ def from_module(model: nn.Module | Sequence, loss: Callable, physical: Iterable[
     for i, (child_name, child) in enumerate(named_children):
         name = child_name if child_name and not child_name.isdigit() else None
         if isinstance(child, nn.Module):
-            names = tuple(n for n, _ in child.named_parameters())
+            own = list(child.named_parameters())
+            names, layout = tuple(n for n, _ in own), tuple((t.shape, t.dtype) for _, t in own)
             tensors = [*child.named_parameters(remove_duplicate=False), *child.named_buffers(remove_duplicate=False)]
             aliased = len({id(t) for _, t in tensors}) < len(tensors)
-            stages.append(Stage(fn=None, name=name, module=child, param_names=names, aliased=aliased))
+            stages.append(Stage(fn=None, name=name, module=child, param_names=names, param_layout=layout,
+                                aliased=aliased))
             stage_params = {}
             for n, p in child.named_parameters():
                 stage_params[n] = detached.setdefault(id(p), p.detach())

@@ -65,7 +65,7 @@ class Entry:
     boundary:   its input x_{index} (as stored on the tape; in the compute dtype and
                 device once handed out by ``Tape.pop``).
     layout:     shape, dtype and device of the input as computed; ``out_layout`` of its output.
-    rng:        the global RNG state the stage saw (replayed by the recompute).
+    rng:        the global RNG state the stage saw (replayed by the recompute), ``None`` if it drew nothing.
     buffers:    the buffers it ran with (the recompute runs on throwaway clones).
     closure:    its vjp closure from the forward (``recompute=False``), else ``None``.
     """
@@ -74,7 +74,7 @@ class Entry:
     boundary: Any
     layout: B.Layout
     out_layout: B.Layout
-    rng: tuple
+    rng: tuple | None
     buffers: Mapping
     closure: Callable | None = None
 
@@ -155,9 +155,19 @@ def rng_state(device: torch.device) -> tuple:
     return torch.get_rng_state(), cuda
 
 
+def drew(before: tuple, device: torch.device) -> bool:
+    """Whether the global RNG moved since ``before`` was taken (the stage drew random numbers)."""
+    cpu, cuda = rng_state(device)
+    return not torch.equal(cpu, before[0]) or (cuda is not None and not torch.equal(cuda, before[1]))
+
+
 @contextlib.contextmanager
-def replay_rng(state: tuple, device: torch.device):
-    """Run with the global RNG as it was when ``state`` was taken (dropout masks repeat)."""
+def replay_rng(state: tuple | None, device: torch.device):
+    """Run with the global RNG as it was when ``state`` was taken (dropout masks repeat); ``None``:
+    the stage drew nothing, nothing to replay."""
+    if state is None:
+        yield
+        return
     cpu, cuda = state
     with torch.random.fork_rng(devices=[device] if cuda is not None else []):
         torch.set_rng_state(cpu)
@@ -325,7 +335,8 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
             raise TypeError(f"output of {where(chain, i)}: only integer tensors "
                             f"({', '.join(str(t.dtype) for t in outputs)}), so no costate flows back to the "
                             f"parameters before it; a stage must return a floating-point tensor")
-        tape.entries.append(Entry(i, kept, layout, B.Layout.of(out), rng, buffers[i], closure))
+        tape.entries.append(Entry(i, kept, layout, B.Layout.of(out), rng if drew(rng, device) else None, buffers[i],
+                                  closure))
         h = kept = out
         if i < len(chain) - 1 and (policy.dtype is not None or policy.offload):
             kept = policy.store(out)
