@@ -6,10 +6,11 @@ reverse sweep as a fold over the tape (think ``jax.lax.scan`` run backwards).
     boundary:  p_L = loss_scale * d loss(x_L) / d x_L, then the passes
     reverse:   carry, out_l = step(carry, entry_l),  l = hi..lo+1
     step:      (grad W_l, p_{l-1}) = vjp(h_l at (W_l, x_{l-1}))(p_l), then the passes
+               (the stage's graph rebuilt from x_{l-1}, one ``torch.autograd.grad``)
 
 Everything works on a stage range ``lo..hi``, so ``ef.sweep`` (the whole chain), each
 microbatch and every pipeline rank run these same functions. ``reverse`` hands each tape
-entry to the step once and keeps no reference to it: the boundary, and the vjp closure
+entry to the step once and keeps no reference to it: the boundary, and the pullback
 built from it, are freed when the step returns.
 """
 
