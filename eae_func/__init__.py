@@ -17,7 +17,8 @@ from .tree import tree_leaves, tree_map, tree_structure
 __version__ = "0.2.0"
 
 __all__ = [
-    "AdjointState", "Chain", "capture", "Context", "Estimator", "Pass", "Problem", "Stage", "SweepResult", "compose", "estimators",
-    "fold_in", "from_module", "global_norm", "grad", "identity", "map_costate", "passes", "stage", "stateless",
-    "sweep", "tree_leaves", "tree_map", "tree_structure", "value_and_grad", "write_back", "write_buffers", "write_grads",
+    "AdjointState", "Chain", "Context", "Estimator", "Pass", "Problem", "Stage", "SweepResult", "capture", "compose",
+    "estimators", "fold_in", "from_module", "global_norm", "grad", "identity", "map_costate", "passes", "stage",
+    "stateless", "sweep", "tree_leaves", "tree_map", "tree_structure", "value_and_grad", "write_back", "write_buffers",
+    "write_grads",
 ]

@@ -93,8 +93,8 @@ def _register_output_types(spec) -> None:
     cls = spec.type
     if cls in torch_pytree.SUPPORTED_NODES and cls not in _NATIVE and cls not in _REGISTERED:
         node = torch_pytree.SUPPORTED_NODES[cls]
-        optree.register_pytree_node(cls, node.flatten_fn, lambda context, children: node.unflatten_fn(children, context),
-                                    namespace=NAMESPACE)
+        optree.register_pytree_node(cls, node.flatten_fn,
+                                    lambda context, children: node.unflatten_fn(children, context), namespace=NAMESPACE)
         _REGISTERED.add(cls)
     for child in spec.children():
         _register_output_types(child)

@@ -206,7 +206,8 @@ def _on_model(model, params, x, loss_args, loss, split_at, buffers, options_) ->
         layouts = {tuple(tuple(t.shape) for t in optree.tree_leaves(mb.x, namespace=NAMESPACE)) for mb in pieces}
         if len(layouts) > 1:
             raise ValueError(f"sweep: a model cut with split_at is captured for one input shape; microbatches="
-                             f"{options_['microbatches']} cuts the batch into pieces of different sizes {sorted(layouts)}")
+                             f"{options_['microbatches']} cuts the batch into pieces of different sizes "
+                             f"{sorted(layouts)}")
         example = pieces[0].x
     chain, qualified = chain_of(model, loss, split_at, example)
     flat = isinstance(params, Mapping)
