@@ -40,7 +40,7 @@ def main(steps: int = 40, depth: int = 4, dim: int = 64):
     for step in range(1, steps + 1):
         x, y = next(stream)
         res = ef.sweep(chain, params, x, y, passes=passes, key=step)
-        ef.write_grads(model, res.grads)
+        ef.write_back(model, res)
         opt.step()
         if step % 10 == 0 or step == 1:
             print(f"step {step:3d}  loss {res.loss.item():.4f}")

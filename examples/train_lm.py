@@ -53,7 +53,7 @@ def train(model: torch.nn.Module, data: torch.Tensor, args, use_eae: bool):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_schedule(args.steps // 10 + 1, args.steps))
     chain, params = ef.from_module(model, loss=lm_loss)
     pipeline = ef.compose(*[PASSES[name]() for name in args.passes.split(",") if name and name != "none"])
-    pass_state = ef.passes.init(pipeline)
+    pass_state = pipeline.init()
     losses, norms = [], []
     stream = batches(data, args.batch, args.seq, seed=0)
     bar = tqdm(range(args.steps), desc="EAE" if use_eae else "autograd", dynamic_ncols=True)
@@ -64,7 +64,7 @@ def train(model: torch.nn.Module, data: torch.Tensor, args, use_eae: bool):
             res = ef.sweep(chain, params, x, y, passes=pipeline, pass_state=pass_state, key=step,
                            microbatches=args.accumulate)
             pass_state, loss = res.pass_state, res.loss
-            ef.write_grads(model, res.grads)
+            ef.write_back(model, res)
             norms.append([a.value.norm().item() for a in res.adjoints if a.value is not None])
         else:
             opt.zero_grad(set_to_none=True)
