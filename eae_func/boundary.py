@@ -4,6 +4,7 @@ and storing it in a lower dtype and/or on the CPU between the sweeps."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import optree
@@ -91,9 +92,17 @@ class Layout:
 
     @staticmethod
     def of(tree: Any) -> "Layout":
-        flat, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+        return Layout.of_leaves(*optree.tree_flatten(tree, namespace=NAMESPACE))
+
+    @staticmethod
+    def of_leaves(flat: list, spec: Any) -> "Layout":
         return Layout(spec, tuple(t.shape for t in flat), tuple((t.device, t.dtype) for t in flat))
 
+    @functools.cached_property
+    def costate_spec(self) -> Any:
+        """The tree structure a costate of this boundary has (``None`` leaves counted as leaves)."""
+        return optree.tree_structure(self.spec.unflatten([0] * self.spec.num_leaves), none_is_leaf=True,
+                                     namespace=NAMESPACE)
 
 
 def nbytes(tree: Any) -> int:

@@ -86,6 +86,7 @@ class Chain:
         if duplicates:
             raise ValueError(f"Chain: stage names must be unique, repeated: {duplicates}")
         object.__setattr__(self, "stages", named)
+        object.__setattr__(self, "_labels", tuple(f"stage {i} ({s.name!r})" for i, s in enumerate(named)))
         object.__setattr__(self, "loss", loss)
         object.__setattr__(self, "ties", tuple(tuple((int(i), str(n)) for i, n in group) for group in ties))
         for group in self.ties:
@@ -118,7 +119,8 @@ class Chain:
         return tuple(s.default_buffers() for s in self.stages)
 
     def where(self, i: int) -> str:
-        return f"stage {i} ({self.stages[i].name!r})"
+        """``"stage i ('name')"``, as errors name a stage."""
+        return self._labels[i]
 
     def check_params(self, params: Any, stages: range | None = None) -> tuple:
         """``params`` as a tuple with one entry per stage, those of ``stages`` (default: all)

@@ -95,12 +95,15 @@ class Tape:
         self.buffers: dict[int, Mapping] = {}
         self.stats: dict[str, dict] = {}
         self.prefetch = B.Prefetcher(policy, device)
+        self.stored = policy.dtype is not None or policy.offload
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def pop(self) -> Entry:
         entry = self.entries.pop()
+        if not self.stored:  # boundaries kept as computed: nothing to load
+            return entry
         loaded = self.prefetch.get(entry.index, entry.boundary, entry.layout)
         if self.entries:
             following = self.entries[-1]
@@ -134,7 +137,7 @@ class StepOut:
 # ----------------------------------------------------------------------------- small parts
 
 def where(chain: Chain, i: int) -> str:
-    return f"stage {i} ({chain.stages[i].name!r})"
+    return chain.where(i)
 
 
 def boundary_name(chain: Chain, l: int) -> str:
@@ -181,17 +184,25 @@ def autocast(dtype: torch.dtype | None, device: torch.device):
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def timed(stats: dict, key: str, label: str):
+class timed:  # noqa: N801 - used as a context manager, like contextlib's
     """Add the seconds of the block to ``stats[key]``, inside a profiler range ``label`` while a
     profiler runs (a range costs about as much as a tiny stage's kernel, so none is opened otherwise)."""
-    with record_function(label) if getattr(torch.autograd.profiler, "_is_profiler_enabled", True) \
-            else contextlib.nullcontext():
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            stats[key] = stats.get(key, 0) + time.perf_counter() - start
+
+    __slots__ = ("stats", "key", "label", "range", "start")
+
+    def __init__(self, stats: dict, key: str, label: str):
+        self.stats, self.key, self.label, self.range = stats, key, label, None
+
+    def __enter__(self):
+        if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):
+            self.range = record_function(self.label)
+            self.range.__enter__()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.stats[self.key] = self.stats.get(self.key, 0) + time.perf_counter() - self.start
+        if self.range is not None:
+            self.range.__exit__(*exc)
 
 
 @contextlib.contextmanager
@@ -258,10 +269,8 @@ def check_costate(chain: Chain, l: int, adj: Any, layout: B.Layout) -> list:
     if not isinstance(adj, AdjointState):
         raise TypeError(f"{where_}: a pass returned {type(adj).__name__}, expected an AdjointState")
     flat, spec = optree.tree_flatten(adj.value, none_is_leaf=True, namespace=NAMESPACE)
-    expected = optree.tree_structure(layout.spec.unflatten([0] * layout.spec.num_leaves),
-                                     none_is_leaf=True, namespace=NAMESPACE)
-    if spec != expected:
-        raise ValueError(f"{where_}: costate structure {spec} differs from {what} {expected}")
+    if spec != layout.costate_spec:
+        raise ValueError(f"{where_}: costate structure {spec} differs from {what} {layout.costate_spec}")
     for t, shape in zip(flat, layout.shapes):
         if t is not None and (not isinstance(t, torch.Tensor) or t.shape != shape):
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -307,12 +316,12 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
     never written).
     """
     policy, tape = opts.boundary, Tape(opts.boundary, device)
-    kept, upstream_params = h, False
+    kept, upstream_params, layouts = h, False, []
     for i in range(lo, hi):
         s = chain.stages[i]
         stats = tape.stats[s.name] = dict.fromkeys(STAGE_COUNTERS, 0)
-        B.leaves(h, f"input of {where(chain, i)}")
-        layout, rng, closure = B.Layout.of(h), rng_state(device), None
+        layout = layouts.pop() if layouts else B.Layout.of_leaves(*B.leaves(h, f"input of {where(chain, i)}"))
+        rng, closure = rng_state(device), None
         if i == 0:  # the caller's input: the first stage runs on a copy, which a write into it cannot leave
             h = optree.tree_map(lambda t: t.detach().clone(), h, namespace=NAMESPACE)
         inputs = optree.tree_leaves(h, namespace=NAMESPACE)
@@ -330,18 +339,19 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
         if [t._version for t in inputs] != versions:
             raise ValueError(f"{where(chain, i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
                              f"sweep keeps each stage's input to recompute it: use the out-of-place form")
-        outputs = B.leaves(out, f"output of {where(chain, i)}")[0]
+        outputs, out_spec = B.leaves(out, f"output of {where(chain, i)}")
         upstream_params = upstream_params or bool(optree.tree_leaves(params[i], namespace=NAMESPACE))
         if upstream_params and not any(B.is_differentiable(t) for t in outputs):
             raise TypeError(f"output of {where(chain, i)}: only integer tensors "
                             f"({', '.join(str(t.dtype) for t in outputs)}), so no costate flows back to the "
                             f"parameters before it; a stage must return a floating-point tensor")
-        tape.entries.append(Entry(i, kept, layout, B.Layout.of(out), rng if drew(rng, device) else None, buffers[i],
-                                  closure))
+        out_layout = B.Layout.of_leaves(outputs, out_spec)
+        tape.entries.append(Entry(i, kept, layout, out_layout, rng if drew(rng, device) else None, buffers[i], closure))
         h = kept = out
+        layouts = [out_layout]  # the next stage's input has it (a stored copy is loaded back to it)
         if i < len(chain) - 1 and (policy.dtype is not None or policy.offload):
             kept = policy.store(out)
-            h = policy.load(kept, B.Layout.of(out)) if policy.dtype is not None else out
+            h = policy.load(kept, out_layout) if policy.dtype is not None else out
     tape.output = h
     return tape
 
