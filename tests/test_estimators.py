@@ -321,3 +321,28 @@ def test_errors_name_the_stage():
         ef.sweep(summed, params, x, y, estimator=E.direct(E.Probes(4), form="jvp"), physical=[2])
     ok = ef.sweep(summed, params, x, y, estimator=E.direct(E.Probes(4), form="jvp", reduction="sum"), physical=[2])
     assert torch.isfinite(ok.adjoints[-1].value).all()
+
+
+def test_a_noisy_black_box_sees_fresh_noise_in_every_query_and_the_seed_reproduces_the_run():
+    """The sweep replays the RNG for digital recomputes (dropout) only: a physical stage's noise
+    drawn from torch's global RNG is independent between the forward and the estimator's queries."""
+    draws = []
+
+    def noisy(params, h):
+        noise = torch.randn(h.shape, dtype=h.dtype)
+        draws.append(noise[:2].clone())  # the first two rows of each call
+        return torch.tanh(h) + 1e-3 * noise
+
+    chain = ef.Chain([ef.stage(lambda p, h: h @ p["w"], name="in"), ef.stage(noisy, name="box", physical=True)],
+                     loss=lambda out: out.square().mean())
+    params = ({"w": torch.randn(8, 8, dtype=F64)}, {})
+    x = torch.randn(16, 8, dtype=F64)  # 128 entries: torch draws them in the same order as a bigger call's first ones
+    estimator = E.zbp(E.Probes(4, "rademacher"), method="fd", eps=1e-2)
+    torch.manual_seed(0)
+    first = ef.sweep(chain, params, x, estimator=estimator, key=1)
+    forward, query = draws[0], draws[1]
+    assert not torch.equal(forward, query)  # the first rows of the folded query are not the forward's noise
+    draws.clear()
+    torch.manual_seed(0)
+    again = ef.sweep(chain, params, x, estimator=estimator, key=1)
+    assert torch.equal(first.grads[0]["w"], again.grads[0]["w"]) and torch.equal(draws[0], forward)
