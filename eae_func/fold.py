@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import optree
 import torch
@@ -215,15 +215,19 @@ def naming(what: str):
         raise
 
 
-def local_vjp(stage, params: Any, buffers: Mapping, floats: list, rebuild: Callable) -> tuple:
+def local_vjp(stage, params: Any, buffers: Mapping, floats: list, rebuild: Callable,
+              check: Callable | None = None) -> tuple:
     """``(output, pullback, updated buffers)`` of one stage run with its local autograd graph, the
     graph ``torch.utils.checkpoint`` builds: ``pullback(cotangents)`` is ``(J_W^T p, J_x^T p)`` for the
     cotangents of the output's differentiable leaves, by one ``torch.autograd.grad`` that frees the
-    graph as it goes and records no double-backward graph. The output is detached."""
+    graph as it goes and records no double-backward graph. The output is detached. ``check(out,
+    inputs)`` sees the graph before that."""
     leaves, spec = optree.tree_flatten(params, namespace=NAMESPACE)
     with torch.enable_grad():
         inputs = [t.detach().requires_grad_(B.is_differentiable(t)) for t in (*leaves, *floats)]
         out, updated = stage.call(spec.unflatten(inputs[:len(leaves)]), buffers, rebuild(inputs[len(leaves):]))
+    if check is not None:
+        check(out, inputs)
     outputs = [t for t in optree.tree_leaves(out, namespace=NAMESPACE) if B.is_differentiable(t)]
 
     def pullback(cotangents: list) -> tuple:
@@ -238,23 +242,26 @@ def local_vjp(stage, params: Any, buffers: Mapping, floats: list, rebuild: Calla
     return optree.tree_map(torch.Tensor.detach, out, namespace=NAMESPACE), pullback, updated
 
 
-def check_closed_over(chain: Chain, i: int, out: Any) -> None:
-    """Refuse an output that requires grad: stage i ran on detached params and input, so it used a
-    tensor that requires grad but is not among its params (a closure over a module's weights), whose
-    gradient the sweep would silently drop."""
+def check_closed_over(chain: Chain, i: int, out: Any, own: Sequence[torch.Tensor] = ()) -> None:
+    """Refuse an output that depends on a tensor requiring grad other than ``own`` (the stage's params
+    and input as the sweep gave them): stage i then closes over, say, a module's weights, whose
+    gradient the sweep would silently drop. With no ``own`` tensors, any output requiring grad is one."""
     grad_fns = [t.grad_fn for t in optree.tree_leaves(out, namespace=NAMESPACE)
                 if isinstance(t, torch.Tensor) and t.requires_grad]
     if not grad_fns:
         return
+    mine = {id(t) for t in own}
     leaves, seen, todo = [], set(), [f for f in grad_fns if f is not None]
     while todo and len(leaves) < 3:
         fn = todo.pop()
         if fn in seen:
             continue
         seen.add(fn)
-        if hasattr(fn, "variable"):
+        if hasattr(fn, "variable") and id(fn.variable) not in mine:
             leaves.append(tuple(fn.variable.shape))
         todo += [f for f, _ in fn.next_functions if f is not None]
+    if mine and not leaves:
+        return
     raise ValueError(f"{where(chain, i)}: its output depends on a tensor that requires grad but is not among its "
                      f"params (shapes {leaves or 'unknown'}): a stage that closes over a module's weights would get "
                      f"no gradient for them; pass them in params (ef.from_module, or functional_call on them)")
@@ -335,7 +342,8 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
                 check_closed_over(chain, i, out)
             else:
                 floats, rebuild, _ = B.split(h, f"input of {where(chain, i)}")
-                out, closure, tape.buffers[i] = local_vjp(s, params[i], buffers[i], floats, rebuild)
+                out, closure, tape.buffers[i] = local_vjp(s, params[i], buffers[i], floats, rebuild,
+                                                          lambda o, own: check_closed_over(chain, i, o, own))
         if [t._version for t in inputs] != versions:
             raise ValueError(f"{where(chain, i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
                              f"sweep keeps each stage's input to recompute it: use the out-of-place form")

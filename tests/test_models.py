@@ -148,9 +148,10 @@ def test_nothing_is_dropped_silently():
     blocks = [nn.Linear(4, 4) for _ in range(3)]
     closures = ef.Chain([ef.stage(lambda p, h, b=b: b(h), name=f"block{i}") for i, b in enumerate(blocks)],
                         loss=lambda out: out.sum())
-    with pytest.raises(ValueError, match=r"stage 0 \('block0'\): its output depends on a tensor that requires grad "
-                                         r"but is not among its params \(shapes \[.*\(4, 4\)"):
-        ef.sweep(closures, ({}, {}, {}), torch.randn(2, 4))
+    for recompute in (True, False):  # False: the forward builds the local graph, the check walks it
+        with pytest.raises(ValueError, match=r"stage 0 \('block0'\): its output depends on a tensor that requires "
+                                             r"grad but is not among its params \(shapes \[.*\(4, 4\)"):
+            ef.sweep(closures, ({}, {}, {}), torch.randn(2, 4), recompute=recompute)
 
 
 def test_microbatches_equal_the_full_batch_without_batch_statistics_or_dropout():
