@@ -45,7 +45,10 @@ class Options:
     autocast:       dtype stages compute in under ``torch.autocast`` (``None``: off).
     estimator:      the reverse step of physical stages (``None``: every stage exact).
     physical:       indices of the physical stages (empty without an estimator).
-    recompute:      rebuild each stage's graph from its saved input (``False``: keep the closures).
+    recompute:      the remat policy: ``True`` rebuilds each stage's graph from its saved input,
+                    ``False`` keeps every stage's graph from the forward, a predicate
+                    ``(index, name) -> bool`` says which stages to rebuild, an int is a byte budget
+                    for the graphs kept (stages are kept first to last while their saved tensors fit).
     keep_costates:  keep costate values in the returned trace.
     """
 
@@ -55,7 +58,7 @@ class Options:
     autocast: torch.dtype | None = None
     estimator: Any = None
     physical: tuple[int, ...] = ()
-    recompute: bool = True
+    recompute: bool | int | Callable[[int, str], bool] = True
     keep_costates: bool = True
 
 
@@ -242,6 +245,33 @@ def local_vjp(stage, params: Any, buffers: Mapping, floats: list, rebuild: Calla
     return optree.tree_map(torch.Tensor.detach, out, namespace=NAMESPACE), pullback, updated
 
 
+def recomputed(policy: Any, i: int, name: str, budget: int | None) -> bool:
+    """Whether the remat ``policy`` rebuilds stage i's graph in the reverse sweep instead of keeping
+    the forward's (a byte ``budget`` decides after the forward, by what the graph saved)."""
+    if budget is not None:
+        return budget <= 0
+    return bool(policy(i, name)) if callable(policy) else bool(policy)
+
+
+class SavedBytes:
+    """``saved_tensors_hooks`` that count the bytes of the storages a graph saves, besides ``own``'s."""
+
+    def __init__(self, own: Sequence[torch.Tensor]):
+        self.seen = {t.untyped_storage().data_ptr() for t in own}
+        self.bytes = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.seen:
+            self.seen.add(storage.data_ptr())
+            self.bytes += storage.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
 def check_closed_over(chain: Chain, i: int, out: Any, own: Sequence[torch.Tensor] = ()) -> None:
     """Refuse an output that depends on a tensor requiring grad other than ``own`` (the stage's params
     and input as the sweep gave them): stage i then closes over, say, a module's weights, whose
@@ -324,6 +354,7 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
     """
     policy, tape = opts.boundary, Tape(opts.boundary, device)
     kept, upstream_params, layouts = h, False, []
+    budget = opts.recompute if isinstance(opts.recompute, int) and not isinstance(opts.recompute, bool) else None
     for i in range(lo, hi):
         s = chain.stages[i]
         stats = tape.stats[s.name] = dict.fromkeys(STAGE_COUNTERS, 0)
@@ -336,14 +367,18 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
         stats["boundary_bytes"] = B.nbytes(kept)
         with timed(stats, "forward_s", f"eae/{s.name}/forward"), autocast(opts.autocast, device), \
                 naming(f"the forward of {where(chain, i)}"):
-            if opts.recompute or i in opts.physical:
+            if recomputed(opts.recompute, i, s.name, budget) or i in opts.physical:
                 with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
                     out, tape.buffers[i] = s.call(params[i], buffers[i], h)
                 check_closed_over(chain, i, out)
             else:
                 floats, rebuild, _ = B.split(h, f"input of {where(chain, i)}")
-                out, closure, tape.buffers[i] = local_vjp(s, params[i], buffers[i], floats, rebuild,
-                                                          lambda o, own: check_closed_over(chain, i, o, own))
+                saved = SavedBytes([*optree.tree_leaves(params[i], namespace=NAMESPACE), *floats])
+                with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                    out, closure, tape.buffers[i] = local_vjp(s, params[i], buffers[i], floats, rebuild,
+                                                              lambda o, own: check_closed_over(chain, i, o, own))
+                if budget is not None:  # keep the graph only if it fits in what is left of the budget
+                    closure, budget = (closure, budget - saved.bytes) if saved.bytes <= budget else (None, budget)
         if [t._version for t in inputs] != versions:
             raise ValueError(f"{where(chain, i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
                              f"sweep keeps each stage's input to recompute it: use the out-of-place form")

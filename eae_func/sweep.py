@@ -46,7 +46,7 @@ class SweepResult:
 
 def options(chain: Chain, *, passes: Any = None, key: int = 0, boundary_dtype: torch.dtype | None = None,
             offload: bool = False, autocast: torch.dtype | None = None, estimator: Any = None,
-            physical: Sequence | None = None, recompute: bool = True, keep_costates: bool = True) -> F.Options:
+            physical: Sequence | None = None, recompute: Any = True, keep_costates: bool = True) -> F.Options:
     """The checked ``Options`` of a sweep of ``chain`` (shared by ``sweep`` and the pipeline)."""
     for name, dtype in (("boundary_dtype", boundary_dtype), ("autocast", autocast)):
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -54,6 +54,9 @@ def options(chain: Chain, *, passes: Any = None, key: int = 0, boundary_dtype: t
                             f"got {dtype!r}")
     if isinstance(key, bool) or not isinstance(key, numbers.Integral):
         raise TypeError(f"sweep: key must be an int seed, got {type(key).__name__}")
+    if not (isinstance(recompute, (bool, int)) and recompute >= 0 or callable(recompute)):
+        raise TypeError(f"sweep: recompute must be True, False, a predicate (index, name) -> bool or a byte budget "
+                        f"(an int >= 0), got {recompute!r}")
     if estimator is not None and not all(callable(getattr(estimator, m, None)) for m in ("prepare", "stage_vjp")):
         raise TypeError(f"sweep: estimator must have prepare(problem) and stage_vjp(...) (eae_func.estimators), "
                         f"got {type(estimator).__name__}")
@@ -61,7 +64,7 @@ def options(chain: Chain, *, passes: Any = None, key: int = 0, boundary_dtype: t
         physical = [i for i, s in enumerate(chain.stages) if s.physical]
     physical = tuple(sorted({chain.index(p) for p in physical})) if estimator is not None else ()
     return F.Options(compose(passes) if passes is not None else compose(), int(key), B.Policy(boundary_dtype, offload),
-                     autocast, estimator, physical, bool(recompute), bool(keep_costates))
+                     autocast, estimator, physical, recompute, bool(keep_costates))
 
 
 def merge_counters(*counters: Mapping) -> dict:
@@ -96,7 +99,7 @@ def sweep(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_ar
           split_at: Sequence[str] | None = None, passes: Any = None, pass_state: Any = None, key: int = 0,
           buffers: Sequence | None = None, boundary_dtype: torch.dtype | None = None, offload: bool = False,
           autocast: torch.dtype | None = None, microbatches: int = 1, reduction: str = "mean",
-          estimator: Any = None, physical: Sequence | None = None, recompute: bool = True,
+          estimator: Any = None, physical: Sequence | None = None, recompute: Any = True,
           keep_costates: bool = True) -> SweepResult:
     """Loss, parameter gradients and the costate trace of ``chain`` at ``params`` on ``x``.
 
@@ -128,8 +131,10 @@ def sweep(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_ar
     physical:       names or indices of the physical stages (``None``: those made with
                     ``physical=True``); only used with an estimator.
     recompute:      ``True`` (the memory-saving sweep) rebuilds each stage's graph from its
-                    saved input; ``False`` keeps every stage's vjp closure from the forward
-                    (no second forward, memory like plain autograd), same results.
+                    saved input; ``False`` keeps every stage's graph from the forward (no second
+                    forward, memory like plain autograd); a predicate ``(index, name) -> bool``
+                    rebuilds the stages it is true for; an int is a byte budget for the graphs
+                    kept (first to last, while their saved tensors fit). Same results at every setting.
     keep_costates:  ``False`` returns the trace records with ``value=None`` (history and meta
                     kept), saving L costates of memory; ``grad``/``value_and_grad`` use it.
     """
@@ -255,7 +260,7 @@ def value_and_grad(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any,
                    pass_state: Any = None, key: int = 0, buffers: Sequence | None = None,
                    boundary_dtype: torch.dtype | None = None, offload: bool = False,
                    autocast: torch.dtype | None = None, microbatches: int = 1, reduction: str = "mean",
-                   estimator: Any = None, physical: Sequence | None = None, recompute: bool = True):
+                   estimator: Any = None, physical: Sequence | None = None, recompute: Any = True):
     """``(loss, grads)`` of ``chain`` (or a model with ``loss=``) at ``params``: ``sweep``'s loss and
     grads (the same options), without keeping the costates of the trace."""
     res = sweep(chain, params, x, *loss_args, loss=loss, split_at=split_at, passes=passes, pass_state=pass_state,
@@ -270,7 +275,7 @@ def grad(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_arg
          split_at: Sequence[str] | None = None, passes: Any = None, pass_state: Any = None, key: int = 0,
          buffers: Sequence | None = None, boundary_dtype: torch.dtype | None = None, offload: bool = False,
          autocast: torch.dtype | None = None, microbatches: int = 1, reduction: str = "mean",
-         estimator: Any = None, physical: Sequence | None = None, recompute: bool = True):
+         estimator: Any = None, physical: Sequence | None = None, recompute: Any = True):
     """Parameter gradients of ``chain`` (or a model with ``loss=``) at ``params``, in the structure
     of ``params``; options as ``sweep``."""
     return value_and_grad(chain, params, x, *loss_args, loss=loss, split_at=split_at, passes=passes,
