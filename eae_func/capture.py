@@ -77,8 +77,8 @@ def _module_paths(node) -> list[str]:
     return [p[len(_ROOT):] for p in paths if p.startswith(_ROOT)]
 
 
-def _canonical(named) -> dict:
-    """Every name of a tensor (aliases included) -> its first name."""
+def canonical_names(named) -> dict:
+    """Every name of a tensor in ``named`` (aliases included) -> its first name."""
     first: dict = {}
     return {name: first.setdefault(id(t), name) for name, t in named}
 
@@ -208,8 +208,8 @@ def cut(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[list[C
     split = split_module(module, None, lambda node: stage_of[node], keep_original_node_name=True,
                          keep_original_input_name=True, tuple_return=True)
 
-    parameters = _canonical(model.named_parameters(remove_duplicate=False))
-    buffers = _canonical(model.named_buffers(remove_duplicate=False))
+    parameters = canonical_names(model.named_parameters(remove_duplicate=False))
+    buffers = canonical_names(model.named_buffers(remove_duplicate=False))
     sources = {}
     for spec in signature.input_specs:
         target = spec.target[len(_ROOT):] if spec.target else None

@@ -139,10 +139,6 @@ class StepOut:
 
 # ----------------------------------------------------------------------------- small parts
 
-def where(chain: Chain, i: int) -> str:
-    return chain.where(i)
-
-
 def boundary_name(chain: Chain, l: int) -> str:
     """The ``stage`` field of boundary l's record: the stage whose output it is, ``"input"`` at 0."""
     return chain.stages[l - 1].name if l > 0 else "input"
@@ -292,7 +288,7 @@ def check_closed_over(chain: Chain, i: int, out: Any, own: Sequence[torch.Tensor
         todo += [f for f, _ in fn.next_functions if f is not None]
     if mine and not leaves:
         return
-    raise ValueError(f"{where(chain, i)}: its output depends on a tensor that requires grad but is not among its "
+    raise ValueError(f"{chain.where(i)}: its output depends on a tensor that requires grad but is not among its "
                      f"params (shapes {leaves or 'unknown'}): a stage that closes over a module's weights would get "
                      f"no gradient for them; pass them in params (ef.from_module, or functional_call on them)")
 
@@ -301,7 +297,7 @@ def check_costate(chain: Chain, l: int, adj: Any, layout: B.Layout) -> list:
     """The leaves of the costate at boundary ``l`` (``None`` where a boundary leaf has none),
     checked against the boundary's ``layout``: a record, of the boundary's structure and shapes."""
     where_ = "costate at boundary 0 (the chain's input)" if l == 0 else \
-        f"costate entering {where(chain, l - 1)} at boundary {l}"
+        f"costate entering {chain.where(l - 1)} at boundary {l}"
     what = "the chain's input" if l == 0 else "the stage output"
     if not isinstance(adj, AdjointState):
         raise TypeError(f"{where_}: a pass returned {type(adj).__name__}, expected an AdjointState")
@@ -358,7 +354,7 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
     for i in range(lo, hi):
         s = chain.stages[i]
         stats = tape.stats[s.name] = dict.fromkeys(STAGE_COUNTERS, 0)
-        layout = layouts.pop() if layouts else B.Layout.of_leaves(*B.leaves(h, f"input of {where(chain, i)}"))
+        layout = layouts.pop() if layouts else B.Layout.of_leaves(*B.leaves(h, f"input of {chain.where(i)}"))
         rng, closure = rng_state(device), None
         if i == 0:  # the caller's input: the first stage runs on a copy, which a write into it cannot leave
             h = optree.tree_map(lambda t: t.detach().clone(), h, namespace=NAMESPACE)
@@ -366,26 +362,28 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
         versions = [t._version for t in inputs]
         stats["boundary_bytes"] = B.nbytes(kept)
         with timed(stats, "forward_s", f"eae/{s.name}/forward"), autocast(opts.autocast, device), \
-                naming(f"the forward of {where(chain, i)}"):
+                naming(f"the forward of {chain.where(i)}"):
             if recomputed(opts.recompute, i, s.name, budget) or i in opts.physical:
                 with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
                     out, tape.buffers[i] = s.call(params[i], buffers[i], h)
                 check_closed_over(chain, i, out)
             else:
-                floats, rebuild, _ = B.split(h, f"input of {where(chain, i)}")
-                saved = SavedBytes([*optree.tree_leaves(params[i], namespace=NAMESPACE), *floats])
-                with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                floats, rebuild, _ = B.split(h, f"input of {chain.where(i)}")
+                saved = SavedBytes([*optree.tree_leaves(params[i], namespace=NAMESPACE), *floats]) \
+                    if budget is not None else None
+                with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack) if saved is not None \
+                        else contextlib.nullcontext():
                     out, closure, tape.buffers[i] = local_vjp(s, params[i], buffers[i], floats, rebuild,
                                                               lambda o, own: check_closed_over(chain, i, o, own))
-                if budget is not None:  # keep the graph only if it fits in what is left of the budget
+                if saved is not None:  # keep the graph only if it fits in what is left of the budget
                     closure, budget = (closure, budget - saved.bytes) if saved.bytes <= budget else (None, budget)
         if [t._version for t in inputs] != versions:
-            raise ValueError(f"{where(chain, i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
+            raise ValueError(f"{chain.where(i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
                              f"sweep keeps each stage's input to recompute it: use the out-of-place form")
-        outputs, out_spec = B.leaves(out, f"output of {where(chain, i)}")
+        outputs, out_spec = B.leaves(out, f"output of {chain.where(i)}")
         upstream_params = upstream_params or bool(optree.tree_leaves(params[i], namespace=NAMESPACE))
         if upstream_params and not any(B.is_differentiable(t) for t in outputs):
-            raise TypeError(f"output of {where(chain, i)}: only integer tensors "
+            raise TypeError(f"output of {chain.where(i)}: only integer tensors "
                             f"({', '.join(str(t.dtype) for t in outputs)}), so no costate flows back to the "
                             f"parameters before it; a stage must return a floating-point tensor")
         out_layout = B.Layout.of_leaves(outputs, out_spec)
@@ -433,9 +431,10 @@ def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
     def step(carry: Carry, entry: Entry) -> tuple[Carry, StepOut]:
         i, s = entry.index, chain.stages[entry.index]
         stats: dict = {}
-        costate = check_costate(chain, i + 1, carry.adj, entry.out_layout)
-        floats, rebuild, costate_like = B.split(entry.boundary, f"input of {where(chain, i)}")
-        with naming(f"the reverse step of {where(chain, i)}"):
+        # checked against this layout when the passes produced it (or when it arrived from another rank)
+        costate = optree.tree_leaves(carry.adj.value, none_is_leaf=True, namespace=NAMESPACE)
+        floats, rebuild, costate_like = B.split(entry.boundary, f"input of {chain.where(i)}")
+        with naming(f"the reverse step of {chain.where(i)}"):
             if i in opts.physical:
                 with timed(stats, "vjp_s", f"eae/{s.name}/estimate"), autocast(opts.autocast, device):
                     grads, costate_in, cost = opts.estimator.stage_vjp(

@@ -21,6 +21,7 @@ from torch import nn
 from . import boundary as B
 from . import fold as F
 from . import microbatch as M
+from .capture import canonical_names
 from .chain import Chain, from_module
 from .estimators.base import Problem
 from .passes import compose
@@ -188,19 +189,14 @@ def chain_of(model: nn.Module | Sequence, loss: Callable, split_at: Sequence[str
         prefixes = [None] * len(chain)
     names = {}
     if isinstance(model, nn.Module):
-        names = {**_canonical_names(model.named_parameters(remove_duplicate=False)),
-                 **_canonical_names(model.named_buffers(remove_duplicate=False))}
+        names = {**canonical_names(model.named_parameters(remove_duplicate=False)),
+                 **canonical_names(model.named_buffers(remove_duplicate=False))}
     qualified = []
     for s, prefix in zip(chain.stages, prefixes):
         own = [n for n, _ in s.module.named_parameters()] + [n for n, _ in s.module.named_buffers()] \
             if s.module is not None else []
         qualified.append({n: names.get(n if prefix is None else f"{prefix}.{n}") for n in own})
     return chain, qualified
-
-
-def _canonical_names(named) -> dict:
-    first: dict = {}
-    return {name: first.setdefault(id(t), name) for name, t in named}
 
 
 def _on_model(model, params, x, loss_args, loss, split_at, buffers, options_) -> SweepResult:
@@ -217,8 +213,8 @@ def _on_model(model, params, x, loss_args, loss, split_at, buffers, options_) ->
     chain, qualified = chain_of(model, loss, split_at, example)
     flat = isinstance(params, Mapping)
     if flat:
-        missing = sorted({q for names in qualified for q in names.values() if q is not None and q not in params
-                          and q in dict(model.named_parameters())})
+        own = {name for name, _ in model.named_parameters()}
+        missing = sorted({q for names in qualified for q in names.values() if q in own and q not in params})
         if missing:
             raise ValueError(f"params: the flat dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''} "
                              f"(expected the names of dict(model.named_parameters()))")

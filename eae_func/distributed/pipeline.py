@@ -315,7 +315,9 @@ class Pipeline:
             head, loss = (carry.adj,), loss * mb.scale
         else:
             loss = None
-            carry = F.Carry(AdjointState(received, hi, F.boundary_name(chain, hi), fold_in(opts.key, hi)), state)
+            adj = AdjointState(received, hi, F.boundary_name(chain, hi), fold_in(opts.key, hi))
+            F.check_costate(chain, hi, adj, tape.entries[-1].out_layout)
+            carry = F.Carry(adj, state)
         problem = Problem(chain, params, buffers, None, None, opts.physical, opts.key, mb.scale)
         carry, outs = F.reverse(F.make_step(chain, params, opts, device, problem), carry, tape)
         trace = head + tuple(o.record for o in reversed(outs))
