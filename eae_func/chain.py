@@ -27,12 +27,14 @@ class Stage:
     For a module stage, ``module`` is run with ``functional_call`` on the given
     params and on fresh clones of ``buffers`` (the module's own buffers by
     default), so running stats are returned, never written into the caller's
-    tensors.
+    tensors. ``physical``: a black box to the sweep (its reverse step comes from an estimator);
+    ``differentiable=False``: nothing may differentiate it (only forward-only estimators).
     """
 
     fn: Callable | None
     name: str | None = None
     physical: bool = False
+    differentiable: bool = True
     module: nn.Module | None = None
     param_names: tuple[str, ...] | None = None
     param_layout: tuple[tuple[torch.Size, torch.dtype], ...] = ()
@@ -53,13 +55,15 @@ class Stage:
         return {name: b.detach() for name, b in self.module.named_buffers()}
 
 
-def stage(fn: Callable, name: str | None = None, physical: bool = False) -> Stage:
-    """A stage from a pure function ``fn(params, h) -> h'`` (``params`` any pytree of tensors)."""
+def stage(fn: Callable, name: str | None = None, physical: bool = False, differentiable: bool = True) -> Stage:
+    """A stage from a pure function ``fn(params, h) -> h'`` (``params`` any pytree of tensors);
+    ``physical``: run forward only, its reverse step from an estimator; ``differentiable=False``:
+    it leaves torch (numpy, a device), so only forward-only estimators may probe it."""
     if isinstance(fn, nn.Module):
         raise TypeError("stage: expected a pure function fn(params, h); wrap modules with ef.from_module")
     if not callable(fn):
         raise TypeError(f"stage: expected a callable fn(params, h), got {type(fn).__name__}")
-    return Stage(fn=fn, name=name, physical=physical)
+    return Stage(fn=fn, name=name, physical=physical or not differentiable, differentiable=differentiable)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,7 @@ from . import boundary as B
 from .adjoint import AdjointState, fold_in
 from .chain import Chain
 from .passes import Context, Pass
+from .physical import Meter, rows_of
 from .tree import NAMESPACE
 
 STAGE_COUNTERS = ("forward_s", "recompute_s", "vjp_s", "pass_s", "boundary_bytes")
@@ -50,6 +51,7 @@ class Options:
                     ``(index, name) -> bool`` says which stages to rebuild, an int is a byte budget
                     for the graphs kept (stages are kept first to last while their saved tensors fit).
     keep_costates:  keep costate values in the returned trace.
+    budget:         rows the physical stages may be run on in one step (``None``: no limit).
     """
 
     passes: Pass
@@ -60,6 +62,7 @@ class Options:
     physical: tuple[int, ...] = ()
     recompute: bool | int | Callable[[int, str], bool] = True
     keep_costates: bool = True
+    budget: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +217,26 @@ def naming(what: str):
         raise
 
 
+@contextlib.contextmanager
+def explained(chain: Chain, i: int, params: Any, h: Any, autocast_dtype: torch.dtype | None):
+    """When stage i fails on an input whose dtype or device differs from its params', say which
+    stage made that input (a black box returning float64, or data on another device)."""
+    try:
+        yield
+    except Exception as e:
+        floats = [t for t in optree.tree_leaves(h, namespace=NAMESPACE) if isinstance(t, torch.Tensor)
+                  and t.is_floating_point()]
+        weights = [t for t in optree.tree_leaves(params, namespace=NAMESPACE) if isinstance(t, torch.Tensor)
+                   and t.is_floating_point()]
+        if floats and weights:
+            got, want = (floats[0].dtype, floats[0].device), (weights[0].dtype, weights[0].device)
+            if got[1] != want[1] or (got[0] != want[0] and autocast_dtype is None):
+                source = f"the output of {chain.where(i - 1)}" if i > 0 else "the chain's input"
+                e.add_note(f"(eae_func: the input of {chain.where(i)} is {got[0]} on {got[1]}, its params are "
+                           f"{want[0]} on {want[1]}: {source} must be {want[0]} on {want[1]})")
+        raise
+
+
 def local_vjp(stage, params: Any, buffers: Mapping, floats: list, rebuild: Callable,
               check: Callable | None = None) -> tuple:
     """``(output, pullback, updated buffers)`` of one stage run with its local autograd graph, the
@@ -340,13 +363,13 @@ def traced(adj: AdjointState, opts: Options) -> AdjointState:
 # ----------------------------------------------------------------------------- the three parts
 
 def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: Any, opts: Options,
-            device: torch.device) -> Tape:
+            device: torch.device, meter: Meter | None = None) -> Tape:
     """Stages ``lo..hi-1`` on ``h`` with no autograd graph (unless ``recompute=False``).
 
     ``params`` and ``buffers`` have one entry per stage of the whole chain. Boundaries are stored
     as ``opts.boundary`` says, and the next stage runs on exactly what is stored. A stage that
     writes into its input is refused (the first one runs on a copy, so the caller's input is
-    never written).
+    never written). ``meter`` counts the physical stages' rows.
     """
     policy, tape = opts.boundary, Tape(opts.boundary, device)
     kept, upstream_params, layouts = h, False, []
@@ -361,8 +384,10 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
         inputs = optree.tree_leaves(h, namespace=NAMESPACE)
         versions = [t._version for t in inputs]
         stats["boundary_bytes"] = B.nbytes(kept)
+        if meter is not None:
+            meter.charge(i, rows_of(h))
         with timed(stats, "forward_s", f"eae/{s.name}/forward"), autocast(opts.autocast, device), \
-                naming(f"the forward of {chain.where(i)}"):
+                naming(f"the forward of {chain.where(i)}"), explained(chain, i, params[i], h, opts.autocast):
             if recomputed(opts.recompute, i, s.name, budget) or i in opts.physical:
                 with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
                     out, tape.buffers[i] = s.call(params[i], buffers[i], h)

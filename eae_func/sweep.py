@@ -25,6 +25,7 @@ from .capture import canonical_names
 from .chain import Chain, from_module
 from .estimators.base import Problem
 from .passes import compose
+from .physical import Meter, check_budget
 from .tree import NAMESPACE
 
 
@@ -47,7 +48,8 @@ class SweepResult:
 
 def options(chain: Chain, *, passes: Any = None, key: int = 0, boundary_dtype: torch.dtype | None = None,
             offload: bool = False, autocast: torch.dtype | None = None, estimator: Any = None,
-            physical: Sequence | None = None, recompute: Any = True, keep_costates: bool = True) -> F.Options:
+            physical: Sequence | None = None, recompute: Any = True, keep_costates: bool = True,
+            budget: int | None = None) -> F.Options:
     """The checked ``Options`` of a sweep of ``chain`` (shared by ``sweep`` and the pipeline)."""
     for name, dtype in (("boundary_dtype", boundary_dtype), ("autocast", autocast)):
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -63,9 +65,19 @@ def options(chain: Chain, *, passes: Any = None, key: int = 0, boundary_dtype: t
                         f"got {type(estimator).__name__}")
     if physical is None:
         physical = [i for i, s in enumerate(chain.stages) if s.physical]
-    physical = tuple(sorted({chain.index(p) for p in physical})) if estimator is not None else ()
+    physical = tuple(sorted({chain.index(p) for p in physical}))
+    if physical and estimator is None:
+        raise ValueError(f"sweep: {', '.join(chain.where(i) for i in physical)} is physical (run forward only) but no "
+                         f"estimator was given: pass estimator= (E.zbp, E.node_perturbation, E.direct, E.twin, "
+                         f"E.frozen), or estimator=E.exact() for a torch-differentiable simulation")
+    if getattr(estimator, "differentiates", False):
+        boxes = [chain.where(i) for i in physical if not chain.stages[i].differentiable]
+        if boxes:
+            raise ValueError(f"sweep: {estimator!r} differentiates the physical stages, but {', '.join(boxes)} "
+                             f"cannot be differentiated (a black box); use a forward-only estimator (zbp with "
+                             f"method='fd', node_perturbation or direct with form='fd', twin, frozen)")
     return F.Options(compose(passes) if passes is not None else compose(), int(key), B.Policy(boundary_dtype, offload),
-                     autocast, estimator, physical, recompute, bool(keep_costates))
+                     autocast, estimator, physical, recompute, bool(keep_costates), check_budget(budget))
 
 
 def merge_counters(*counters: Mapping) -> dict:
@@ -77,16 +89,16 @@ def merge_counters(*counters: Mapping) -> dict:
 
 
 def _one(chain: Chain, params: tuple, buffers: tuple, mb: M.Microbatch, opts: F.Options, pass_state: Any,
-         device: torch.device) -> tuple:
+         device: torch.device, meter: Meter) -> tuple:
     """One microbatch through the whole chain: ``(scaled loss, grads, trace, buffers, pass_state, stats)``."""
     L = len(chain)
-    tape = F.forward(chain, 0, L, params, buffers, mb.x, opts, device)
+    tape = F.forward(chain, 0, L, params, buffers, mb.x, opts, device, meter)
     loss_stats: dict = {}
     loss, carry = F.boundary_condition(chain, tape.take_output(), mb.loss_args, opts, pass_state, mb.scale,
                                        loss_stats)
     head = F.traced(carry.adj, opts)
     problem = Problem(chain, params, buffers, mb.x, mb.loss_args, opts.physical, opts.key, mb.scale,
-                      lambda c: sweep(c, params, mb.x, *mb.loss_args, key=opts.key).adjoints)
+                      lambda c: sweep(c, params, mb.x, *mb.loss_args, key=opts.key).adjoints, meter)
     carry, outs = F.reverse(F.make_step(chain, params, opts, device, problem), carry, tape)
     trace = (head, *(o.record for o in reversed(outs)))
     stats = {s.name: merge_counters(tape.stats[s.name], o.stats) for s, o in zip(chain.stages, outs)}
@@ -100,8 +112,8 @@ def sweep(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_ar
           split_at: Sequence[str] | None = None, passes: Any = None, pass_state: Any = None, key: int = 0,
           buffers: Sequence | None = None, boundary_dtype: torch.dtype | None = None, offload: bool = False,
           autocast: torch.dtype | None = None, microbatches: int = 1, reduction: str = "mean",
-          estimator: Any = None, physical: Sequence | None = None, recompute: Any = True,
-          keep_costates: bool = True) -> SweepResult:
+          estimator: Any = None, physical: Sequence | None = None, budget: int | None = None,
+          recompute: Any = True, keep_costates: bool = True) -> SweepResult:
     """Loss, parameter gradients and the costate trace of ``chain`` at ``params`` on ``x``.
 
     chain:          a ``Chain``, or a model (``nn.Module``) with ``loss=``: an ``nn.Sequential`` /
@@ -130,7 +142,11 @@ def sweep(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_ar
     estimator:      how physical stages get their reverse step (``eae_func.estimators``);
                     ``None`` differentiates every stage exactly.
     physical:       names or indices of the physical stages (``None``: those made with
-                    ``physical=True``); only used with an estimator.
+                    ``physical=True`` or ``ef.black_box``); they need an estimator (``E.exact()``
+                    differentiates a torch simulation exactly).
+    budget:         rows the physical stages may be run on in this call, forward included; a call
+                    that would exceed it raises before it runs. ``res.stats[stage]`` has each
+                    physical stage's ``rows`` and ``calls``.
     recompute:      ``True`` (the memory-saving sweep) rebuilds each stage's graph from its
                     saved input; ``False`` keeps every stage's graph from the forward (no second
                     forward, memory like plain autograd); a predicate ``(index, name) -> bool``
@@ -143,27 +159,35 @@ def sweep(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_ar
         return _on_model(chain, params, x, loss_args, loss, split_at, buffers, dict(
             passes=passes, pass_state=pass_state, key=key, boundary_dtype=boundary_dtype, offload=offload,
             autocast=autocast, microbatches=microbatches, reduction=reduction, estimator=estimator,
-            physical=physical, recompute=recompute, keep_costates=keep_costates))
+            physical=physical, budget=budget, recompute=recompute, keep_costates=keep_costates))
     if loss is not None or split_at is not None:
         raise TypeError("sweep: loss= and split_at= go with a model (nn.Module); a Chain has its own loss and stages")
     params = chain.check_params(params)
     buffers = chain.check_buffers(buffers)
     opts = options(chain, passes=passes, key=key, boundary_dtype=boundary_dtype, offload=offload,
                    autocast=autocast, estimator=estimator, physical=physical, recompute=recompute,
-                   keep_costates=keep_costates)
+                   keep_costates=keep_costates, budget=budget)
     state = opts.passes.init() if pass_state is None else pass_state
     device = F.device_of(params, x)
+    meter = Meter(chain, opts.physical, opts.budget)
     losses, grads, traces, all_stats = [], [], [], []
     for mb in M.split(x, loss_args, microbatches, reduction, opts.key):
         loss, g, trace, buffers, state, stats = _one(chain, params, buffers, mb, dataclasses.replace(opts, key=mb.key),
-                                                     state, device)
+                                                     state, device, meter)
         losses.append(loss)
         grads.append(g)
         traces.append(trace)
         all_stats.append(stats)
     loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
     return SweepResult(loss, tie_grads(chain, params, M.sum_grads(grads)), M.join_adjoints(traces), buffers, state,
-                       MappingProxyType(M.sum_stats(all_stats)))
+                       MappingProxyType(metered(M.sum_stats(all_stats), chain, meter)))
+
+
+def metered(stats: dict, chain: Chain, meter: Meter) -> dict:
+    """``stats`` with each physical stage's rows and calls of the whole step (forward included)."""
+    for i, counts in meter.counts.items():
+        stats[chain.stages[i].name] = merge_counters(stats[chain.stages[i].name], counts)
+    return stats
 
 
 _CAPTURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -256,13 +280,14 @@ def value_and_grad(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any,
                    pass_state: Any = None, key: int = 0, buffers: Sequence | None = None,
                    boundary_dtype: torch.dtype | None = None, offload: bool = False,
                    autocast: torch.dtype | None = None, microbatches: int = 1, reduction: str = "mean",
-                   estimator: Any = None, physical: Sequence | None = None, recompute: Any = True):
+                   estimator: Any = None, physical: Sequence | None = None, budget: int | None = None,
+                   recompute: Any = True):
     """``(loss, grads)`` of ``chain`` (or a model with ``loss=``) at ``params``: ``sweep``'s loss and
     grads (the same options), without keeping the costates of the trace."""
     res = sweep(chain, params, x, *loss_args, loss=loss, split_at=split_at, passes=passes, pass_state=pass_state,
                 key=key, buffers=buffers,
                 boundary_dtype=boundary_dtype, offload=offload, autocast=autocast, microbatches=microbatches,
-                reduction=reduction, estimator=estimator, physical=physical, recompute=recompute,
+                reduction=reduction, estimator=estimator, physical=physical, budget=budget, recompute=recompute,
                 keep_costates=False)
     return res.loss, res.grads
 
@@ -271,11 +296,12 @@ def grad(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_arg
          split_at: Sequence[str] | None = None, passes: Any = None, pass_state: Any = None, key: int = 0,
          buffers: Sequence | None = None, boundary_dtype: torch.dtype | None = None, offload: bool = False,
          autocast: torch.dtype | None = None, microbatches: int = 1, reduction: str = "mean",
-         estimator: Any = None, physical: Sequence | None = None, recompute: Any = True):
+         estimator: Any = None, physical: Sequence | None = None, budget: int | None = None,
+         recompute: Any = True):
     """Parameter gradients of ``chain`` (or a model with ``loss=``) at ``params``, in the structure
     of ``params``; options as ``sweep``."""
     return value_and_grad(chain, params, x, *loss_args, loss=loss, split_at=split_at, passes=passes,
                           pass_state=pass_state, key=key,
                           buffers=buffers, boundary_dtype=boundary_dtype, offload=offload, autocast=autocast,
                           microbatches=microbatches, reduction=reduction, estimator=estimator, physical=physical,
-                          recompute=recompute)[1]
+                          budget=budget, recompute=recompute)[1]

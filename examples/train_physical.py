@@ -103,7 +103,7 @@ def main(argv=None):
     hardware, simulation = network(args.width, args.noise), network(args.width, 0.0)
     probes = E.Probes(args.probes, "rademacher")
     estimators = {  # name: (estimator, needs a differentiable simulation of the medium)
-        "exact backprop": (None, True),
+        "exact backprop": (E.exact(), True),
         "zbp (jvp)": (E.zbp(probes, method="jvp"), True),
         "zbp (fd)": (E.zbp(probes, method="fd", eps=args.eps), False),
         "np (fd)": (E.node_perturbation(probes, form="fd", eps=args.eps), False),

@@ -79,7 +79,9 @@ CASES = {
     "estimator: not an estimator": (lambda c, p, x, y, i: ((p, x, y), {"estimator": "zbp"}),
                                     r"estimator must have prepare"),
     "passes: None is identity()": (lambda c, p, x, y, i: ((p, x, y), {"passes": ef.identity()}), None),
-    "physical without estimator": (lambda c, p, x, y, i: ((p, x, y), {"physical": [i]}), None),
+    "physical without estimator": (lambda c, p, x, y, i: ((p, x, y), {"physical": [i]}),
+                                   r"stage {i} .* is physical \(run forward only\) but no estimator"),
+    "budget: zero rows": (lambda c, p, x, y, i: ((p, x, y), {"budget": 0}), r"budget must be None or an int >= 1"),
 }
 
 

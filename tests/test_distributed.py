@@ -92,8 +92,8 @@ def _random_split(rng, stages, ranks):
 
 def engine_checks(ranks, seed, configs=3):
     """Random stage splits, each with a random mix of the sweep's options (the first config has
-    them all: bf16 boundaries, a pass with state and random draws, zbp on the physical stage,
-    bf16 autocast);
+    them all: bf16 boundaries, a pass with state and random draws, zbp on the physical stage
+    (else the exact estimator), bf16 autocast);
     every rank's grads, trace and pass state against one single-process ``ef.sweep``."""
     import random
     rng = random.Random(seed)
@@ -104,7 +104,7 @@ def engine_checks(ranks, seed, configs=3):
         use = [True] * 4 if c == 0 else [rng.random() < 0.5 for _ in range(4)]
         options = {"boundary_dtype": torch.bfloat16 if use[0] else None,
                    "passes": ef.compose(P.error_feedback(P.topk(0.5)), P.int8(stochastic=True)) if use[1] else None,
-                   "estimator": E.zbp(E.Probes(4), method=rng.choice(["jvp", "fd"])) if use[2] else None,
+                   "estimator": E.zbp(E.Probes(4), method=rng.choice(["jvp", "fd"])) if use[2] else E.exact(),
                    "autocast": torch.bfloat16 if use[3] else None,
                    "microbatches": rng.choice([1, 2, 3]), "key": rng.randrange(100)}
         pipe = D.Pipeline(chain, ranges, schedule=rng.choice(["gpipe", "1f1b"]), timeout=60)

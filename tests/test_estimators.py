@@ -167,7 +167,7 @@ def test_fd_probes_a_scalar_parameter_of_a_physical_stage():
     chain = ef.Chain([ef.stage(lambda p, h: torch.tanh(p["gain"] * h), name="gain", physical=True),
                       ef.stage(lambda p, h: h @ p["w"], name="out")], loss=F.mse_loss)
     params = ({"gain": torch.tensor(0.7, dtype=F64)}, {"w": torch.randn(D, D, generator=g, dtype=F64)})
-    exact = ef.sweep(chain, params, x, y).grads[0]["gain"]
+    exact = ef.sweep(chain, params, x, y, estimator=E.exact()).grads[0]["gain"]
     probed = ef.sweep(chain, params, x, y, estimator=E.zbp(E.Probes(3, "rademacher"), method="fd")).grads[0]["gain"]
     assert probed.shape == () and torch.allclose(probed, exact, rtol=1e-6)
 
@@ -218,7 +218,7 @@ def test_transformer_blocks_take_forward_mode_through_attention():
     for est in (E.node_perturbation(E.Probes(4), form="jvp"), E.direct(E.Probes(4), form="jvp")):
         res = ef.sweep(chain, params, x, y, estimator=est, key=1)
         torch.testing.assert_close(res.adjoints[2].value, oracle.adjoints[2].value, rtol=1e-9, atol=1e-12)
-    exact = ef.sweep(chain, params, x, y).adjoints[2].value
+    exact = ef.sweep(chain, params, x, y, physical=[]).adjoints[2].value  # physical=[]: every stage digital
     res = ef.sweep(chain, params, x, y, estimator=E.zbp(E.Probes(800, chunk=400)), key=1)
     # d = 112: E cos ≈ sqrt(n / (n + d)) = 0.94
     assert F.cosine_similarity(res.adjoints[2].value.flatten(), exact.flatten(), dim=0) > 0.88
@@ -231,7 +231,7 @@ def test_physical_and_digital_stages_in_any_order_with_function_stages():
     chain = ef.Chain([ef.stage(f, physical=k in (0, 2)) for k, f in enumerate(fns)], loss=F.mse_loss)
     params = tuple({"w": w} for w in ws)
     x, y = torch.randn(BATCH, D, dtype=F64), torch.randn(BATCH, D, dtype=F64)
-    ref = ef.sweep(chain, params, x, y)
+    ref = ef.sweep(chain, params, x, y, physical=[])  # every stage digital
     res = ef.sweep(chain, params, x, y, estimator=E.exact())
     assert_trees_close(res.grads, ref.grads, rtol=0, atol=0)
     oracle = ef.sweep(chain, params, x, y, estimator=E.node_perturbation(E.Probes(6)), key=4)
@@ -280,14 +280,20 @@ def test_queries_follow_the_design_formulas():
     def stats(est):
         return ef.sweep(chain, params, x, y, estimator=est, physical=physical).stats
 
+    B = len(x)
     s = stats(E.node_perturbation(E.Probes(n), form="fd"))
     assert [s[k]["queries"] for k in names] == [2 * n] * 3  # 2n network forwards, shared by every stage
-    assert all(s[k]["forward_calls"] == 1 + 1 + 2 * n for k in names)  # forward, one folded call, 2n params
+    # the sweep's forward, prepare's forward, one folded call of 2n copies, 2n calls probing params
+    assert all(s[k]["forward_calls"] == s[k]["calls"] == 3 + 2 * n for k in names)
+    assert all(s[k]["rows"] == (2 + 2 * n + 2 * n) * B for k in names)
     s = stats(E.direct(E.Probes(n), form="jvp"))
     assert [s[k]["queries"] for k in names] == [2 * n * 3, 2 * n * 2, 2 * n * 1]  # sum: 2n·Σk
     assert [s[k]["jvp_calls"] for k in names] == [1, 2, 3]  # each suffix runs through the later stages
+    # forwards: the sweep's, prepare's, the parameter vjp's; each jvp call runs n probe copies
+    assert [s[k]["rows"] for k in names] == [(3 + c * n) * B for c in (1, 2, 3)]
     s = stats(E.zbp(E.Probes(n, chunk=3), method="fd"))
-    assert all(s[k]["queries"] == 2 * n and s[k]["forward_calls"] == 3 + 2 * n for k in names)
+    assert all(s[k]["queries"] == 2 * n and s[k]["forward_calls"] == 1 + 3 + 2 * n for k in names)
+    assert all(s[k]["rows"] == (1 + 2 * n + 2 * n) * B for k in names)
     s = stats(E.direct(E.Probes(n), form="oracle"))
     assert all(s[k]["backward_calls"] == 2 for k in names)  # the oracle's sweep, the replay's parameter vjp
 

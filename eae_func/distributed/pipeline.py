@@ -33,7 +33,8 @@ from .. import microbatch as M
 from ..adjoint import AdjointState, fold_in
 from ..chain import Chain
 from ..estimators.base import Problem
-from ..sweep import SweepResult, merge_counters, options
+from ..physical import Meter
+from ..sweep import SweepResult, merge_counters, metered, options
 from ..tree import NAMESPACE
 from . import schedule as S
 from .codecs import Codec, Raw, round_trip
@@ -235,6 +236,7 @@ class Pipeline:
                              f"loss arg) to weigh the microbatches of a {reduction!r} loss")
         state = opts.passes.init() if pass_state is None else pass_state
         device = F.device_of(params[lo:hi], x if first else None, default=self.device)
+        meter = Meter(chain, tuple(i for i in opts.physical if lo <= i < hi))
 
         with self._guard():  # a failed step leaves the ranks out of step: no later step may reuse them
             wire = Wire(self.rank, self.where, self.timeout, self.device)
@@ -261,7 +263,7 @@ class Pipeline:
                         mb_opts = dataclasses.replace(opts, key=mb.key)
                         if op.kind == "forward":
                             h = mb.x if first else inbox.pop(j)
-                            tapes[j] = F.forward(chain, lo, hi, params, buffers, h, mb_opts, device)
+                            tapes[j] = F.forward(chain, lo, hi, params, buffers, h, mb_opts, device, meter)
                             buffers = buffers[:lo] + tuple(tapes[j].buffers[i] for i in self.stages) + buffers[hi:]
                             if not last:
                                 outbox[j] = tapes[j].take_output()
@@ -270,7 +272,7 @@ class Pipeline:
                             tape = tapes.pop(j)
                             input_shape = tape.entries[0].layout.shapes[0]
                             loss, g, trace, state, stats = self._backward(tape, mb, mb_opts, costates.pop(j, None),
-                                                                          state, params, buffers, device)
+                                                                          state, params, buffers, device, meter)
                             if not first:
                                 outgoing[j], trace = self._encode_costate(trace, input_shape)
                             losses.append(loss)
@@ -285,7 +287,7 @@ class Pipeline:
             wire.flush()
         step = time.perf_counter() - step_start
 
-        stats = M.sum_stats([all_stats[j] for j in range(microbatches)])
+        stats = metered(M.sum_stats([all_stats[j] for j in range(microbatches)]), chain, meter)
         stats["wire"] = dict(wire.counts)
         stats["schedule"] = {"name": self.schedule, "ranks": p, "microbatches": microbatches, "busy_s": busy,
                              "step_s": step, "bubble": 1 - busy / step if step > 0 else 0.0,
@@ -303,7 +305,7 @@ class Pipeline:
             raise
 
     def _backward(self, tape: F.Tape, mb: M.Microbatch, opts: F.Options, received: Any, state: Any,
-                  params: tuple, buffers: tuple, device: torch.device):
+                  params: tuple, buffers: tuple, device: torch.device, meter: Meter):
         """The reverse fold of this rank's range for one microbatch, from the loss (last rank) or
         from the received costate p_hi: ``(scaled loss or None, grads, trace, pass state, stats)``."""
         chain, hi = self.chain, self.hi
@@ -318,7 +320,7 @@ class Pipeline:
             adj = AdjointState(received, hi, F.boundary_name(chain, hi), fold_in(opts.key, hi))
             F.check_costate(chain, hi, adj, tape.entries[-1].out_layout)
             carry = F.Carry(adj, state)
-        problem = Problem(chain, params, buffers, None, None, opts.physical, opts.key, mb.scale)
+        problem = Problem(chain, params, buffers, None, None, opts.physical, opts.key, mb.scale, meter=meter)
         carry, outs = F.reverse(F.make_step(chain, params, opts, device, problem), carry, tape)
         trace = head + tuple(o.record for o in reversed(outs))
         stats.update({chain.stages[i].name: merge_counters(tape.stats[chain.stages[i].name], o.stats)

@@ -5,12 +5,17 @@
 ``exact()``: the exact local vjp (sanity check). ``zbp``: chained zeroth-order
 backprop, stage by stage. ``node_perturbation`` / ``direct``: model-level
 estimates of every physical stage's input costate from the loss, then replayed.
+``twin``: physics-aware training through a differentiable twin; ``frozen``: no costate
+upstream (readout only). ``suggest_eps``: a finite-difference step from the measured noise.
 """
 
 from .base import Estimator, Problem
 from .exact import exact
 from .model_level import direct, node_perturbation
+from .noise import NoiseEstimate, suggest_eps
 from .probes import Probes
+from .twin import frozen, twin
 from .zbp import zbp
 
-__all__ = ["Estimator", "Problem", "Probes", "direct", "exact", "node_perturbation", "zbp"]
+__all__ = ["Estimator", "NoiseEstimate", "Problem", "Probes", "direct", "exact", "frozen", "node_perturbation",
+           "suggest_eps", "twin", "zbp"]

@@ -28,6 +28,9 @@ class Problem:
     exact_trace:             ``exact_trace(chain) -> records``: the adjoint trace (L down to 0) of
                              an exact sweep of ``chain`` (same stage count) on this microbatch;
                              the oracle forms use it (``None`` on a pipeline rank).
+    meter:                   counts the rows and calls of each physical stage against the step's
+                             budget: ``meter.charge(i, rows, kind)`` before running stage i on
+                             ``rows`` rows (``kind``: forward_calls, jvp_calls, backward_calls).
     """
 
     chain: Chain
@@ -39,6 +42,12 @@ class Problem:
     key: int
     loss_scale: float
     exact_trace: Callable[[Chain], tuple] | None = None
+    meter: Any = None
+
+    def charge(self, i: int, rows: int, kind: str = "forward_calls") -> None:
+        """Count a call of stage i on ``rows`` rows (raises, before it runs, past the budget)."""
+        if self.meter is not None:
+            self.meter.charge(i, rows, kind)
 
 
 class Estimator(Protocol):

@@ -5,7 +5,7 @@ parameter gradients from probed parameter directions."""
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, Callable
 
 import optree
 import torch
@@ -13,6 +13,7 @@ from torch.func import vjp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import boundary as B
+from ..physical import rows_of
 from ..tree import NAMESPACE
 from .base import Problem
 from .probes import PARAM_STREAM, Probes, probe_seed
@@ -119,14 +120,15 @@ def unfold(out: Any, k: int, where: str) -> list:
 
 
 class OutputLeaves:
-    """Stage i as ``f(params, h) -> [differentiable output leaves]``; ``mask`` records which
-    output leaves those are (set on the first call), to pair them with the costate's leaves."""
+    """Stage i (or ``fn(params, h)`` in its place) as ``f(params, h) -> [differentiable output
+    leaves]``; ``mask`` records which output leaves those are (set on the first call), to pair
+    them with the costate's leaves."""
 
-    def __init__(self, problem: Problem, i: int):
-        self.problem, self.i, self.mask = problem, i, None
+    def __init__(self, problem: Problem, i: int, fn: Callable | None = None):
+        self.problem, self.i, self.fn, self.mask = problem, i, fn, None
 
     def __call__(self, params: Any, h: Any) -> list:
-        out = call(self.problem, self.i, params, h)
+        out = call(self.problem, self.i, params, h) if self.fn is None else self.fn(params, h)
         flat = B.leaves(out, f"output of {where(self.problem, self.i)}")[0]
         self.mask = [B.is_differentiable(t) for t in flat]
         return [t for t, m in zip(flat, self.mask) if m]
@@ -156,18 +158,21 @@ def exact_param_grads(problem: Problem, i: int, h_in: Any, costate: Any) -> tupl
     if not param_leaves(params)[0]:
         return params, {}  # no parameters: the (empty) tree is its own gradient
     stage = OutputLeaves(problem, i)
+    problem.charge(i, rows_of(h_in))
     out, pullback = vjp(lambda p: stage(p, h_in), params)
+    problem.charge(i, 0, "backward_calls")
     (grads,) = pullback(stage.cotangents(costate, out), retain_graph=False, create_graph=False)
-    return grads, {"forward_calls": 1, "backward_calls": 1}
+    return grads, {}
 
 
-def exact_vjp(problem: Problem, i: int, h_in: Any, costate: Any) -> tuple[Any, Any, dict]:
-    """``(J_W(h_i)ᵀ p, J_x(h_i)ᵀ p)`` by one local vjp, the input costate mirroring ``h_in``."""
+def exact_vjp(problem: Problem, i: int, h_in: Any, costate: Any, fn: Callable | None = None) -> tuple[Any, Any]:
+    """``(J_W(h_i)ᵀ p, J_x(h_i)ᵀ p)`` by one local vjp, the input costate mirroring ``h_in``; with
+    ``fn(params, h)`` the vjp is ``fn``'s, at stage i's input and params (a twin's)."""
     floats, rebuild, costate_like = B.split(h_in, f"input of {where(problem, i)}")
-    stage = OutputLeaves(problem, i)
+    stage = OutputLeaves(problem, i, fn)
     out, pullback = vjp(lambda p, f: stage(p, rebuild(f)), problem.params[i], floats)
     grads, g_in = pullback(stage.cotangents(costate, out), retain_graph=False, create_graph=False)
-    return grads, costate_like(list(g_in)), {"forward_calls": 1, "backward_calls": 1}
+    return grads, costate_like(list(g_in))
 
 
 def fd_param_grads(problem: Problem, i: int, h_in: Any, costate: Any, probes: Probes,
@@ -183,17 +188,18 @@ def fd_param_grads(problem: Problem, i: int, h_in: Any, costate: Any, probes: Pr
     flat = Flat(leaves, 0, f"params of {where(problem, i)}")
     theta = flat.vector(leaves)
     stage = OutputLeaves(problem, i)
-    estimate, calls = torch.zeros_like(theta), 0
+    estimate = torch.zeros_like(theta)
     seed = probe_seed(problem.key, i, PARAM_STREAM)
     with torch.no_grad():
         for v in probes.chunks(seed, (), flat.d, theta.dtype, theta.device):
             slopes = []
             for direction in v:
+                problem.charge(i, rows_of(h_in))
                 plus = stage(spec.unflatten(flat.leaves(theta + eps * direction)), h_in)
+                problem.charge(i, rows_of(h_in))
                 minus = stage(spec.unflatten(flat.leaves(theta - eps * direction)), h_in)
-                calls += 2
                 slope = [(a - b).unsqueeze(0) / (2 * eps) for a, b in zip(plus, minus)]
                 slopes.append(inner(slope, stage.costates(costate), 0, f"output of {where(problem, i)}"))
             estimate += (v * torch.cat(slopes)[:, None]).sum(0)
     grads = spec.unflatten(flat.leaves(estimate / probes.n))
-    return grads, {"param_queries": 2 * probes.n, "forward_calls": calls}
+    return grads, {"param_queries": 2 * probes.n}

@@ -30,8 +30,8 @@ its parameters get the exact local vjp from the costate arriving at its output (
 jvp) or probed parameter directions (fd). Cost per physical stage: ``queries`` per sample,
 the same for every form (np: 2n full-network forwards, shared by all physical stages;
 direct: 2n·k stage forwards for the k-th physical stage from the end, since it probes
-through every downstream one, 2n·Σk in all), and the stage's own ``forward_calls`` /
-``jvp_calls`` / ``backward_calls`` made here.
+through every downstream one, 2n·Σk in all); the rows and calls actually run are counted by
+``problem.charge``.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import torch
 from torch.func import jvp, vmap
 
 from .. import boundary as B
+from ..physical import rows_of
 from ..tree import NAMESPACE
 from ..chain import Chain, stage
 from .base import Problem
@@ -64,20 +65,19 @@ class Prepared:
 
 
 class _Run:
-    """One ``prepare``: the physical stages' boundaries, probe layouts and call counters."""
+    """One ``prepare``: the physical stages' boundaries and probe layouts."""
 
     def __init__(self, estimator: "ModelLevel", problem: Problem):
         self.estimator, self.problem = estimator, problem
         self.physical = problem.physical
-        self.counts = {i: {"forward_calls": 0, "jvp_calls": 0, "backward_calls": 0} for i in self.physical}
         self.boundaries: dict = {}
         self.flats: dict = {}
         self.placements: dict = {}
 
-    def count(self, i: int, kind: str) -> None:
-        """One more call of stage i of ``kind`` (forward_calls, jvp_calls, backward_calls)."""
-        if i in self.counts:
-            self.counts[i][kind] += 1
+    def count(self, i: int, kind: str, rows: int) -> None:
+        """One more call of stage i of ``kind`` (forward_calls, jvp_calls, backward_calls) on ``rows`` rows."""
+        if i in self.physical:
+            self.problem.charge(i, rows, kind)
 
     def layout(self, i: int, floats: list) -> None:
         """Record the probe space of physical stage i's input from its differentiable leaves."""
@@ -114,14 +114,14 @@ class _Run:
 
         def counted(i: int):
             def fn(params, h):
-                self.count(i, "forward_calls")
+                self.count(i, "forward_calls", rows_of(h))
                 return call(p, i, params, h)
             return fn
 
         counting = Chain([stage(counted(i), name=s.name) for i, s in enumerate(chain.stages)], loss=chain.loss)
         trace = p.exact_trace(counting)
         for i in self.physical:
-            self.count(i, "backward_calls")
+            self.count(i, "backward_calls", 0)
         costates = {a.index: a.value for a in trace}
         result = {}
         for i in self.physical:
@@ -141,16 +141,17 @@ class _Run:
                 if i in self.physical:
                     self.boundaries[i] = h
                     self.layout(i, B.split(h, f"input of {where(self.problem, i)}")[0])
-                self.count(i, "forward_calls")
+                self.count(i, "forward_calls", rows_of(h))
                 h = call(self.problem, i, self.problem.params[i], h)
         return h
 
-    def run(self, start: int, h: Any, shifts: dict, kind: str) -> Any:
-        """Stages ``start..L-1`` on ``h``; before stage i, ``shifts[i](h)`` is applied."""
+    def run(self, start: int, h: Any, shifts: dict, kind: str, copies: int = 1) -> Any:
+        """Stages ``start..L-1`` on ``h`` (``copies`` of it under vmap); before stage i, ``shifts[i](h)``
+        is applied."""
         for i in range(start, len(self.problem.chain)):
             if i in shifts:
                 h = shifts[i](h)
-            self.count(i, kind)
+            self.count(i, kind, copies * rows_of(h))
             h = call(self.problem, i, self.problem.params[i], h)
         return h
 
@@ -202,7 +203,7 @@ class _Run:
 
         def shares_at(*deltas: torch.Tensor) -> torch.Tensor:
             shifts = {i: (lambda h, i=i, dlt=dlt: self.shift(i, h, dlt)) for i, dlt in zip(order, deltas)}
-            return self.shares(self.run(start, h0, shifts, "jvp_calls"))
+            return self.shares(self.run(start, h0, shifts, "jvp_calls", len(probes[order[0]])))
 
         zeros = tuple(torch.zeros_like(probes[i][0]) for i in order)
         with forward_mode():
@@ -226,6 +227,10 @@ class ModelLevel:
 
     name = "model_level"
     scope = "model"
+
+    @property
+    def differentiates(self) -> bool:
+        return self.form != "fd"
 
     def __init__(self, probes: Probes, form: str = "oracle", eps: float = 1e-3, reduction: str = "mean"):
         self.probes = check_probes(self.name, probes)
@@ -252,7 +257,7 @@ class ModelLevel:
         else:
             run.check_shares(run.forward())
             estimates = self.probe(run)
-        costs = {i: {"queries": self.queries(problem, i), **run.counts[i]} for i in problem.physical}
+        costs = {i: {"queries": self.queries(problem, i)} for i in problem.physical}
         return Prepared(estimates, costs)
 
     def stage_vjp(self, problem: Problem, prepared: Prepared, i: int, h_in: Any, costate: Any):

@@ -14,7 +14,7 @@ mixes tokens, use ``batch_dims=1`` so the scalar sums over the whole sample.
 Parameters of a physical stage: exact local vjp ("jvp"), or probed parameter
 directions ("fd"). Cost per physical stage: ``queries = 2n`` stage forwards per
 sample (the black-box price of the input costate), ``param_queries = 2n`` when
-"fd" probes parameters, plus the calls actually made.
+"fd" probes parameters; the rows and calls actually run are counted by ``problem.charge``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 from torch.func import jvp, vmap
 
 from .. import boundary as B
+from ..physical import rows_of
 from .base import Problem
 from .local import (Flat, OutputLeaves, check_eps, check_probes, exact_param_grads, fd_param_grads, fold,
                     forward_mode, inner, perturb_folded, unfold, where)
@@ -37,6 +38,10 @@ class ZBP:
     """Chained ZBP with ``probes``, directional derivatives by ``method`` ("jvp" | "fd"), step ``eps``."""
 
     scope = "stage"
+
+    @property
+    def differentiates(self) -> bool:
+        return self.method == "jvp"
 
     def __init__(self, probes: Probes, method: str = "jvp", eps: float = 1e-3):
         self.probes = check_probes("zbp", probes)
@@ -56,47 +61,44 @@ class ZBP:
     def stage_vjp(self, problem: Problem, prepared: None, i: int, h_in: Any, costate: Any):
         floats, rebuild, costate_like = B.split(h_in, f"input of {where(problem, i)}")
         flat = Flat(floats, self.probes.batch_dims, f"input of {where(problem, i)}")
-        estimate, calls = None, {}
-        if flat.d:
-            estimate, calls = self._input_costate(problem, i, h_in, floats, rebuild, flat, costate)
+        estimate = self._input_costate(problem, i, h_in, floats, rebuild, flat, costate) if flat.d else None
         if self.method == "jvp":
-            grads, param_calls = exact_param_grads(problem, i, h_in, costate)
+            grads, param_cost = exact_param_grads(problem, i, h_in, costate)
         else:
-            grads, param_calls = fd_param_grads(problem, i, h_in, costate, self.probes, self.eps)
-        cost = {"queries": 2 * self.probes.n, **calls}
-        for k, v in param_calls.items():
-            cost[k] = cost.get(k, 0) + v
-        return grads, costate_like(flat.leaves(estimate) if flat.d else []), cost
+            grads, param_cost = fd_param_grads(problem, i, h_in, costate, self.probes, self.eps)
+        return grads, costate_like(flat.leaves(estimate) if flat.d else []), {"queries": 2 * self.probes.n,
+                                                                              **param_cost}
 
     def _input_costate(self, problem: Problem, i: int, h_in: Any, floats: list, rebuild, flat: Flat, costate: Any):
-        """``(1/n) Σ_i u_i <J u_i, p>`` as ``(*batch_shape, d)``, and the calls made."""
+        """``(1/n) Σ_i u_i <J u_i, p>`` as ``(*batch_shape, d)``."""
         x = flat.vector(floats)
         stage = OutputLeaves(problem, i)
-        estimate, calls = torch.zeros_like(x), 0
+        estimate = torch.zeros_like(x)
         seed = probe_seed(problem.key, i, INPUT_STREAM)
         for u in self.probes.chunks(seed, flat.batch_shape, flat.d, x.dtype, x.device):
             k = u.shape[0]
             if self.method == "jvp":
+                problem.charge(i, k * rows_of(h_in), "jvp_calls")
                 def directional(t: torch.Tensor) -> list:
                     return jvp(lambda f: stage(problem.params[i], rebuild(f)), (floats,), (flat.leaves(t),))[1]
 
                 with forward_mode():
                     slopes = vmap(directional)(u)
             else:
+                problem.charge(i, 2 * k * rows_of(h_in))
                 with torch.no_grad():
                     shifted = perturb_folded(fold(h_in, 2 * k), 2 * k, flat, self.eps * torch.cat([u, -u]),
                                              f"input of {where(problem, i)}")
                     out = stage(problem.params[i], shifted)
                     stage_out = unfold(out, 2 * k, f"output of {where(problem, i)}")
                     slopes = [(t[:k] - t[k:]) / (2 * self.eps) for t in stage_out]
-            calls += 1
             s = inner(slopes, stage.costates(costate), flat.batch_dims, f"output of {where(problem, i)}")
             if s.shape[1:] != flat.batch_shape:
                 raise ValueError(f"output of {where(problem, i)}: zbp takes <J u, p> per batch position, but the "
                                  f"output's batch dims {tuple(s.shape[1:])} differ from the input's "
                                  f"{tuple(flat.batch_shape)}; use fewer batch_dims")
             estimate += (u * s.unsqueeze(-1)).sum(0)
-        return estimate / self.probes.n, {("jvp_calls" if self.method == "jvp" else "forward_calls"): calls}
+        return estimate / self.probes.n
 
 
 def zbp(probes: Probes, method: str = "jvp", eps: float = 1e-3) -> ZBP:
