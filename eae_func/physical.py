@@ -14,6 +14,7 @@ before anything runs.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import numbers
 from typing import Any, Callable
 
@@ -68,6 +69,14 @@ def check_budget(budget: Any) -> int | None:
     return None if budget is None else int(budget)
 
 
+def query(fn: Callable, args: Any, repeats: int, piece: Any) -> Any:
+    """``fn(args, piece)`` averaged over ``repeats`` queries (a module-level function: picklable)."""
+    total = fn(args, piece)
+    for _ in range(repeats - 1):
+        total = total + fn(args, piece)
+    return total / repeats if repeats > 1 else total
+
+
 class BlackBox:
     """The function of a black-box stage: ``fn`` run on plain data, rows split into calls of at
     most ``max_rows`` (one unbatched row each with ``per_sample``), mapped over ``workers``, each
@@ -98,7 +107,7 @@ class BlackBox:
             pieces = [data[j:j + step] for j in range(0, len(h), step)]
             if self.per_sample:
                 pieces = [p[0] for p in pieces]
-            outs = self._map(lambda piece: self._query(args, piece), pieces)
+            outs = self._map(functools.partial(query, self.fn, args, self.repeats), pieces)
             outs = [self._tensor(o, h, where) for o in outs]
             out = torch.stack(outs) if self.per_sample else torch.cat(outs)
         if out.shape[0] != h.shape[0]:
@@ -113,15 +122,9 @@ class BlackBox:
             return t.astype(self.dtype) if self.dtype is not None else t
         return t.to(self.dtype) if self.dtype is not None else t
 
-    def _query(self, args: Any, piece: Any) -> Any:
-        total = self.fn(args, piece)
-        for _ in range(self.repeats - 1):
-            total = total + self.fn(args, piece)
-        return total / self.repeats if self.repeats > 1 else total
-
     def _map(self, fn: Callable, pieces: list) -> list:
-        if isinstance(self.workers, concurrent.futures.Executor):
-            return list(self.workers.map(fn, pieces))
+        if isinstance(self.workers, concurrent.futures.Executor):  # a process pool: send pieces in batches
+            return list(self.workers.map(fn, pieces, chunksize=max(1, len(pieces) // 64)))
         if self.workers and self.workers > 1 and len(pieces) > 1:
             with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
                 return list(pool.map(fn, pieces))
