@@ -118,13 +118,14 @@ class BlackBox:
     def _plain(self, t: torch.Tensor) -> Any:
         t = t.detach()
         if self.numpy:
-            t = t.cpu().numpy()
+            t = t.cpu()
+            t = (t.float() if t.dtype == torch.bfloat16 else t).numpy()  # numpy has no bfloat16
             return t.astype(self.dtype) if self.dtype is not None else t
         return t.to(self.dtype) if self.dtype is not None else t
 
     def _map(self, fn: Callable, pieces: list) -> list:
         if isinstance(self.workers, concurrent.futures.Executor):  # a process pool: send pieces in batches
-            return list(self.workers.map(fn, pieces, chunksize=max(1, len(pieces) // 64)))
+            return list(self.workers.map(fn, pieces, chunksize=max(1, len(pieces) // 16)))
         if self.workers and self.workers > 1 and len(pieces) > 1:
             with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
                 return list(pool.map(fn, pieces))

@@ -66,6 +66,10 @@ def options(chain: Chain, *, passes: Any = None, key: int = 0, boundary_dtype: t
     if physical is None:
         physical = [i for i, s in enumerate(chain.stages) if s.physical]
     physical = tuple(sorted({chain.index(p) for p in physical}))
+    digital_boxes = [chain.where(i) for i, s in enumerate(chain.stages) if not s.differentiable and i not in physical]
+    if digital_boxes:
+        raise ValueError(f"sweep: {', '.join(digital_boxes)} cannot be differentiated (a black box) but is not among "
+                         f"physical={list(physical)}: its reverse step must come from an estimator")
     if physical and estimator is None:
         raise ValueError(f"sweep: {', '.join(chain.where(i) for i in physical)} is physical (run forward only) but no "
                          f"estimator was given: pass estimator= (E.zbp, E.node_perturbation, E.direct, E.twin, "

@@ -188,8 +188,9 @@ def main(argv=None):
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for name, values in curves.items():
             ax.plot(ns, values, marker="o", label=name, linestyle="--" if name.startswith("twin") else "-")
+        ax.plot(ns, [(n / (n + 64)) ** 0.5 for n in ns], color="gray", linestyle=":", label="theory √(n/(n+d)), d=64")
         ax.set(xscale="log", xlabel="probes n", ylabel="cosine to the exact costate",
-               title="costate at the optics' input (LightPipes)")
+               title="costate at the optics' input (one physical stage:\nzbp, np and direct coincide)")
         ax.legend()
         fig.tight_layout()
         fig.savefig(HERE / "train_optics_cosine.png", dpi=120)

@@ -121,6 +121,8 @@ def test_errors_come_before_anything_is_simulated():
                       E.direct(E.Probes(2), form="jvp")):
         with pytest.raises(ValueError, match=r"differentiates the physical stages, but stage 1 \('box'\) cannot"):
             ef.sweep(chain, params, x, y, estimator=estimator)
+    with pytest.raises(ValueError, match=r"stage 1 \('box'\) cannot be differentiated .* not among physical=\[\]"):
+        ef.sweep(chain, params, x, y, estimator=E.frozen(), physical=[])
     assert sim.rows == 0
     with pytest.raises(RuntimeError, match="called under a torch.func transform"):
         torch.func.jvp(lambda h: chain.stages[1].fn(params[1], h), (x,), (x,))
