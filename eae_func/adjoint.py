@@ -63,8 +63,12 @@ class AdjointState:
         at one boundary (at different positions of the history) never share draws."""
         return fold_in(self.key, len(self.history))
 
-    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        """A fresh generator seeded by ``seed()``: same key and position, same draws."""
+    def generator(self, device: torch.device | str | None = None) -> torch.Generator:
+        """A fresh generator seeded by ``seed()`` (same key and position, same draws), on ``device``
+        (``None``: the costate's, so draws land where the costate is)."""
+        if device is None:
+            leaves = self.tensors()
+            device = leaves[0].device if leaves else "cpu"
         return torch.Generator(device=device).manual_seed(self.seed())
 
     def tensors(self) -> list:

@@ -56,30 +56,45 @@ class Policy:
     dtype:   store differentiable leaves in this dtype (e.g. ``torch.bfloat16``);
              the forward feeds the next stage the stored value, so the reverse
              recomputes exactly what the forward ran.
-    offload: keep them on the CPU (pinned when the compute device is CUDA) and
-             copy each back to the device one stage ahead of its use.
+    offload: keep them on the CPU (pinned when the compute device is CUDA), copied there
+             on a side stream, and copy each back to the device one stage ahead of its use.
     """
 
     dtype: torch.dtype | None = None
     offload: bool = False
 
-    def store(self, tree: Any) -> Any:
-        def one(t: torch.Tensor) -> torch.Tensor:
-            if self.dtype is not None and is_differentiable(t):
-                t = t.to(self.dtype)
-            if self.offload and t.device.type != "cpu":
-                host = torch.empty_like(t, device="cpu", pin_memory=t.is_cuda)  # keeps the memory format
-                host.copy_(t, non_blocking=True)
-                t = host
-            return t
-
-        return optree.tree_map(one, tree, namespace=NAMESPACE)
+    def store(self, tree: Any, like: "Layout", stream: Any = None) -> tuple[Any, Any]:
+        """``(kept, fed)``: the state as the tape keeps it (in ``dtype``; on the CPU with ``offload``,
+        the device-to-host copies issued on ``stream``, a side CUDA stream, so the compute stream
+        never waits on them) and as the next stage runs on it: the kept values back in the compute
+        dtype, cast on the device (no round trip through the host)."""
+        low = optree.tree_map(lambda t: t.to(self.dtype) if self.dtype is not None and is_differentiable(t) else t,
+                              tree, namespace=NAMESPACE)
+        fed = self.load(low, like) if self.dtype is not None else tree
+        kept = optree.tree_map(lambda t: to_host(t, stream), low, namespace=NAMESPACE) if self.offload else low
+        return kept, fed
 
     def load(self, stored: Any, like: "Layout") -> Any:
         """The stored state back in the compute dtype and on the compute device."""
         flat = optree.tree_leaves(stored, namespace=NAMESPACE)
         return like.spec.unflatten([t.to(device=dev, dtype=dt, non_blocking=True)
                                     for t, (dev, dt) in zip(flat, like.placements)])
+
+
+def to_host(t: torch.Tensor, stream: Any) -> torch.Tensor:
+    """A CPU copy of ``t`` (pinned, same memory format), copied on ``stream`` when given: the side
+    stream waits for ``t`` to be computed, and ``t``'s memory is not reused before the copy ends."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty_like(t, device="cpu", pin_memory=t.is_cuda)
+    if stream is None:
+        host.copy_(t, non_blocking=True)
+        return host
+    stream.wait_stream(torch.cuda.current_stream(t.device))
+    with torch.cuda.stream(stream):
+        host.copy_(t, non_blocking=True)
+    t.record_stream(stream)
+    return host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +126,8 @@ def nbytes(tree: Any) -> int:
 
 
 class Prefetcher:
-    """Copies offloaded boundaries to the device on a side CUDA stream, one stage ahead."""
+    """Copies offloaded boundaries to the device on a side CUDA stream, one stage ahead. The same
+    stream carried the forward's device-to-host copies, so each load is ordered after its store."""
 
     def __init__(self, policy: Policy, device: torch.device):
         self.policy = policy
@@ -121,12 +137,14 @@ class Prefetcher:
     def start(self, index: int, stored: Any, like: Layout) -> None:
         if self.stream is None:
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # the forward's host copies
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # after the compute queued so far
         with torch.cuda.stream(self.stream):
             self.pending[index] = self.policy.load(stored, like)
 
     def get(self, index: int, stored: Any, like: Layout) -> Any:
         if index not in self.pending:
+            if self.stream is not None:  # the device-to-host copy ran on the side stream
+                torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
             return self.policy.load(stored, like)
         current = torch.cuda.current_stream(self.stream.device)
         current.wait_stream(self.stream)

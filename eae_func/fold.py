@@ -186,23 +186,98 @@ def autocast(dtype: torch.dtype | None, device: torch.device):
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
+class DeviceSeconds:
+    """Seconds of GPU work between pairs of CUDA events, summed lazily: reading the value as a
+    number (``float``, a comparison, arithmetic with a number, formatting) waits for the events,
+    so timing a CUDA stage costs no host sync inside the sweep."""
+
+    __slots__ = ("pairs",)
+
+    def __init__(self, pairs: list):
+        self.pairs = pairs
+
+    def __float__(self) -> float:
+        for _, end in self.pairs:
+            end.synchronize()
+        return sum(start.elapsed_time(end) for start, end in self.pairs) / 1000.0
+
+    def __add__(self, other: Any) -> Any:
+        if isinstance(other, DeviceSeconds):
+            return DeviceSeconds(self.pairs + other.pairs)
+        return self if other == 0 else float(self) + other
+
+    __radd__ = __add__
+
+    def __sub__(self, other: Any) -> float:
+        return float(self) - float(other)
+
+    def __rsub__(self, other: Any) -> float:
+        return float(other) - float(self)
+
+    def __mul__(self, other: Any) -> float:
+        return float(self) * other
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other: Any) -> float:
+        return float(self) / float(other)
+
+    def __rtruediv__(self, other: Any) -> float:
+        return float(other) / float(self)
+
+    def __lt__(self, other: Any) -> bool:
+        return float(self) < float(other)
+
+    def __le__(self, other: Any) -> bool:
+        return float(self) <= float(other)
+
+    def __gt__(self, other: Any) -> bool:
+        return float(self) > float(other)
+
+    def __ge__(self, other: Any) -> bool:
+        return float(self) >= float(other)
+
+    def __eq__(self, other: Any) -> bool:
+        return float(self) == float(other)
+
+    __hash__ = None
+
+    def __format__(self, spec: str) -> str:
+        return format(float(self), spec)
+
+    def __repr__(self) -> str:
+        return repr(float(self))
+
+
 class timed:  # noqa: N801 - used as a context manager, like contextlib's
     """Add the seconds of the block to ``stats[key]``, inside a profiler range ``label`` while a
-    profiler runs (a range costs about as much as a tiny stage's kernel, so none is opened otherwise)."""
+    profiler runs (a range costs about as much as a tiny stage's kernel, so none is opened otherwise).
+    On a CUDA ``device`` the seconds are the GPU's, between two CUDA events (``DeviceSeconds``):
+    the host only queues the work, so its clock would measure the launches."""
 
-    __slots__ = ("stats", "key", "label", "range", "start")
+    __slots__ = ("stats", "key", "label", "range", "start", "cuda")
 
-    def __init__(self, stats: dict, key: str, label: str):
+    def __init__(self, stats: dict, key: str, label: str, device: torch.device | None = None):
         self.stats, self.key, self.label, self.range = stats, key, label, None
+        self.cuda = device is not None and device.type == "cuda"
 
     def __enter__(self):
         if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):
             self.range = record_function(self.label)
             self.range.__enter__()
-        self.start = time.perf_counter()
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.start = time.perf_counter()
 
     def __exit__(self, *exc):
-        self.stats[self.key] = self.stats.get(self.key, 0) + time.perf_counter() - self.start
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.stats[self.key] = self.stats.get(self.key, 0) + DeviceSeconds([(self.start, end)])
+        else:
+            self.stats[self.key] = self.stats.get(self.key, 0) + time.perf_counter() - self.start
         if self.range is not None:
             self.range.__exit__(*exc)
 
@@ -346,7 +421,8 @@ def processed(chain: Chain, opts: Options, adj: AdjointState, pass_state: Any, b
     """``adj`` and ``pass_state`` after the passes, the costate checked against the boundary's ``layout``."""
     l = adj.index
     ctx = Context(boundary=boundary, stage=chain.stages[l - 1] if l > 0 else None, key=opts.key)
-    with timed(stats, "pass_s", f"eae/{boundary_name(chain, l)}/passes"), naming(f"the passes at boundary {l}"):
+    with timed(stats, "pass_s", f"eae/{boundary_name(chain, l)}/passes", layout.placements[0][0]), \
+            naming(f"the passes at boundary {l}"):
         out = opts.passes.update(adj, pass_state, ctx)
     if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(f"pass {opts.passes.name!r} at boundary {l}: update must return (AdjointState, state), "
@@ -386,7 +462,7 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
         stats["boundary_bytes"] = B.nbytes(kept)
         if meter is not None:
             meter.charge(i, rows_of(h))
-        with timed(stats, "forward_s", f"eae/{s.name}/forward"), autocast(opts.autocast, device), \
+        with timed(stats, "forward_s", f"eae/{s.name}/forward", device), autocast(opts.autocast, device), \
                 naming(f"the forward of {chain.where(i)}"), explained(chain, i, params[i], h, opts.autocast):
             if recomputed(opts.recompute, i, s.name, budget) or i in opts.physical:
                 with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
@@ -416,15 +492,15 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
         h = kept = out
         layouts = [out_layout]  # the next stage's input has it (a stored copy is loaded back to it)
         if i < len(chain) - 1 and (policy.dtype is not None or policy.offload):
-            kept = policy.store(out)
-            h = policy.load(kept, out_layout) if policy.dtype is not None else out
+            kept, h = policy.store(out, out_layout, tape.prefetch.stream)
     tape.output = h
     return tape
 
 
 def boundary_condition(chain: Chain, h: Any, loss_args: tuple, opts: Options, pass_state: Any,
                        loss_scale: float, stats: dict) -> tuple[torch.Tensor, Carry]:
-    """``(loss, carry of p_L)``: p_L = loss_scale * d loss(x_L) / d x_L, through the passes."""
+    """``(loss, carry of p_L)``: p_L = loss_scale * d loss(x_L) / d x_L, through the passes; the loss
+    runs under the stages' autocast, as an AMP training step computes it."""
     L = len(chain)
     def loss_of(floats: list) -> torch.Tensor:
         loss = chain.loss(rebuild(floats), *loss_args)
@@ -433,7 +509,8 @@ def boundary_condition(chain: Chain, h: Any, loss_args: tuple, opts: Options, pa
             raise ValueError(f"loss: expected a scalar floating-point tensor, got {got}")
         return loss
 
-    with timed(stats, "forward_s", "eae/loss"), naming("the loss"):
+    device = device_of(h)
+    with timed(stats, "forward_s", "eae/loss", device), naming("the loss"), autocast(opts.autocast, device):
         floats, rebuild, costate_like = B.split(h, "input of the loss")
         loss, loss_vjp = vjp(loss_of, floats)
         (p,) = loss_vjp(torch.full_like(loss, loss_scale), retain_graph=False, create_graph=False)
@@ -461,17 +538,18 @@ def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
         floats, rebuild, costate_like = B.split(entry.boundary, f"input of {chain.where(i)}")
         with naming(f"the reverse step of {chain.where(i)}"):
             if i in opts.physical:
-                with timed(stats, "vjp_s", f"eae/{s.name}/estimate"), autocast(opts.autocast, device):
+                with timed(stats, "vjp_s", f"eae/{s.name}/estimate", device), autocast(opts.autocast, device):
                     grads, costate_in, cost = opts.estimator.stage_vjp(
                         problem, prepared, i, entry.boundary, entry.out_layout.spec.unflatten(costate))
                 stats.update(cost)
             else:
                 closure = entry.closure
                 if closure is None:
-                    with timed(stats, "recompute_s", f"eae/{s.name}/recompute"), replay_rng(entry.rng, device), \
+                    with timed(stats, "recompute_s", f"eae/{s.name}/recompute", device), \
+                            replay_rng(entry.rng, device), \
                             autocast(opts.autocast, device):
                         _, closure, _ = local_vjp(s, params[i], entry.buffers, floats, rebuild)
-                with timed(stats, "vjp_s", f"eae/{s.name}/vjp"):
+                with timed(stats, "vjp_s", f"eae/{s.name}/vjp", device):
                     grads, g_in = closure(cotangent(costate, entry.out_layout))
                 costate_in = costate_like(list(g_in))
         adj = AdjointState(costate_in, i, boundary_name(chain, i), fold_in(opts.key, i))

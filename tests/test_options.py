@@ -60,6 +60,22 @@ def test_autocast_matches_autograd_under_the_same_autocast():
     assert_grads_match(chain, res.grads, reference, rtol=2e-2, atol=1e-3)
 
 
+def test_the_loss_runs_under_the_same_autocast_as_an_amp_step():
+    """With autocast, the loss sees what an AMP step's loss sees (cross-entropy autocasts to float32
+    from bf16 logits): the same loss, bit for bit, and gradients within bf16 rounding."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 10))
+    x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
+    chain, params = ef.from_module(model, loss=F.cross_entropy)
+    res = ef.sweep(chain, params, x, y, autocast=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x), y)
+    assert loss.dtype == torch.float32 and torch.equal(res.loss, loss.detach())
+    reference = torch.autograd.grad(loss, list(model.parameters()))
+    for g, r in zip([g for stage in res.grads for g in stage.values()], reference):
+        torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-3)
+
+
 @given(k=st.integers(2, 5), reduction=st.sampled_from(["mean", "sum"]), seed=st.integers(0, 2**16))
 def test_microbatches_equal_the_full_batch(k, reduction, seed):
     torch.manual_seed(seed)
@@ -170,3 +186,32 @@ def test_every_remat_policy_gives_the_same_gradients(seed, budget_blocks):
             assert torch.equal(got, want), policy
     with pytest.raises(TypeError, match="recompute must be True, False, a predicate"):
         ef.sweep(chain, params, x, target, recompute=-1)
+
+
+class FakeEvent:
+    """A stand-in for ``torch.cuda.Event``: ``elapsed_time`` in ms, counting the waits."""
+
+    waits = 0
+
+    def __init__(self, ms: float):
+        self.ms = ms
+
+    def synchronize(self):
+        FakeEvent.waits += 1
+
+    def elapsed_time(self, end) -> float:
+        return end.ms - self.ms
+
+
+def test_device_seconds_add_lazily_and_resolve_when_read_as_numbers():
+    """GPU timers: sums of event pairs stay lazy through the stats' counters (no wait for the GPU
+    inside the sweep) and become seconds when read."""
+    from eae_func.fold import DeviceSeconds
+    from eae_func.sweep import merge_counters
+
+    FakeEvent.waits = 0
+    a, b = DeviceSeconds([(FakeEvent(0), FakeEvent(250))]), DeviceSeconds([(FakeEvent(10), FakeEvent(760))])
+    total = merge_counters({"vjp_s": a}, {"vjp_s": b}, {"vjp_s": 0})["vjp_s"]
+    assert isinstance(total, DeviceSeconds) and FakeEvent.waits == 0
+    assert float(total) == 1.0 and f"{total:.2f}" == "1.00" and total > 0.5 and total + 1.0 == 2.0
+    assert FakeEvent.waits > 0

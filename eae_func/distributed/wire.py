@@ -7,14 +7,20 @@ Every message is a fixed-size int64 header
 followed by the codec's payload tensors (none for an absent costate, ndim = -1).
 The receiver reads the header, checks it against what it expects (kind,
 microbatch, codec, and the shape when it knows it), allocates the payload from
-the codec's layout and receives it. Sends are asynchronous (``isend``);
+the codec's layout and receives it. Sends are asynchronous (``isend``; on CUDA
+the header goes through pinned memory, so queueing it does not block the host);
 receives wait on their work handles with a timeout, so a dead or stalled peer
 becomes a ``PeerError`` naming both ranks and their stages instead of a hang.
 Bytes sent and received are counted per message kind.
 
-On NCCL a work handle's ``wait`` orders CUDA streams rather than blocking the host,
-so there the bound on a dead peer is NCCL's watchdog, armed by
-``init_process_group(timeout=...)`` (``eae_func.distributed.init(timeout=...)``).
+Costs on a GPU (NCCL): reading a received header is one host sync per message
+(the payload cannot be allocated before its shape is known). A receive is
+waited for by polling ``is_completed`` with short sleeps up to the timeout, then
+``wait()`` orders the compute stream after it; a timeout raises ``PeerError``
+without aborting the communicator. NCCL's own watchdog kills a rank whose
+operation outlives the process group's timeout, so that timeout must exceed the
+wire's (``eae_func.distributed.init(timeout=...)`` sets it; give the pipeline a
+smaller ``timeout``).
 """
 
 from __future__ import annotations
@@ -71,7 +77,9 @@ class Wire:
             header[3:7] = torch.tensor([enc.codec.code, enc.arg, DTYPES.index(enc.dtype), len(enc.shape)])
             header[7:7 + len(enc.shape)] = torch.tensor(enc.shape, dtype=torch.int64)
         what = f"{kind} {index} to rank {dst} ({self.where(dst)})"
-        for t in (header.to(self.device), *(enc.payload if enc is not None else ())):
+        if self.device.type == "cuda":  # from pinned memory: the copy is queued, the host goes on
+            header = header.pin_memory().to(self.device, non_blocking=True)
+        for t in (header, *(enc.payload if enc is not None else ())):
             self.pending.append((self._post(dist.isend, t, dst, f"sending {what}"), t, what))
         payload = enc.nbytes if enc is not None else 0
         self.counts["bytes_sent"] += payload + header.numel() * 8
@@ -133,7 +141,16 @@ class Wire:
     def _wait(self, work, what: str) -> None:
         start = time.perf_counter()
         try:
-            work.wait(self.timeout)
+            if self.device.type == "cuda":  # NCCL: poll (no busy wait, no abort on timeout), then order streams
+                pause = 1e-5
+                while not work.is_completed():
+                    if time.perf_counter() - start > self.timeout.total_seconds():
+                        raise RuntimeError("timed out")
+                    time.sleep(pause)
+                    pause = min(2 * pause, 1e-2)
+                work.wait()
+            else:
+                work.wait(self.timeout)
         except RuntimeError as e:
             raise PeerError(f"rank {self.rank} ({self.where(self.rank)}): {what} failed after "
                             f"{time.perf_counter() - start:.1f} s (timeout {self.timeout.total_seconds():g} s); "
