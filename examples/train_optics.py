@@ -191,7 +191,7 @@ def main(argv=None):
         ax.plot(ns, [(n / (n + 64)) ** 0.5 for n in ns], color="gray", linestyle=":", label="theory √(n/(n+d)), d=64")
         ax.set(xscale="log", xlabel="probes n", ylabel="cosine to the exact costate",
                title="costate at the optics' input (one physical stage:\nzbp, np and direct coincide)")
-        ax.legend()
+        ax.legend(loc="lower right", fontsize=8)
         fig.tight_layout()
         fig.savefig(HERE / "train_optics_cosine.png", dpi=120)
         print(f"plot: {HERE / 'train_optics_cosine.png'}")
