@@ -29,6 +29,7 @@ from torch.profiler import record_function
 from . import boundary as B
 from .adjoint import AdjointState, fold_in
 from .chain import Chain
+from .lazy import event_seconds
 from .passes import Context, Pass
 from .physical import Meter, rows_of
 from .tree import NAMESPACE
@@ -186,74 +187,11 @@ def autocast(dtype: torch.dtype | None, device: torch.device):
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-class DeviceSeconds:
-    """Seconds of GPU work between pairs of CUDA events, summed lazily: reading the value as a
-    number (``float``, a comparison, arithmetic with a number, formatting) waits for the events,
-    so timing a CUDA stage costs no host sync inside the sweep."""
-
-    __slots__ = ("pairs",)
-
-    def __init__(self, pairs: list):
-        self.pairs = pairs
-
-    def __float__(self) -> float:
-        for _, end in self.pairs:
-            end.synchronize()
-        return sum(start.elapsed_time(end) for start, end in self.pairs) / 1000.0
-
-    def __add__(self, other: Any) -> Any:
-        if isinstance(other, DeviceSeconds):
-            return DeviceSeconds(self.pairs + other.pairs)
-        return self if other == 0 else float(self) + other
-
-    __radd__ = __add__
-
-    def __sub__(self, other: Any) -> float:
-        return float(self) - float(other)
-
-    def __rsub__(self, other: Any) -> float:
-        return float(other) - float(self)
-
-    def __mul__(self, other: Any) -> float:
-        return float(self) * other
-
-    __rmul__ = __mul__
-
-    def __truediv__(self, other: Any) -> float:
-        return float(self) / float(other)
-
-    def __rtruediv__(self, other: Any) -> float:
-        return float(other) / float(self)
-
-    def __lt__(self, other: Any) -> bool:
-        return float(self) < float(other)
-
-    def __le__(self, other: Any) -> bool:
-        return float(self) <= float(other)
-
-    def __gt__(self, other: Any) -> bool:
-        return float(self) > float(other)
-
-    def __ge__(self, other: Any) -> bool:
-        return float(self) >= float(other)
-
-    def __eq__(self, other: Any) -> bool:
-        return float(self) == float(other)
-
-    __hash__ = None
-
-    def __format__(self, spec: str) -> str:
-        return format(float(self), spec)
-
-    def __repr__(self) -> str:
-        return repr(float(self))
-
-
 class timed:  # noqa: N801 - used as a context manager, like contextlib's
     """Add the seconds of the block to ``stats[key]``, inside a profiler range ``label`` while a
     profiler runs (a range costs about as much as a tiny stage's kernel, so none is opened otherwise).
-    On a CUDA ``device`` the seconds are the GPU's, between two CUDA events (``DeviceSeconds``):
-    the host only queues the work, so its clock would measure the launches."""
+    On a CUDA ``device`` the seconds are the GPU's, between two CUDA events, read only when used
+    (``Lazy``): the host only queues the work, so its clock would measure the launches."""
 
     __slots__ = ("stats", "key", "label", "range", "start", "cuda")
 
@@ -275,7 +213,7 @@ class timed:  # noqa: N801 - used as a context manager, like contextlib's
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self.stats[self.key] = self.stats.get(self.key, 0) + DeviceSeconds([(self.start, end)])
+            self.stats[self.key] = self.stats.get(self.key, 0) + event_seconds(self.start, end)
         else:
             self.stats[self.key] = self.stats.get(self.key, 0) + time.perf_counter() - self.start
         if self.range is not None:

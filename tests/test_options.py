@@ -203,15 +203,40 @@ class FakeEvent:
         return end.ms - self.ms
 
 
-def test_device_seconds_add_lazily_and_resolve_when_read_as_numbers():
+def test_gpu_seconds_add_lazily_and_are_read_when_used_as_numbers():
     """GPU timers: sums of event pairs stay lazy through the stats' counters (no wait for the GPU
     inside the sweep) and become seconds when read."""
-    from eae_func.fold import DeviceSeconds
+    from eae_func.lazy import event_seconds
     from eae_func.sweep import merge_counters
 
     FakeEvent.waits = 0
-    a, b = DeviceSeconds([(FakeEvent(0), FakeEvent(250))]), DeviceSeconds([(FakeEvent(10), FakeEvent(760))])
+    a, b = event_seconds(FakeEvent(0), FakeEvent(250)), event_seconds(FakeEvent(10), FakeEvent(760))
     total = merge_counters({"vjp_s": a}, {"vjp_s": b}, {"vjp_s": 0})["vjp_s"]
-    assert isinstance(total, DeviceSeconds) and FakeEvent.waits == 0
+    assert FakeEvent.waits == 0
     assert float(total) == 1.0 and f"{total:.2f}" == "1.00" and total > 0.5 and total + 1.0 == 2.0
-    assert FakeEvent.waits > 0
+    assert FakeEvent.waits == 2
+
+
+def test_the_compute_device_comes_from_the_params_not_the_input():
+    """``x`` may live on the CPU while the stages compute elsewhere (a first stage moves it): the
+    device whose RNG state is saved, whose autocast runs and where offload prefetches is the params'."""
+    from eae_func.fold import device_of
+
+    elsewhere = ({"w": torch.empty(2, device="meta")}, {})
+    assert device_of(elsewhere, torch.randn(2)) == torch.device("meta")
+    assert device_of(({}, {}), torch.randn(2)) == torch.device("cpu")  # no params: the input's
+
+
+def test_stored_boundaries_keep_their_memory_format():
+    """A channels_last boundary stored in bf16 stays channels_last, so the recompute runs the same kernels."""
+    from eae_func import fold
+    from eae_func.sweep import options
+
+    chain = ef.Chain([ef.stage(lambda p, h: torch.tanh(h) * 2, name="a"), ef.stage(lambda p, h: h * h, name="b")],
+                     loss=lambda out: out.float().square().mean())
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    opts = options(chain, boundary_dtype=torch.bfloat16)
+    tape = fold.forward(chain, 0, 2, ({}, {}), ({}, {}), x, opts, torch.device("cpu"))
+    stored = tape.entries[1].boundary
+    assert stored.dtype == torch.bfloat16 and stored.is_contiguous(memory_format=torch.channels_last)
+    assert not stored.is_contiguous()

@@ -8,6 +8,7 @@ import optree
 import torch
 
 from ..adjoint import AdjointState
+from ..lazy import Lazy
 from ..tree import NAMESPACE
 from .base import Context, Pass, global_norm
 from .combinators import lift
@@ -39,7 +40,7 @@ def error_feedback(compressor: Any) -> Pass:
             corrected = adj.replace(value=optree.tree_map(torch.add, adj.value, residual, namespace=NAMESPACE))
         sent, compressor_state = compressor.update(corrected, state["compressor"], ctx)
         residual = optree.tree_map(torch.sub, corrected.value, sent.value, namespace=NAMESPACE)
-        norm = global_norm(residual).item()
+        norm = Lazy.of(global_norm(residual))
         new_state = {"residuals": {**state["residuals"], adj.index: residual}, "compressor": compressor_state}
         return sent.applied("error_feedback", sent.value, ef_residual_norm=norm), new_state
 

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from ..adjoint import AdjointState
+from ..lazy import Lazy
 from .base import Pass, stateless
 
 _FIELDS = ("mean", "std", "min", "max", "norm")
@@ -14,15 +15,17 @@ _FIELDS = ("mean", "std", "min", "max", "norm")
 
 def costate_statistics(adj: AdjointState) -> dict:
     """mean, std (population), min, max, 2-norm, numel, has_nan, has_inf over all the costate's
-    entries, in float32 (as eae-runtime's ``AdjointState.statistics``); one device sync."""
+    entries, in float32 (as eae-runtime's ``AdjointState.statistics``); read lazily, all by one
+    transfer when the first is used."""
     tensors = [t.detach().reshape(-1).float() for t in adj.tensors()]
     flat = torch.cat(tensors) if len(tensors) > 1 else tensors[0] if tensors else torch.zeros(0)
     if flat.numel() == 0:
         return dict(dict.fromkeys(_FIELDS, float("nan")), norm=0.0, numel=0, has_nan=False, has_inf=False)
-    summary = torch.stack([flat.mean(), flat.std(unbiased=False), flat.min(), flat.max(),
-                           torch.linalg.vector_norm(flat), torch.isnan(flat).any().float(),
-                           torch.isinf(flat).any().float()]).tolist()
-    return dict(zip(_FIELDS, summary[:5]), numel=flat.numel(), has_nan=bool(summary[5]), has_inf=bool(summary[6]))
+    summary = Lazy.each(torch.stack([flat.mean(), flat.std(unbiased=False), flat.min(), flat.max(),
+                                     torch.linalg.vector_norm(flat), torch.isnan(flat).any().float(),
+                                     torch.isinf(flat).any().float()]))
+    return dict(zip(_FIELDS, summary[:5]), numel=flat.numel(), has_nan=Lazy(lambda: bool(summary[5])),
+                has_inf=Lazy(lambda: bool(summary[6])))
 
 
 def stats() -> Pass:

@@ -7,15 +7,16 @@ import torch
 
 from .. import quantise as Q
 from ..adjoint import AdjointState
+from ..lazy import Lazy
 from .base import Pass, map_costate, map_costate_random, stateless
 
 _CASTS = (torch.float16, torch.bfloat16)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _max_of(values: list) -> float:
-    """The largest of a list of scalar tensors as a Python float (one sync); 0.0 when empty."""
-    return torch.stack([v.double() for v in values]).max().item() if values else 0.0
+def _max_of(values: list) -> Lazy | float:
+    """The largest of a list of scalar tensors, read lazily; 0.0 when empty."""
+    return Lazy.of(torch.stack([v.double() for v in values]).max()) if values else 0.0
 
 
 def cast(dtype: torch.dtype) -> Pass:
@@ -36,7 +37,7 @@ def cast(dtype: torch.dtype) -> Pass:
             return out
 
         value = map_costate(round_trip, adj)
-        overflow = int(torch.stack(overflows).sum().item()) if overflows else 0
+        overflow = Lazy.of(torch.stack(overflows).sum()) if overflows else 0
         return adj.applied("cast", value, cast_overflow=overflow)
 
     return stateless(cast_pass, f"cast({dtype})")

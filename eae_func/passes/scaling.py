@@ -6,6 +6,7 @@ import torch
 
 from ..adjoint import AdjointState
 from ..checks import check_real
+from ..lazy import Lazy
 from .base import Pass, global_norm, map_costate, map_costate_random, stateless
 
 
@@ -14,17 +15,17 @@ def clip_by_global_norm(max_norm: float) -> Pass:
 
     ``|p|`` is the 2-norm over all the costate's tensors (in float32), the formula
     of eae-runtime's ``ClipPass``. Records ``clip_norm`` (before), ``clip_scale``
-    and ``clipped``.
+    and ``clipped``, read lazily (no host sync in the sweep).
     """
     max_norm = check_real("clip_by_global_norm", "max_norm", max_norm, low=0.0, low_open=True)
 
     def clip_pass(adj: AdjointState) -> AdjointState:
         norm = global_norm(adj.value)
-        if not norm > max_norm:
-            return adj.applied("clip", adj.value, clip_norm=norm.item(), clip_scale=1.0, clipped=False)
-        scale = max_norm / (norm + 1e-6)
-        value = map_costate(lambda t: t * scale.to(t.dtype), adj)
-        return adj.applied("clip", value, clip_norm=norm.item(), clip_scale=scale.item(), clipped=True)
+        clipped = norm > max_norm
+        scale = torch.where(clipped, max_norm / (norm + 1e-6), torch.ones_like(norm))
+        value = map_costate(lambda t: torch.where(clipped, t * scale.to(t.dtype), t), adj)
+        return adj.applied("clip", value, clip_norm=Lazy.of(norm), clip_scale=Lazy.of(scale),
+                           clipped=Lazy.of(clipped))
 
     return stateless(clip_pass, f"clip_by_global_norm({max_norm:g})")
 
@@ -41,8 +42,11 @@ def clip_by_value(limit: float) -> Pass:
             return t.clamp(-limit, limit)
 
         value = map_costate(clamp, adj)
-        changed, total = torch.stack(counts).sum(0).tolist() if counts else (0, 0)
-        return adj.applied("clip_by_value", value, clipped_fraction=changed / total if total else 0.0)
+        if not counts:
+            return adj.applied("clip_by_value", value, clipped_fraction=0.0)
+        changed, total = torch.stack(counts).sum(0)
+        fraction = torch.where(total > 0, changed / total.clamp(min=1), torch.zeros((), device=total.device))
+        return adj.applied("clip_by_value", value, clipped_fraction=Lazy.of(fraction))
 
     return stateless(clip_value_pass, f"clip_by_value({limit:g})")
 

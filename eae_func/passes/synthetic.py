@@ -8,6 +8,7 @@ import optree
 import torch
 
 from ..adjoint import AdjointState
+from ..lazy import Lazy
 from ..tree import NAMESPACE
 from ..checks import check_real
 from .base import Context, Pass
@@ -86,11 +87,13 @@ def synthetic(lr: float = 0.5, momentum: float = 0.9, warmup: int = 100, replace
             sums.append(torch.stack([error.square().sum(), target.square().sum(),
                                      (prediction * target).sum(), prediction.square().sum()]))
             sent.append(prediction.reshape(p.shape).to(p.dtype) if use else p)
-        err, norm2, dot, pred2 = torch.stack(sums).sum(0).tolist() if sums else (0.0, 0.0, 0.0, 0.0)
         new_entry = {"step": step + 1, "W": tuple(weights), "v": tuple(velocities)}
-        meta = dict(synthetic_error=err / norm2 if norm2 > 0 else float("nan"),
-                    synthetic_cosine=dot / (norm2 * pred2) ** 0.5 if norm2 * pred2 > 0 else 0.0,
-                    synthetic_step=step + 1, synthetic_used=use)
+        meta = dict(synthetic_error=float("nan"), synthetic_cosine=0.0, synthetic_step=step + 1, synthetic_used=use)
+        if sums:
+            err, norm2, dot, pred2 = torch.stack(sums).sum(0)
+            meta.update(synthetic_error=Lazy.of(torch.where(norm2 > 0, err / norm2, torch.full_like(err, float("nan")))),
+                        synthetic_cosine=Lazy.of(torch.where(norm2 * pred2 > 0, dot / (norm2 * pred2).sqrt(),
+                                                             torch.zeros_like(dot))))
         return adj.applied("synthetic", spec.unflatten(sent), **meta), {**state, adj.index: new_entry}
 
     return Pass(init, update, f"synthetic(lr={lr:g}, momentum={momentum:g}, warmup={warmup}, replace={replace})")

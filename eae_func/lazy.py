@@ -1,0 +1,127 @@
+"""Numbers the device computes and the host reads later.
+
+A pass's measurements (a norm, a scale, a count) and a CUDA stage's seconds are tensors or
+event pairs on the device; turning one into a Python number waits for the device (on a GPU,
+``.item()`` stalls the stream). ``Lazy`` holds such a value unread: it is read once, when it
+is used as a number (``float``, ``int``, ``bool``, a comparison, arithmetic with a number,
+formatting, ``repr``). A sum of ``Lazy`` values stays lazy, so counters can add them up.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+class Lazy:
+    """A number ``read()`` returns, called at most once, when first needed."""
+
+    __slots__ = ("_read", "_value")
+
+    def __init__(self, read: Callable[[], Any]):
+        self._read, self._value = read, None
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "Lazy":
+        """The value of a one-element tensor (a bool tensor reads as a bool)."""
+        t = t.detach()
+        return Lazy(t.item)
+
+    @staticmethod
+    def each(t: torch.Tensor) -> list:
+        """One ``Lazy`` per entry of a 1-dim tensor, all read by one transfer."""
+        t, values = t.detach(), []
+
+        def read_all() -> list:
+            if not values:
+                values.extend(t.tolist())
+            return values
+
+        return [Lazy(lambda j=j: read_all()[j]) for j in range(t.numel())]
+
+    @property
+    def value(self) -> Any:
+        if self._read is not None:
+            self._value, self._read = self._read(), None
+        return self._value
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+    def __int__(self) -> int:
+        return int(self.value)
+
+    def __bool__(self) -> bool:
+        return bool(self.value)
+
+    def __index__(self) -> int:
+        return int(self.value)
+
+    def __add__(self, other: Any) -> Any:
+        if isinstance(other, Lazy):
+            return Lazy(lambda: self.value + other.value)
+        if isinstance(other, (int, float)) and not isinstance(other, bool) and other == 0:
+            return self
+        return self.value + other
+
+    __radd__ = __add__
+
+    def __sub__(self, other: Any) -> Any:
+        return self.value - _number(other)
+
+    def __rsub__(self, other: Any) -> Any:
+        return _number(other) - self.value
+
+    def __mul__(self, other: Any) -> Any:
+        return self.value * _number(other)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other: Any) -> Any:
+        return self.value / _number(other)
+
+    def __rtruediv__(self, other: Any) -> Any:
+        return _number(other) / self.value
+
+    def __neg__(self) -> Any:
+        return -self.value
+
+    def __abs__(self) -> Any:
+        return abs(self.value)
+
+    def __lt__(self, other: Any) -> bool:
+        return self.value < _number(other)
+
+    def __le__(self, other: Any) -> bool:
+        return self.value <= _number(other)
+
+    def __gt__(self, other: Any) -> bool:
+        return self.value > _number(other)
+
+    def __ge__(self, other: Any) -> bool:
+        return self.value >= _number(other)
+
+    def __eq__(self, other: Any) -> bool:
+        return self.value == _number(other)
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def _number(x: Any) -> Any:
+    return x.value if isinstance(x, Lazy) else x
+
+
+def event_seconds(start: Any, end: Any) -> Lazy:
+    """The seconds between two recorded CUDA events, read when needed."""
+    def read() -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+    return Lazy(read)
