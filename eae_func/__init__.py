@@ -14,13 +14,14 @@ from .passes import Context, Pass, compose, global_norm, identity, map_costate, 
 from .physical import black_box
 from .sweep import SweepResult, grad, sweep, value_and_grad
 from .tree import tree_leaves, tree_map, tree_structure
+from .update import fused
 
 __version__ = "0.2.0"
 
 __all__ = [
     "AdjointState", "Chain", "Context", "Estimator", "Pass", "Problem", "Stage", "SweepResult", "black_box", "capture",
     "compose",
-    "estimators", "fold_in", "from_module", "global_norm", "grad", "identity", "map_costate", "passes", "stage",
+    "estimators", "fold_in", "from_module", "fused", "global_norm", "grad", "identity", "map_costate", "passes", "stage",
     "stateless", "sweep", "tree_leaves", "tree_map", "tree_structure", "value_and_grad", "write_back", "write_buffers",
     "write_grads",
 ]

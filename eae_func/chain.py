@@ -296,6 +296,8 @@ def write_buffers(model: nn.Module | Sequence, buffers: Any) -> None:
 
 def write_back(model: nn.Module | Sequence, res: Any) -> None:
     """Put a sweep's result into ``model``: ``res.grads`` into ``.grad`` (for a ``torch.optim``
-    optimizer) and ``res.buffers`` into its buffers, so nothing the step computed is lost."""
-    write_grads(model, res.grads)
+    optimizer; none after fused updates) and ``res.buffers`` into its buffers, so nothing the
+    step computed is lost."""
+    if res.grads is not None:  # None after fused updates: the optimizer already stepped
+        write_grads(model, res.grads)
     write_buffers(model, res.buffers)

@@ -458,13 +458,15 @@ def boundary_condition(chain: Chain, h: Any, loss_args: tuple, opts: Options, pa
 
 
 def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
-              problem: Any = None) -> Callable[[Carry, Entry], tuple[Carry, StepOut]]:
+              problem: Any = None, updater: Any = None) -> Callable[[Carry, Entry], tuple[Carry, StepOut]]:
     """The reverse step ``(carry, entry) -> (carry, out)`` of one stage.
 
     A digital stage takes the exact local vjp: its closure from the tape, or one rebuilt from the
     entry's boundary under the replayed RNG state. A physical stage asks the estimator
     (``stage_vjp(problem, prepared, i, h_in, costate)``, fresh randomness, no replay); with
-    physical stages, ``opts.estimator.prepare(problem)`` runs here, once.
+    physical stages, ``opts.estimator.prepare(problem)`` runs here, once. With an ``updater``
+    (fused updates), ``updater.apply(i, grads)`` consumes the stage's gradients at once and the
+    step emits none.
     """
     prepared = opts.estimator.prepare(problem) if opts.physical else None
 
@@ -490,6 +492,10 @@ def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
                 with timed(stats, "vjp_s", f"eae/{s.name}/vjp", device):
                     grads, g_in = closure(cotangent(costate, entry.out_layout))
                 costate_in = costate_like(list(g_in))
+        if updater is not None:
+            with timed(stats, "update_s", f"eae/{s.name}/update", device), naming(f"the update of {chain.where(i)}"):
+                updater.apply(i, grads)
+            grads = None
         adj = AdjointState(costate_in, i, boundary_name(chain, i), fold_in(opts.key, i))
         adj, pass_state = processed(chain, opts, adj, carry.pass_state, entry.boundary, entry.layout, stats)
         return Carry(adj, pass_state), StepOut(grads, traced(adj, opts), stats)

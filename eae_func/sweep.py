@@ -26,24 +26,29 @@ from .chain import Chain, from_module
 from .estimators.base import Problem
 from .passes import compose
 from .physical import Meter, check_budget
+from .update import Fused, Updater, fused
 from .tree import NAMESPACE
 
 
 @dataclasses.dataclass(frozen=True)
 class SweepResult:
-    """loss: the scalar loss; grads: same tree as params; adjoints: one ``AdjointState`` per
-    boundary, L down to 0, as they were after the passes; buffers: updated buffers, one dict
-    per stage; pass_state: the threaded pass state; stats: per stage ``stats[name]`` the
-    forward, recompute, vjp and pass seconds, the bytes of its stored input boundary and
-    an estimator's costs, ``stats["loss"]``, and ``stats["boundaries"][l]``: what the passes
-    recorded in ``meta`` at boundary l."""
+    """loss: the scalar loss; grads: same tree as params (``None`` with fused updates: consumed
+    in the fold); adjoints: one ``AdjointState`` per boundary, L down to 0, as they were after
+    the passes; buffers: updated buffers, one dict per stage; pass_state: the threaded pass
+    state; stats: per stage ``stats[name]`` the forward, recompute, vjp, pass (and update)
+    seconds, the bytes of its stored input boundary and an estimator's costs, ``stats["loss"]``,
+    and ``stats["boundaries"][l]``: what the passes recorded in ``meta`` at boundary l;
+    params, update_state: with a fused pure update, the new params and its state (with a
+    torch.optim optimizer, ``params`` are the ones given, updated in place)."""
 
     loss: torch.Tensor
-    grads: tuple
+    grads: tuple | None
     adjoints: tuple
     buffers: tuple
     pass_state: Any
     stats: Mapping[str, Any]
+    params: Any = None
+    update_state: Any = None
 
 
 def options(chain: Chain, *, passes: Any = None, key: int = 0, boundary_dtype: torch.dtype | None = None,
@@ -93,7 +98,7 @@ def merge_counters(*counters: Mapping) -> dict:
 
 
 def _one(chain: Chain, params: tuple, buffers: tuple, mb: M.Microbatch, opts: F.Options, pass_state: Any,
-         device: torch.device, meter: Meter) -> tuple:
+         device: torch.device, meter: Meter, updater: Updater | None = None) -> tuple:
     """One microbatch through the whole chain: ``(scaled loss, grads, trace, buffers, pass_state, stats)``."""
     L = len(chain)
     tape = F.forward(chain, 0, L, params, buffers, mb.x, opts, device, meter)
@@ -103,7 +108,7 @@ def _one(chain: Chain, params: tuple, buffers: tuple, mb: M.Microbatch, opts: F.
     head = F.traced(carry.adj, opts)
     problem = Problem(chain, params, buffers, mb.x, mb.loss_args, opts.physical, opts.key, mb.scale,
                       lambda c: sweep(c, params, mb.x, *mb.loss_args, key=opts.key).adjoints, meter)
-    carry, outs = F.reverse(F.make_step(chain, params, opts, device, problem), carry, tape)
+    carry, outs = F.reverse(F.make_step(chain, params, opts, device, problem, updater), carry, tape)
     trace = (head, *(o.record for o in reversed(outs)))
     stats = {s.name: merge_counters(tape.stats[s.name], o.stats) for s, o in zip(chain.stages, outs)}
     stats["loss"] = merge_counters({"forward_s": 0.0, "pass_s": 0.0}, loss_stats)
@@ -117,7 +122,7 @@ def sweep(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_ar
           buffers: Sequence | None = None, boundary_dtype: torch.dtype | None = None, offload: bool = False,
           autocast: torch.dtype | None = None, microbatches: int = 1, reduction: str = "mean",
           estimator: Any = None, physical: Sequence | None = None, budget: int | None = None,
-          recompute: Any = True, keep_costates: bool = True) -> SweepResult:
+          recompute: Any = True, keep_costates: bool = True, update: Any = None) -> SweepResult:
     """Loss, parameter gradients and the costate trace of ``chain`` at ``params`` on ``x``.
 
     chain:          a ``Chain``, or a model (``nn.Module``) with ``loss=``: an ``nn.Sequential`` /
@@ -158,12 +163,17 @@ def sweep(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_ar
                     kept (first to last, while their saved tensors fit). Same results at every setting.
     keep_costates:  ``False`` returns the trace records with ``value=None`` (history and meta
                     kept), saving L costates of memory; ``grad``/``value_and_grad`` use it.
+    update:         fuse the optimizer step into the fold (``eae_func.update``): a torch.optim
+                    optimizer (or one per stage) steps stage l's parameters in place as soon as
+                    its gradients exist, or ``ef.fused(fn, state)`` for a pure
+                    ``fn(params_l, grads_l, state_l) -> (params_l, state_l)``; ``res.grads`` is then
+                    ``None`` and ``res.params`` / ``res.update_state`` hold the result.
     """
     if not isinstance(chain, Chain):
         return _on_model(chain, params, x, loss_args, loss, split_at, buffers, dict(
             passes=passes, pass_state=pass_state, key=key, boundary_dtype=boundary_dtype, offload=offload,
             autocast=autocast, microbatches=microbatches, reduction=reduction, estimator=estimator,
-            physical=physical, budget=budget, recompute=recompute, keep_costates=keep_costates))
+            physical=physical, budget=budget, recompute=recompute, keep_costates=keep_costates, update=update))
     if loss is not None or split_at is not None:
         raise TypeError("sweep: loss= and split_at= go with a model (nn.Module); a Chain has its own loss and stages")
     params = chain.check_params(params)
@@ -174,17 +184,26 @@ def sweep(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_ar
     state = opts.passes.init() if pass_state is None else pass_state
     device = F.device_of(params, x)
     meter = Meter(chain, opts.physical, opts.budget)
-    losses, grads, traces, all_stats = [], [], [], []
-    for mb in M.split(x, loss_args, microbatches, reduction, opts.key):
+    spec = fused(update) if update is not None and not isinstance(update, Fused) else update
+    pieces = M.split(x, loss_args, microbatches, reduction, opts.key)
+    losses, grads, traces, all_stats, updater = [], [], [], [], None
+    for j, mb in enumerate(pieces):
+        if spec is not None and j == len(pieces) - 1:  # the last fold updates, earlier ones' grads added
+            updater = Updater(spec, chain, params, tie_groups(chain, params), M.sum_grads(grads) if grads else None)
         loss, g, trace, buffers, state, stats = _one(chain, params, buffers, mb, dataclasses.replace(opts, key=mb.key),
-                                                     state, device, meter)
+                                                     state, device, meter, updater)
         losses.append(loss)
         grads.append(g)
         traces.append(trace)
         all_stats.append(stats)
     loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+    stats = MappingProxyType(metered(M.sum_stats(all_stats), chain, meter))
+    if updater is not None:
+        new_params = tuple(updater.params) if spec.fn is not None else params
+        return SweepResult(loss, None, M.join_adjoints(traces), buffers, state, stats, new_params,
+                           tuple(updater.state) if spec.fn is not None else None)
     return SweepResult(loss, tie_grads(chain, params, M.sum_grads(grads)), M.join_adjoints(traces), buffers, state,
-                       MappingProxyType(metered(M.sum_stats(all_stats), chain, meter)))
+                       stats, params)
 
 
 def metered(stats: dict, chain: Chain, meter: Meter) -> dict:
@@ -250,11 +269,28 @@ def _on_model(model, params, x, loss_args, loss, split_at, buffers, options_) ->
     res = sweep(chain, params, x, *loss_args, buffers=buffers, **options_)
     if not flat:
         return res
-    grads = {q: g for stage, names in zip(res.grads, qualified) for n, g in stage.items()
-             for q in [names[n]] if q is not None}
-    new_buffers = {q: b for stage, names in zip(res.buffers, qualified) for n, b in stage.items()
-                   for q in [names[n]] if q is not None}
-    return dataclasses.replace(res, grads=grads, buffers=new_buffers)
+
+    def flat_dict(per_stage: tuple) -> dict:
+        return {q: t for stage, names in zip(per_stage, qualified) for n, t in stage.items()
+                for q in [names[n]] if q is not None}
+
+    return dataclasses.replace(res, grads=None if res.grads is None else flat_dict(res.grads),
+                               buffers=flat_dict(res.buffers), params=flat_dict(res.params))
+
+
+def tie_groups(chain: Chain, params: tuple) -> list:
+    """The groups of ``(stage, name)`` that are one tensor: the same object in several stages'
+    params (dicts), or a group of ``chain.ties``."""
+    uses: dict = {}
+    for i, p in enumerate(params):
+        for name, t in (p.items() if isinstance(p, Mapping) else ()):
+            uses.setdefault(id(t), set()).add((i, name))
+    groups = {frozenset(g) for g in uses.values() if len(g) > 1} | {frozenset(g) for g in chain.ties}
+    merged: list = []
+    for g in groups:  # a tensor both shared and named in ties: one group
+        overlapping = [m for m in merged if m & g]
+        merged = [m for m in merged if not m & g] + [frozenset(g.union(*overlapping))]
+    return [set(g) for g in merged]
 
 
 def tie_grads(chain: Chain, params: tuple, grads: tuple) -> tuple:

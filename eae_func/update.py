@@ -1,0 +1,141 @@
+"""Optimizer updates fused into the reverse fold: stage l's parameters are updated as soon as
+its gradients exist, and those gradients are dropped at once, so the gradients of the whole
+network never exist together (the pattern of PyTorch's optimizer-step-in-backward, and LOMO).
+
+    ef.sweep(chain, params, x, y, update=optimizer)                 # torch.optim, in place
+    res = ef.sweep(chain, params, x, y, update=ef.fused(fn, state))  # pure, threaded state
+    params, state = res.params, res.update_state
+
+``fn(params_l, grads_l, state_l) -> (params_l, state_l)`` takes the dicts of the parameters
+due at stage l. A tied parameter (one tensor in several stages) is due once, at the last of its
+uses the fold reaches (the lowest stage), with the sum of every use's gradient; the state of
+the pure form is one entry per stage, the tied parameter's in its lowest stage's entry.
+``max_norm`` clips the gradients due at each stage by their own norm; a global norm needs
+every gradient before the first update, so it cannot be fused. With ``microbatches > 1`` the
+updates run in the last microbatch's fold, on the gradients of all microbatches summed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+
+from .tree import NAMESPACE
+
+
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """What ``ef.sweep(..., update=)`` runs per stage: ``optimizers`` (torch.optim, one for all
+    stages or one per stage) or the pure ``fn`` with its per-stage ``state``; ``max_norm``:
+    per-stage gradient clipping (``None``: none)."""
+
+    optimizers: tuple = ()
+    fn: Callable | None = None
+    state: tuple | None = None
+    max_norm: float | None = None
+
+
+def fused(update: Any, state: Sequence | None = None, *, max_norm: float | None = None,
+          per: str = "stage") -> Fused:
+    """An update to fuse into the fold: a ``torch.optim`` optimizer (or one per stage), or a pure
+    ``fn(params_l, grads_l, state_l) -> (params_l, state_l)`` with ``state`` (one entry per stage).
+    ``max_norm`` with ``per="stage"`` clips each stage's gradients by their norm."""
+    if per != "stage":
+        raise ValueError(f"fused: per={per!r}: clipping by the global norm needs every stage's gradient before the "
+                         "first update, which a fused update cannot wait for; clip per stage (per='stage'), or run "
+                         "the sweep unfused, then torch.nn.utils.clip_grad_norm_ and optimizer.step()")
+    if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real)
+                                 or not max_norm > 0):
+        raise ValueError(f"fused: max_norm must be a number > 0 or None, got {max_norm!r}")
+    if isinstance(update, torch.optim.Optimizer):
+        return Fused(optimizers=(update,), max_norm=max_norm)
+    if isinstance(update, (list, tuple)) and update and all(isinstance(o, torch.optim.Optimizer) for o in update):
+        return Fused(optimizers=tuple(update), max_norm=max_norm)
+    if callable(update):
+        if state is None:
+            raise TypeError("fused: a pure update fn(params_l, grads_l, state_l) needs state= (one entry per stage)")
+        return Fused(fn=update, state=tuple(state), max_norm=max_norm)
+    raise TypeError(f"fused: expected a torch.optim.Optimizer, a list of them (one per stage) or a function "
+                    f"fn(params_l, grads_l, state_l) -> (params_l, state_l), got {type(update).__name__}")
+
+
+class Updater:
+    """One sweep's fused updates: ``apply(i, grads_i)`` at stage i's reverse step."""
+
+    def __init__(self, spec: Fused, chain: Any, params: tuple, groups: list, carry: tuple | None = None):
+        self.spec, self.chain, self.carry = spec, chain, carry
+        for i, p in enumerate(params):
+            if not isinstance(p, dict) or not all(isinstance(t, torch.Tensor) for t in p.values()):
+                raise TypeError(f"fused: the params of {chain.where(i)} must be a dict of tensors (as from_module "
+                                f"gives) to be updated in the fold, got {type(p).__name__}")
+        self.params = [dict(p) for p in params]
+        self.state = list(spec.state) if spec.fn is not None else None
+        self.owner, self.members, self.pending = {}, {}, {}
+        for g, group in enumerate(groups):
+            owner = min(stage for stage, _ in group)  # the last of its uses the fold reaches
+            for member in group:
+                self.owner[member], self.members[member] = owner, (g, sorted(group))
+        if spec.fn is not None and len(self.state) != len(chain):
+            raise ValueError(f"fused: state has {len(self.state)} entries, the chain has {len(chain)} stages")
+        if spec.optimizers:
+            if len(spec.optimizers) not in (1, len(chain)):
+                raise ValueError(f"fused: expected one optimizer or one per stage ({len(chain)}), got "
+                                 f"{len(spec.optimizers)}")
+            by_storage = [{p.data_ptr(): p for group in o.param_groups for p in group["params"]}
+                          for o in spec.optimizers]
+            self.targets = {}  # (stage, name) -> the optimizer's parameter, every one found before any step
+            for i, stage in enumerate(self.params):
+                for name, t in stage.items():
+                    if self.owner.get((i, name), i) != i:
+                        continue  # a tied use: due at its owner
+                    p = by_storage[i if len(by_storage) > 1 else 0].get(t.data_ptr())
+                    if p is None:
+                        raise ValueError(f"fused: parameter {name!r} of {chain.where(i)} is not among the "
+                                         f"optimizer's parameters (give one optimizer over every trainable "
+                                         f"parameter, or one per stage)")
+                    self.targets[i, name] = p
+            stale = [p for o in spec.optimizers for group in o.param_groups for p in group["params"]
+                     if p.grad is not None]
+            if stale:
+                raise ValueError(f"fused: {len(stale)} of the optimizer's parameters already have .grad set; each "
+                                 "fused step would apply them again: call optimizer.zero_grad(set_to_none=True) first")
+
+    def apply(self, i: int, grads: dict) -> None:
+        """Update the parameters due at stage i from its gradients (plus earlier microbatches')."""
+        if self.carry is not None:
+            grads = optree.tree_map(torch.add, self.carry[i], grads, namespace=NAMESPACE)
+        due = {}
+        for name, g in grads.items():
+            key = (i, name)
+            if key not in self.owner:
+                due[name] = g
+                continue
+            group, _ = self.members[key]
+            self.pending[group] = g if group not in self.pending else self.pending[group] + g
+            if self.owner[key] == i:
+                due[name] = self.pending.pop(group)
+        if not due:
+            return
+        if self.spec.max_norm is not None:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in due.values()]))
+            scale = torch.clamp(self.spec.max_norm / (norm + 1e-6), max=1.0)
+            due = {n: g * scale.to(g.dtype) for n, g in due.items()}
+        if self.spec.fn is not None:
+            new, self.state[i] = self.spec.fn({n: self.params[i][n] for n in due}, due, self.state[i])
+            for name, t in new.items():
+                for j, n in self.members.get((i, name), (None, [(i, name)]))[1]:
+                    self.params[j][n] = t
+        else:
+            self._step(i, due)
+
+    def _step(self, i: int, due: dict) -> None:
+        targets = [self.targets[i, name] for name in due]
+        for p, g in zip(targets, due.values()):
+            p.grad = g.to(p.dtype)
+        self.spec.optimizers[i if len(self.spec.optimizers) > 1 else 0].step()
+        for p in targets:
+            p.grad = None

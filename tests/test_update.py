@@ -1,0 +1,140 @@
+"""Optimizer updates fused into the reverse fold: the same parameters as sweeping, then stepping."""
+
+import copy
+
+import pytest
+import torch
+
+import eae_func as ef
+from eae_func.models import lm_loss, transformer_lm
+
+STEPS = 3
+
+
+def lm(dropout: float = 0.1):
+    torch.manual_seed(0)
+    model = transformer_lm(vocab=32, dim=16, depth=2, n_heads=4, n_kv_heads=2, ffn_hidden=24, dropout=dropout)
+    g = torch.Generator().manual_seed(1)
+    data = [(t[:, :-1], t[:, 1:]) for t in torch.randint(0, 32, (STEPS, 4, 9), generator=g)]
+    return model, data
+
+
+def optimizers():
+    return {
+        "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    }
+
+
+def train(model, data, make_optimizer, fused: bool, microbatches: int = 1, **fused_options):
+    opt = make_optimizer(model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    chain, params = ef.from_module(model, loss=lm_loss)
+    for step, (x, y) in enumerate(data):
+        torch.manual_seed(100 + step)  # dropout: the same masks in both runs
+        if fused:
+            res = ef.sweep(chain, params, x, y, key=step, microbatches=microbatches,
+                           update=ef.fused(opt, **fused_options) if fused_options else opt)
+            assert res.grads is None
+        else:
+            opt.zero_grad(set_to_none=True)
+            res = ef.sweep(chain, params, x, y, key=step, microbatches=microbatches)
+            ef.write_grads(model, res.grads)
+            opt.step()
+        scheduler.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", sorted(optimizers()))
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_fused_steps_give_bit_identical_parameters(name, microbatches):
+    """Dropout, a tied embedding/head (updated once, with both uses' gradients), an LR scheduler,
+    and with microbatches the update in the last microbatch's fold."""
+    model, data = lm()
+    fused = train(copy.deepcopy(model), data, optimizers()[name], fused=True, microbatches=microbatches)
+    plain = train(copy.deepcopy(model), data, optimizers()[name], fused=False, microbatches=microbatches)
+    assert all(torch.equal(a, b) for a, b in zip(fused, plain))
+    assert not all(torch.equal(a, b.detach()) for a, b in zip(fused, model.parameters()))  # it trained
+
+
+def test_one_optimizer_per_stage_equals_one_for_all():
+    model, data = lm()
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    chain_a, params_a = ef.from_module(a, loss=lm_loss)
+    chain_b, params_b = ef.from_module(b, loss=lm_loss)
+    one = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    # the tied weight belongs to its first stage's optimizer (the embedding), where it is due
+    per_stage = [torch.optim.AdamW([p for p in child.parameters()
+                                    if k == 0 or p is not b[0].weight] or [torch.zeros(0, requires_grad=True)],
+                                   lr=1e-2) for k, child in enumerate(b)]
+    for step, (x, y) in enumerate(data):
+        torch.manual_seed(step)
+        ef.sweep(chain_a, params_a, x, y, update=one)
+        torch.manual_seed(step)
+        ef.sweep(chain_b, params_b, x, y, update=per_stage)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_the_pure_form_threads_its_state_and_equals_the_unfused_update():
+    """``fn(params_l, grads_l, state_l) -> (params_l, state_l)``: SGD with momentum written by hand,
+    against the same update applied after an unfused sweep, each tensor once."""
+    model, data = lm(dropout=0.0)
+    chain, params = ef.from_module(model, loss=lm_loss)
+
+    def sgd(p, g, state):
+        velocity = {n: 0.9 * state.get(n, torch.zeros_like(t)) + g[n] for n, t in p.items()}
+        return {n: t - 0.1 * velocity[n] for n, t in p.items()}, {**state, **velocity}
+
+    fused_params, state = params, tuple({} for _ in params)
+    plain_params, velocity = params, {}
+    for x, y in data:
+        res = ef.sweep(chain, fused_params, x, y, update=ef.fused(sgd, state))
+        fused_params, state = res.params, res.update_state
+        grads = ef.grad(chain, plain_params, x, y)  # a tied weight: the summed gradient in both places
+        new: dict = {}  # id(old tensor) -> new tensor, so a tied weight is updated once and stays one tensor
+        for i, stage in enumerate(plain_params):
+            for n, t in stage.items():
+                if id(t) not in new:
+                    key = next((j, m) for j, st in enumerate(plain_params) for m, u in st.items() if u is t)
+                    velocity[key] = 0.9 * velocity.get(key, torch.zeros_like(t)) + grads[i][n]
+                    new[id(t)] = t - 0.1 * velocity[key]
+        plain_params = tuple({n: new[id(t)] for n, t in stage.items()} for stage in plain_params)
+    for a, b in zip(fused_params, plain_params):
+        for n in a:
+            torch.testing.assert_close(a[n], b[n], rtol=1e-6, atol=1e-7)
+    assert fused_params[0]["weight"] is fused_params[-1]["weight"]  # the tied weight stays one tensor
+    assert set(state[0]) == {"weight"} and "weight" not in state[-1]
+
+
+def test_per_stage_clipping_and_what_cannot_be_fused():
+    model, data = lm(dropout=0.0)
+    chain, params = ef.from_module(model, loss=lm_loss)
+    x, y = data[0]
+    with pytest.raises(ValueError, match="global norm needs every stage's gradient"):
+        ef.fused(torch.optim.SGD(model.parameters(), lr=0.1), max_norm=1.0, per="global")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.zero_grad(set_to_none=True)
+    next(model.parameters()).grad = torch.zeros_like(next(model.parameters()))
+    with pytest.raises(ValueError, match=r"already have .grad set.*zero_grad\(set_to_none=True\)"):
+        ef.sweep(chain, params, x, y, update=opt)
+    model.zero_grad(set_to_none=True)
+    untouched = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"parameter 'weight' of stage 0 .* not among the optimizer's"):
+        ef.sweep(chain, params, x, y, update=torch.optim.SGD(model[1].parameters(), lr=0.1))
+    assert all(torch.equal(a, b) for a, b in zip(untouched, model.parameters()))  # refused before any step
+    # per-stage clipping: each stage's due gradients scaled to norm <= max_norm, as clip_grad_norm_ per stage
+    before = [p.detach().clone() for p in model.parameters()]
+    grads = ef.grad(chain, params, x, y)
+    ef.sweep(chain, params, x, y, update=ef.fused(opt, max_norm=1e-3))
+    for k, child in enumerate(model):
+        names = [n for n, _ in child.named_parameters()]
+        due = {n: g for n, g in grads[k].items() if not (k == len(model) - 1 and n == "weight")}
+        if k == 0:
+            due["weight"] = grads[0]["weight"]  # the tied weight: both uses' sum, due at the embedding
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in due.values()]))
+        scale = min(1.0, 1e-3 / (norm.item() + 1e-6))
+        for n in names:
+            if n in due:
+                p = dict(child.named_parameters())[n]
+                old = before[[id(q) for q in model.parameters()].index(id(p))]
+                torch.testing.assert_close(p.detach(), old - 0.1 * scale * due[n], rtol=1e-5, atol=1e-8)
