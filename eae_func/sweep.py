@@ -149,7 +149,7 @@ def sweep(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_ar
                     mixes samples (BatchNorm's batch statistics) or draws random numbers
                     (dropout masks differ per piece), as in plain PyTorch.
     estimator:      how physical stages get their reverse step (``eae_func.estimators``);
-                    ``None`` differentiates every stage exactly.
+                    digital stages always take the exact local vjp.
     physical:       names or indices of the physical stages (``None``: those made with
                     ``physical=True`` or ``ef.black_box``); they need an estimator (``E.exact()``
                     differentiates a torch simulation exactly).
@@ -185,13 +185,15 @@ def sweep(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_ar
     device = F.device_of(params, x)
     meter = Meter(chain, opts.physical, opts.budget)
     spec = fused(update) if update is not None and not isinstance(update, Fused) else update
+    updater = Updater(spec, chain, params, tie_groups(chain, params)) if spec is not None else None  # checked first
     pieces = M.split(x, loss_args, microbatches, reduction, opts.key)
-    losses, grads, traces, all_stats, updater = [], [], [], [], None
+    losses, grads, traces, all_stats = [], [], [], []
     for j, mb in enumerate(pieces):
-        if spec is not None and j == len(pieces) - 1:  # the last fold updates, earlier ones' grads added
-            updater = Updater(spec, chain, params, tie_groups(chain, params), M.sum_grads(grads) if grads else None)
+        last = j == len(pieces) - 1
+        if updater is not None and last and grads:  # the last fold updates, the earlier folds' gradients added
+            updater.carry = M.sum_grads(grads)
         loss, g, trace, buffers, state, stats = _one(chain, params, buffers, mb, dataclasses.replace(opts, key=mb.key),
-                                                     state, device, meter, updater)
+                                                     state, device, meter, updater if last else None)
         losses.append(loss)
         grads.append(g)
         traces.append(trace)

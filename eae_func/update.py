@@ -64,10 +64,12 @@ def fused(update: Any, state: Sequence | None = None, *, max_norm: float | None 
 
 
 class Updater:
-    """One sweep's fused updates: ``apply(i, grads_i)`` at stage i's reverse step."""
+    """One sweep's fused updates: ``apply(i, grads_i)`` at stage i's reverse step. Everything is
+    checked when it is made, before any step; ``groups`` are the tied ``(stage, name)`` groups;
+    ``carry`` (set for the last microbatch's fold) holds the earlier folds' gradients."""
 
-    def __init__(self, spec: Fused, chain: Any, params: tuple, groups: list, carry: tuple | None = None):
-        self.spec, self.chain, self.carry = spec, chain, carry
+    def __init__(self, spec: Fused, chain: Any, params: tuple, groups: list):
+        self.spec, self.chain, self.carry = spec, chain, None
         for i, p in enumerate(params):
             if not isinstance(p, dict) or not all(isinstance(t, torch.Tensor) for t in p.values()):
                 raise TypeError(f"fused: the params of {chain.where(i)} must be a dict of tensors (as from_module "

@@ -18,8 +18,9 @@ Methods (AdamW lr 1e-3 for every one; a warm-up step first, so the optimizer sta
     eae_func fused     ef.sweep(..., update=optimizer): each stage stepped in the fold
 
 Memory: every (method, depth, block) runs in its own process with MALLOC_MMAP_THRESHOLD_=65536;
-after the warm-up step the process notes its resident set (parameters, optimizer state, input)
-and resets the kernel's high-water mark to it; "peak MB" is the high-water mark over the timed
+every method ends its step with no gradients left (``zero_grad(set_to_none=True)``); after the
+warm-up step the process notes its resident set (parameters, optimizer state, input) and
+resets the kernel's high-water mark to it; "peak MB" is the high-water mark over the timed
 steps above that: the step's own memory above the parameters and optimizer state. "live MB" is
 the peak of tensor bytes created in one more step and alive at once (a TorchDispatchMode, no
 allocator in the way). The fused floor is one stage's gradients + one block's tape + the
@@ -104,7 +105,6 @@ def make_step(method: str, blocks: list, x, target):
         opt = torch.optim.AdamW(params, lr=1e-3)
 
         def step():
-            opt.zero_grad(set_to_none=True)
             h = x
             for b in blocks:
                 h = checkpoint(b, h, use_reentrant=False) if method == "checkpoint" else b(h)
@@ -112,6 +112,7 @@ def make_step(method: str, blocks: list, x, target):
             del h
             loss.backward()
             opt.step()
+            opt.zero_grad(set_to_none=True)  # every method ends its step with no gradients left
             return loss.detach()
         return step
     if method == "checkpoint+hooks":

@@ -138,3 +138,30 @@ def test_per_stage_clipping_and_what_cannot_be_fused():
                 p = dict(child.named_parameters())[n]
                 old = before[[id(q) for q in model.parameters()].index(id(p))]
                 torch.testing.assert_close(p.detach(), old - 0.1 * scale * due[n], rtol=1e-5, atol=1e-8)
+
+
+def test_fused_gradients_never_exist_for_the_whole_network_at_once():
+    """Live tensor bytes of a step (sweep + optimizer step): fused, at most one stage's gradients
+    (and the SGD step's temporaries) exist at a time; unfused, all L stages' at the end."""
+    from live_bytes import LiveBytes
+
+    torch.manual_seed(0)
+    L, width, batch = 8, 256, 4
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+                                  for _ in range(L)])
+    chain, params = ef.from_module(model, loss=lambda out: out.square().mean())
+    x = torch.randn(batch, width)
+    stage_grads = (width * width + width) * 4
+    peaks = {}
+    for fused in (False, True):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with LiveBytes() as live:
+            if fused:
+                ef.sweep(chain, params, x, update=opt, keep_costates=False)
+            else:
+                ef.write_grads(model, ef.grad(chain, params, x))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        peaks[fused] = live.peak
+    assert peaks[False] >= L * stage_grads  # every stage's gradients at once
+    assert peaks[True] <= 3 * stage_grads  # one stage's (and copies made by the step)
