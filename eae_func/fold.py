@@ -277,11 +277,12 @@ def local_vjp(stage, params: Any, buffers: Mapping, floats: list, rebuild: Calla
     return optree.tree_map(torch.Tensor.detach, out, namespace=NAMESPACE), pullback, updated
 
 
-def recomputed(policy: Any, i: int, name: str, budget: int | None) -> bool:
+def recomputed(policy: Any, i: int, name: str, room: int | None) -> bool:
     """Whether the remat ``policy`` rebuilds stage i's graph in the reverse sweep instead of keeping
-    the forward's (a byte ``budget`` decides after the forward, by what the graph saved)."""
-    if budget is not None:
-        return budget <= 0
+    the forward's. With a byte budget, ``room`` is the budget left minus the largest graph seen so
+    far: a graph is only built if it can be expected to fit (one that does not is never held)."""
+    if room is not None:
+        return room < 0
     return bool(policy(i, name)) if callable(policy) else bool(policy)
 
 
@@ -388,6 +389,7 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
     policy, tape = opts.boundary, Tape(opts.boundary, device)
     kept, upstream_params, layouts = h, False, []
     budget = opts.recompute if isinstance(opts.recompute, int) and not isinstance(opts.recompute, bool) else None
+    largest = 1  # bytes of the largest graph kept so far (a budget of 0 keeps none)
     for i in range(lo, hi):
         s = chain.stages[i]
         stats = tape.stats[s.name] = dict.fromkeys(STAGE_COUNTERS, 0)
@@ -402,7 +404,8 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
             meter.charge(i, rows_of(h))
         with timed(stats, "forward_s", f"eae/{s.name}/forward", device), autocast(opts.autocast, device), \
                 naming(f"the forward of {chain.where(i)}"), explained(chain, i, params[i], h, opts.autocast):
-            if recomputed(opts.recompute, i, s.name, budget) or i in opts.physical:
+            if recomputed(opts.recompute, i, s.name, None if budget is None else budget - largest) \
+                    or i in opts.physical:
                 with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
                     out, tape.buffers[i] = s.call(params[i], buffers[i], h)
                 check_closed_over(chain, i, out)
@@ -415,7 +418,8 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
                     out, closure, tape.buffers[i] = local_vjp(s, params[i], buffers[i], floats, rebuild,
                                                               lambda o, own: check_closed_over(chain, i, o, own))
                 if saved is not None:  # keep the graph only if it fits in what is left of the budget
-                    closure, budget = (closure, budget - saved.bytes) if saved.bytes <= budget else (None, budget)
+                    closure, budget = (closure, budget - saved.bytes) if saved.bytes <= budget else (None, -1)
+                    largest = max(largest, saved.bytes)
         if [t._version for t in inputs] != versions:
             raise ValueError(f"{chain.where(i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
                              f"sweep keeps each stage's input to recompute it: use the out-of-place form")

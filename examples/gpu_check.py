@@ -25,7 +25,6 @@ import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

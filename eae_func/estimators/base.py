@@ -53,7 +53,9 @@ class Problem:
 class Estimator(Protocol):
     """``scope`` (optional, ``"model"`` when absent): ``"stage"`` if the estimator needs only the
     stage (it then runs on any pipeline rank), ``"model"`` if it probes the whole chain in
-    ``prepare`` (it needs the chain in one process).
+    ``prepare`` (it needs the chain in one process). ``differentiates`` (optional, ``False`` when
+    absent): whether it differentiates the physical stages, so a black box is refused before
+    anything runs.
 
     ``prepare(problem) -> prepared``: once per microbatch, after the forward sweep.
     ``stage_vjp(problem, prepared, i, h_in, costate) -> (grads_i, input_costate, cost)``: the
