@@ -23,9 +23,12 @@ warm-up step the process notes its resident set (parameters, optimizer state, in
 resets the kernel's high-water mark to it; "peak MB" is the high-water mark over the timed
 steps above that: the step's own memory above the parameters and optimizer state. "live MB" is
 the peak of tensor bytes created in one more step and alive at once (a TorchDispatchMode, no
-allocator in the way). The fused floor is one stage's gradients + one block's tape + the
-boundaries still needed + two costates: G + (L-1) A + T + 2A (G one block's gradient bytes, A one
-boundary, T one block's saved tensors). Time: the median of interleaved steps (every method's
+allocator in the way). Floors: B is the measured live peak of one block's local backward
+(recompute + ``torch.autograd.grad`` of its params and input: its saved tensors T, the
+backward's own temporaries, its gradients G and its input costate); while stage i is reversed
+the sweep needs at least the boundaries x_1..x_{i-1}, the costate p_i and B, and, unfused, the
+gradients of stages i+1..L: fused floor max_i i A + B, floor max_i (L-i) G + i A + B (A one
+boundary's bytes). Time: the median of interleaved steps (every method's
 step in turn, in one more process), so load from other tenants hits every method alike.
 
 ``--curve`` adds the remat curve (block, one depth): step time against live peak of
@@ -208,7 +211,9 @@ def worker(spec: dict) -> dict:
 
 
 def floor(kind: str, depth: int, batch: int, seq: int) -> dict:
-    """G, A, T of one block (see the module doc) and the fused floor in bytes."""
+    """One block's gradient bytes G, boundary bytes A, saved-tensor bytes T, and the peak live bytes
+    B of its local backward (recompute + ``torch.autograd.grad`` of params and input, as autograd
+    runs it, given its input and output costate); the floors of a training step (see the module doc)."""
     import torch
 
     blocks, x, _ = build(kind, 1, batch, seq)
@@ -227,7 +232,15 @@ def floor(kind: str, depth: int, batch: int, seq: int) -> dict:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         blocks[0](h)
     T = sum(saved.values())
-    return {"G": G, "A": A, "T": T, "fused_floor": G + (depth - 1) * A + T + 2 * A}
+    costate = torch.randn_like(x)
+    with LiveBytes() as live:
+        torch.autograd.grad(blocks[0](h), [h, *blocks[0].parameters()], costate)
+    B = live.peak
+    # while stage i (1-based) is reversed: the boundaries x_1..x_{i-1}, the costate p_i, the local
+    # backward; unfused also the gradients of stages i+1..L
+    fused = max((i - 1) * A + A + B for i in range(1, depth + 1))
+    unfused = max((depth - i) * G + (i - 1) * A + A + B for i in range(1, depth + 1))
+    return {"G": G, "A": A, "T": T, "B": B, "fused_floor": fused, "floor": unfused}
 
 
 def run(spec: dict, env: dict | None = None) -> dict:
@@ -324,8 +337,9 @@ def main(argv=None) -> None:
             times = run({**spec, "method": "interleaved"})["times"]
             fl = floor(kind, depth, args.batch, args.seq)
             step = {m: statistics.median(times[m]) for m in METHODS}
-            print(f"### {kind}, depth {depth}: fused floor {fl['fused_floor'] / MB:.1f} MB "
-                  f"(G {fl['G'] / MB:.1f}, A {fl['A'] / MB:.1f}, T {fl['T'] / MB:.1f} MB)\n")
+            print(f"### {kind}, depth {depth}: floor {fl['floor'] / MB:.1f} MB, fused floor "
+                  f"{fl['fused_floor'] / MB:.1f} MB (G {fl['G'] / MB:.1f}, A {fl['A'] / MB:.1f}, T {fl['T'] / MB:.1f}, "
+                  f"local backward B {fl['B'] / MB:.1f} MB)\n")
             print("| method | peak MB above params + optimizer state | live MB | step s | peak / eae-runtime | "
                   "step / checkpoint | loss |")
             print("|---|---|---|---|---|---|---|")
@@ -335,7 +349,10 @@ def main(argv=None) -> None:
                       f"{r['peak'] / res['eae-runtime']['peak']:.2f}x | {step[m] / step['checkpoint']:.2f}x | "
                       f"{r['loss']:.6f} |")
             fused, hooks = res["eae_func fused"], res["checkpoint+hooks"]
-            print(f"\nfused: live {fused['live'] / fl['fused_floor']:.2f}x the floor; peak "
+            print(f"\nunfused: live {res['eae_func']['live'] / fl['floor']:.2f}x its floor, peak "
+                  f"{res['eae_func']['peak'] / res['checkpoint']['peak']:.2f}x checkpoint's; step "
+                  f"{step['eae_func'] / step['checkpoint']:.2f}x checkpoint's")
+            print(f"fused: live {fused['live'] / fl['fused_floor']:.2f}x its floor; peak "
                   f"{fused['peak'] / res['eae-runtime']['peak']:.2f}x eae-runtime+AdamW's, "
                   f"{fused['peak'] / hooks['peak']:.2f}x checkpoint+hooks'; step "
                   f"{step['eae_func fused'] / step['checkpoint']:.2f}x checkpoint+AdamW's\n", flush=True)
