@@ -298,7 +298,7 @@ def curve(depth: int, batch: int, seq: int, threads: int, steps: int) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for method, marker in (("eae_func", "o"), ("checkpoint_sequential", "s")):
-        keys = [k for k in peaks if k[0] == method]
+        keys = sorted((k for k in peaks if k[0] == method), key=peaks.get)
         ax.plot([peaks[k] for k in keys], [statistics.median(times[k]) for k in keys], marker=marker,
                 label=f"{method} ({'recompute= byte budget' if method == 'eae_func' else '1..L segments'})")
     ax.set(xlabel="live peak MB (gradient step)", ylabel="step s (median)",
@@ -312,7 +312,8 @@ def curve(depth: int, batch: int, seq: int, threads: int, steps: int) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--depths", type=int, nargs="+", default=[12])
-    parser.add_argument("--blocks", nargs="+", default=list(BLOCKS), choices=BLOCKS)
+    parser.add_argument("--blocks", nargs="*", default=list(BLOCKS), choices=BLOCKS,
+                        help="block kinds for the tables (none: only --curve)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
