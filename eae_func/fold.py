@@ -50,7 +50,7 @@ class Options:
     recompute:      the remat policy: ``True`` rebuilds each stage's graph from its saved input,
                     ``False`` keeps every stage's graph from the forward, a predicate
                     ``(index, name) -> bool`` says which stages to rebuild, an int is a byte budget
-                    for the graphs kept (the last stages', nearest the loss: see ``Remat``).
+                    for the graphs kept (stages are kept first to last while their saved tensors fit).
     keep_costates:  keep costate values in the returned trace.
     budget:         rows the physical stages may be run on in one step (``None``: no limit).
     """
@@ -277,42 +277,13 @@ def local_vjp(stage, params: Any, buffers: Mapping, floats: list, rebuild: Calla
     return optree.tree_map(torch.Tensor.detach, out, namespace=NAMESPACE), pullback, updated
 
 
-class Remat:
-    """The remat policy over stages ``..hi-1``: which stages keep their graph from the forward.
-
-    ``True`` / ``False`` / a predicate ``(index, name) -> rebuild?`` decide per stage. A byte
-    budget keeps the graphs of the last stages, nearest the loss: the last one adds nothing to the
-    peak (the reverse would rebuild it at once), each earlier one adds its saved bytes, so the
-    budget buys ``budget // size`` more. ``size`` is measured on the first stage's graph (built,
-    then dropped unless kept); a graph that turns out not to fit is dropped."""
-
-    def __init__(self, policy: Any, hi: int):
-        self.policy, self.hi = policy, hi
-        self.budget = policy if isinstance(policy, int) and not isinstance(policy, bool) else None
-        self.size: int | None = None
-        self.spent = 0
-
-    def build(self, i: int, name: str) -> bool:
-        """Whether stage i runs with its graph: to keep it, or (the first, under a budget) to measure it."""
-        if self.budget is None:
-            return not (bool(self.policy(i, name)) if callable(self.policy) else bool(self.policy))
-        return self.size is None or self.wanted(i)
-
-    def wanted(self, i: int) -> bool:
-        return self.hi - i <= 1 + self.budget // self.size
-
-    def keep(self, i: int, nbytes: int) -> bool:
-        """Whether the graph just built for stage i (``nbytes`` saved) is kept."""
-        if self.size is None:
-            self.size = max(nbytes, 1)
-        if not self.wanted(i):
-            return False
-        if i == self.hi - 1:
-            return True
-        if self.spent + nbytes > self.budget:
-            return False
-        self.spent += nbytes
-        return True
+def recomputed(policy: Any, i: int, name: str, room: int | None) -> bool:
+    """Whether the remat ``policy`` rebuilds stage i's graph in the reverse sweep instead of keeping
+    the forward's. With a byte budget, ``room`` is the budget left minus the largest graph seen so
+    far: a graph is only built if it can be expected to fit (one that does not is never held)."""
+    if room is not None:
+        return room < 0
+    return bool(policy(i, name)) if callable(policy) else bool(policy)
 
 
 class SavedBytes:
@@ -417,7 +388,8 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
     """
     policy, tape = opts.boundary, Tape(opts.boundary, device)
     kept, upstream_params, layouts = h, False, []
-    remat = Remat(opts.recompute, hi)
+    budget = opts.recompute if isinstance(opts.recompute, int) and not isinstance(opts.recompute, bool) else None
+    largest = 1  # bytes of the largest graph kept so far (a budget of 0 keeps none)
     for i in range(lo, hi):
         s = chain.stages[i]
         stats = tape.stats[s.name] = dict.fromkeys(STAGE_COUNTERS, 0)
@@ -432,20 +404,22 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
             meter.charge(i, rows_of(h))
         with timed(stats, "forward_s", f"eae/{s.name}/forward", device), autocast(opts.autocast, device), \
                 naming(f"the forward of {chain.where(i)}"), explained(chain, i, params[i], h, opts.autocast):
-            if not remat.build(i, s.name) or i in opts.physical:
+            if recomputed(opts.recompute, i, s.name, None if budget is None else budget - largest) \
+                    or i in opts.physical:
                 with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
                     out, tape.buffers[i] = s.call(params[i], buffers[i], h)
                 check_closed_over(chain, i, out)
             else:
                 floats, rebuild, _ = B.split(h, f"input of {chain.where(i)}")
                 saved = SavedBytes([*optree.tree_leaves(params[i], namespace=NAMESPACE), *floats]) \
-                    if remat.budget is not None else None
+                    if budget is not None else None
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack) if saved is not None \
                         else contextlib.nullcontext():
                     out, closure, tape.buffers[i] = local_vjp(s, params[i], buffers[i], floats, rebuild,
                                                               lambda o, own: check_closed_over(chain, i, o, own))
-                if saved is not None and not remat.keep(i, saved.bytes):
-                    closure = None
+                if saved is not None:  # keep the graph only if it fits in what is left of the budget
+                    closure, budget = (closure, budget - saved.bytes) if saved.bytes <= budget else (None, -1)
+                    largest = max(largest, saved.bytes)
         if [t._version for t in inputs] != versions:
             raise ValueError(f"{chain.where(i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
                              f"sweep keeps each stage's input to recompute it: use the out-of-place form")
