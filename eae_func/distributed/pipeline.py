@@ -57,7 +57,7 @@ class PipelineResult(SweepResult):
     stages:     the range of stage indices this rank owns.
     """
 
-    stages: range
+    stages: range = range(0)
 
 
 def balance(params: Sequence, parts: int) -> tuple[tuple[int, int], ...]:
@@ -293,7 +293,7 @@ class Pipeline:
                              "step_s": step, "bubble": 1 - busy / step if step > 0 else 0.0,
                              "ideal_bubble": S.ideal_bubble(p, microbatches)}
         trace = M.join_adjoints([traces[j] for j in range(microbatches)])
-        return PipelineResult(loss, grads, trace, buffers[lo:hi], state, MappingProxyType(stats), self.stages)
+        return PipelineResult(loss, grads, trace, buffers[lo:hi], state, MappingProxyType(stats), stages=self.stages)
 
     @contextlib.contextmanager
     def _guard(self):
