@@ -400,7 +400,7 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
         inputs = optree.tree_leaves(h, namespace=NAMESPACE)
         versions = [t._version for t in inputs]
         stats["boundary_bytes"] = B.nbytes(kept)
-        if meter is not None:
+        if meter is not None and i in opts.physical:
             meter.charge(i, rows_of(h))
         with timed(stats, "forward_s", f"eae/{s.name}/forward", device), autocast(opts.autocast, device), \
                 naming(f"the forward of {chain.where(i)}"), explained(chain, i, params[i], h, opts.autocast):

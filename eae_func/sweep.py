@@ -281,38 +281,31 @@ def _on_model(model, params, x, loss_args, loss, split_at, buffers, options_) ->
 
 
 def tie_groups(chain: Chain, params: tuple) -> list:
-    """The groups of ``(stage, name)`` that are one tensor: the same object in several stages'
-    params (dicts), or a group of ``chain.ties``."""
+    """The groups of ``(stage, path)`` (an optree path into that stage's params) that are one tensor:
+    the same object in several places of ``params``, or a group of ``chain.ties`` (which survives a
+    pure update that unties the objects); groups that share a member are one."""
     uses: dict = {}
     for i, p in enumerate(params):
-        for name, t in (p.items() if isinstance(p, Mapping) else ()):
-            uses.setdefault(id(t), set()).add((i, name))
-    groups = {frozenset(g) for g in uses.values() if len(g) > 1} | {frozenset(g) for g in chain.ties}
+        paths, leaves, _ = optree.tree_flatten_with_path(p, namespace=NAMESPACE)
+        for path, t in zip(paths, leaves):
+            uses.setdefault(id(t), set()).add((i, path))
+    groups = [g for g in uses.values() if len(g) > 1] + [{(i, (name,)) for i, name in g} for g in chain.ties]
     merged: list = []
-    for g in groups:  # a tensor both shared and named in ties: one group
+    for g in groups:
         overlapping = [m for m in merged if m & g]
-        merged = [m for m in merged if not m & g] + [frozenset(g.union(*overlapping))]
-    return [set(g) for g in merged]
+        merged = [m for m in merged if not m & g] + [set(g).union(*overlapping)]
+    return merged
 
 
 def tie_grads(chain: Chain, params: tuple, grads: tuple) -> tuple:
-    """Give every use of a shared tensor the sum of all its uses' gradients.
-
-    Shared means the same tensor object in two places of ``params``, or a group
-    of ``chain.ties`` (which survives a pure update that unties the objects).
-    """
-    paths, leaves, specs = zip(*(optree.tree_flatten_with_path(p, namespace=NAMESPACE) for p in params))
-    groups: dict = {}
-    for i, stage_leaves in enumerate(leaves):
-        for j, t in enumerate(stage_leaves):
-            groups.setdefault(id(t), set()).add((i, j))
-    tied = {frozenset(g) for g in groups.values() if len(g) > 1}
-    tied |= {frozenset((i, paths[i].index((name,))) for i, name in group) for group in chain.ties}
-    original = [optree.tree_leaves(g, namespace=NAMESPACE) for g in grads]
+    """Give every use of a shared tensor (``tie_groups``) the sum of all its uses' gradients."""
+    paths = [optree.tree_paths(p, namespace=NAMESPACE) for p in params]
+    original, specs = zip(*(optree.tree_flatten(g, namespace=NAMESPACE) for g in grads))
     flat = [list(g) for g in original]
-    for group in tied:
-        total = sum(original[i][j] for i, j in group)
-        for i, j in group:
+    for group in tie_groups(chain, params):
+        members = [(i, paths[i].index(path)) for i, path in group]
+        total = sum(original[i][j] for i, j in members)
+        for i, j in members:
             flat[i][j] = total
     return tuple(spec.unflatten(f) for spec, f in zip(specs, flat))
 

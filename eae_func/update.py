@@ -65,7 +65,7 @@ def fused(update: Any, state: Sequence | None = None, *, max_norm: float | None 
 
 class Updater:
     """One sweep's fused updates: ``apply(i, grads_i)`` at stage i's reverse step. Everything is
-    checked when it is made, before any step; ``groups`` are the tied ``(stage, name)`` groups;
+    checked when it is made, before any step; ``groups`` are the tied ``(stage, path)`` groups;
     ``carry`` (set for the last microbatch's fold) holds the earlier folds' gradients."""
 
     def __init__(self, spec: Fused, chain: Any, params: tuple, groups: list):
@@ -78,9 +78,10 @@ class Updater:
         self.state = list(spec.state) if spec.fn is not None else None
         self.owner, self.members, self.pending = {}, {}, {}
         for g, group in enumerate(groups):
-            owner = min(stage for stage, _ in group)  # the last of its uses the fold reaches
+            group = sorted((stage, path[0]) for stage, path in group)  # (stage, name): params are flat dicts
+            owner = group[0][0]  # the lowest stage: the last of its uses the fold reaches
             for member in group:
-                self.owner[member], self.members[member] = owner, (g, sorted(group))
+                self.owner[member], self.members[member] = owner, (g, group)
         if spec.fn is not None and len(self.state) != len(chain):
             raise ValueError(f"fused: state has {len(self.state)} entries, the chain has {len(chain)} stages")
         if spec.optimizers:
