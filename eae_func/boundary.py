@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import optree
 import torch
@@ -38,7 +38,17 @@ def split(tree: Any, where: str) -> tuple[list, Callable[[list], Any], Callable[
     costate tree with ``None`` where a leaf has no costate.
     """
     flat, spec = leaves(tree, where)
-    mask = [is_differentiable(t) for t in flat]
+    return _split(flat, spec, [is_differentiable(t) for t in flat])
+
+
+def split_as(tree: Any, layout: "Layout") -> tuple[list, Callable[[list], Any], Callable[[list], Any]]:
+    """``split`` of a state known to have ``layout`` (a tape's boundary, checked when it was made)."""
+    return _split(optree.tree_leaves(tree, namespace=NAMESPACE), layout.spec, layout.mask)
+
+
+def _split(flat: list, spec: Any, mask: Sequence[bool]) -> tuple:
+    if all(mask):  # every leaf differentiable: nothing to put back
+        return list(flat), spec.unflatten, spec.unflatten
 
     def fill(new: list, other: Callable[[torch.Tensor], Any]) -> Any:
         it = iter(new)
@@ -112,6 +122,11 @@ class Layout:
     @staticmethod
     def of_leaves(flat: list, spec: Any) -> "Layout":
         return Layout(spec, tuple(t.shape for t in flat), tuple((t.device, t.dtype) for t in flat))
+
+    @functools.cached_property
+    def mask(self) -> tuple[bool, ...]:
+        """Which leaves are differentiable (floating or complex): those with a costate."""
+        return tuple(dt.is_floating_point or dt.is_complex for _, dt in self.placements)
 
     @functools.cached_property
     def costate_spec(self) -> Any:

@@ -23,7 +23,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 import optree
 import torch
-from torch.func import vjp
 from torch.profiler import record_function
 
 from . import boundary as B
@@ -163,19 +162,23 @@ def rng_state(device: torch.device) -> tuple:
 
 
 def drew(before: tuple, device: torch.device) -> bool:
-    """Whether the global RNG moved since ``before`` was taken (the stage drew random numbers)."""
+    """Whether the global RNG moved since ``before`` was taken (the stage drew random numbers);
+    the CPU states are compared as bytes (a third of ``torch.equal``'s cost on 5 kB)."""
     cpu, cuda = rng_state(device)
-    return not torch.equal(cpu, before[0]) or (cuda is not None and not torch.equal(cuda, before[1]))
+    return cpu.numpy().tobytes() != before[0].numpy().tobytes() or (cuda is not None and not torch.equal(cuda, before[1]))
+
+
+NULL = contextlib.nullcontext()
+
+
+def replay_rng(state: tuple | None, device: torch.device):
+    """A context that runs with the global RNG as it was when ``state`` was taken (dropout masks
+    repeat); ``None``: the stage drew nothing, nothing to replay."""
+    return NULL if state is None else _replayed(*state, device)
 
 
 @contextlib.contextmanager
-def replay_rng(state: tuple | None, device: torch.device):
-    """Run with the global RNG as it was when ``state`` was taken (dropout masks repeat); ``None``:
-    the stage drew nothing, nothing to replay."""
-    if state is None:
-        yield
-        return
-    cpu, cuda = state
+def _replayed(cpu: torch.Tensor, cuda: torch.Tensor | None, device: torch.device):
     with torch.random.fork_rng(devices=[device] if cuda is not None else []):
         torch.set_rng_state(cpu)
         if cuda is not None:
@@ -184,7 +187,7 @@ def replay_rng(state: tuple | None, device: torch.device):
 
 
 def autocast(dtype: torch.dtype | None, device: torch.device):
-    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else NULL
 
 
 class timed:  # noqa: N801 - used as a context manager, like contextlib's
@@ -220,34 +223,35 @@ class timed:  # noqa: N801 - used as a context manager, like contextlib's
             self.range.__exit__(*exc)
 
 
+def note(e: Exception, what: str) -> None:
+    """Add ``what`` (the stage or boundary) as a note to ``e``."""
+    e.add_note(f"(eae_func: in {what})")
+
+
 @contextlib.contextmanager
 def naming(what: str):
-    """Add ``what`` (the stage or boundary) as a note to any exception raised in the block."""
+    """Add ``what`` as a note to any exception raised in the block (hot paths use ``note`` in an
+    ``except``, which costs nothing until something fails)."""
     try:
         yield
     except Exception as e:
-        e.add_note(f"(eae_func: in {what})")
+        note(e, what)
         raise
 
 
-@contextlib.contextmanager
-def explained(chain: Chain, i: int, params: Any, h: Any, autocast_dtype: torch.dtype | None):
-    """When stage i fails on an input whose dtype or device differs from its params', say which
-    stage made that input (a black box returning float64, or data on another device)."""
-    try:
-        yield
-    except Exception as e:
-        floats = [t for t in optree.tree_leaves(h, namespace=NAMESPACE) if isinstance(t, torch.Tensor)
-                  and t.is_floating_point()]
-        weights = [t for t in optree.tree_leaves(params, namespace=NAMESPACE) if isinstance(t, torch.Tensor)
-                   and t.is_floating_point()]
-        if floats and weights:
-            got, want = (floats[0].dtype, floats[0].device), (weights[0].dtype, weights[0].device)
-            if got[1] != want[1] or (got[0] != want[0] and autocast_dtype is None):
-                source = f"the output of {chain.where(i - 1)}" if i > 0 else "the chain's input"
-                e.add_note(f"(eae_func: the input of {chain.where(i)} is {got[0]} on {got[1]}, its params are "
-                           f"{want[0]} on {want[1]}: {source} must be {want[0]} on {want[1]})")
-        raise
+def explain(e: Exception, chain: Chain, i: int, params: Any, h: Any, autocast_dtype: torch.dtype | None) -> None:
+    """When stage i failed on an input whose dtype or device differs from its params', add a note
+    saying which stage made that input (a black box returning float64, or data on another device)."""
+    floats = [t for t in optree.tree_leaves(h, namespace=NAMESPACE) if isinstance(t, torch.Tensor)
+              and t.is_floating_point()]
+    weights = [t for t in optree.tree_leaves(params, namespace=NAMESPACE) if isinstance(t, torch.Tensor)
+               and t.is_floating_point()]
+    if floats and weights:
+        got, want = (floats[0].dtype, floats[0].device), (weights[0].dtype, weights[0].device)
+        if got[1] != want[1] or (got[0] != want[0] and autocast_dtype is None):
+            source = f"the output of {chain.where(i - 1)}" if i > 0 else "the chain's input"
+            e.add_note(f"(eae_func: the input of {chain.where(i)} is {got[0]} on {got[1]}, its params are "
+                       f"{want[0]} on {want[1]}: {source} must be {want[0]} on {want[1]})")
 
 
 def local_vjp(stage, params: Any, buffers: Mapping, floats: list, rebuild: Callable,
@@ -255,24 +259,27 @@ def local_vjp(stage, params: Any, buffers: Mapping, floats: list, rebuild: Calla
     """``(output, pullback, updated buffers)`` of one stage run with its local autograd graph, the
     graph ``torch.utils.checkpoint`` builds: ``pullback(cotangents)`` is ``(J_W^T p, J_x^T p)`` for the
     cotangents of the output's differentiable leaves, by one ``torch.autograd.grad`` that frees the
-    graph as it goes and records no double-backward graph. The output is detached. ``check(out,
-    inputs)`` sees the graph before that."""
+    graph as it goes and records no double-backward graph. The output is detached. ``check(output
+    leaves, inputs)`` sees the graph before that."""
     leaves, spec = optree.tree_flatten(params, namespace=NAMESPACE)
+    n = len(leaves)
     with torch.enable_grad():
-        inputs = [t.detach().requires_grad_(B.is_differentiable(t)) for t in (*leaves, *floats)]
-        out, updated = stage.call(spec.unflatten(inputs[:len(leaves)]), buffers, rebuild(inputs[len(leaves):]))
+        inputs = [t.detach().requires_grad_(B.is_differentiable(t)) for t in leaves]
+        inputs += [t.detach().requires_grad_() for t in floats]
+        out, updated = stage.call(spec.unflatten(inputs[:n]), buffers, rebuild(inputs[n:]))
+    flat_out = optree.tree_leaves(out, namespace=NAMESPACE)
     if check is not None:
-        check(out, inputs)
-    outputs = [t for t in optree.tree_leaves(out, namespace=NAMESPACE) if B.is_differentiable(t)]
+        check(flat_out, inputs)
+    outputs = [t for t in flat_out if B.is_differentiable(t)]
 
     def pullback(cotangents: list) -> tuple:
         wanted = [t for t in inputs if t.requires_grad]
         connected = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
         grads = iter(torch.autograd.grad([o for o, _ in connected], wanted, [c for _, c in connected],
                                          allow_unused=True) if connected and wanted else [None] * len(wanted))
-        full = [next(grads) if t.requires_grad else None for t in inputs]
-        full = [torch.zeros_like(t) if g is None else g for g, t in zip(full, inputs)]
-        return spec.unflatten(full[:len(leaves)]), full[len(leaves):]
+        full = [g if (g := next(grads) if t.requires_grad else None) is not None else torch.zeros_like(t)
+                for t in inputs]
+        return spec.unflatten(full[:n]), full[n:]
 
     return optree.tree_map(torch.Tensor.detach, out, namespace=NAMESPACE), pullback, updated
 
@@ -305,12 +312,12 @@ class SavedBytes:
         return t
 
 
-def check_closed_over(chain: Chain, i: int, out: Any, own: Sequence[torch.Tensor] = ()) -> None:
-    """Refuse an output that depends on a tensor requiring grad other than ``own`` (the stage's params
-    and input as the sweep gave them): stage i then closes over, say, a module's weights, whose
-    gradient the sweep would silently drop. With no ``own`` tensors, any output requiring grad is one."""
-    grad_fns = [t.grad_fn for t in optree.tree_leaves(out, namespace=NAMESPACE)
-                if isinstance(t, torch.Tensor) and t.requires_grad]
+def check_closed_over(chain: Chain, i: int, outputs: list, own: Sequence[torch.Tensor] = ()) -> None:
+    """Refuse ``outputs`` (stage i's output leaves) that depend on a tensor requiring grad other than
+    ``own`` (the stage's params and input as the sweep gave them): stage i then closes over, say, a
+    module's weights, whose gradient the sweep would silently drop. With no ``own`` tensors, any output
+    requiring grad is one."""
+    grad_fns = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
     if not grad_fns:
         return
     mine = {id(t) for t in own}
@@ -350,19 +357,25 @@ def check_costate(chain: Chain, l: int, adj: Any, layout: B.Layout) -> list:
 
 def cotangent(costate: list, layout: B.Layout) -> list:
     """The costate leaves as a cotangent of the output's differentiable leaves (zeros where one has none)."""
-    return [torch.zeros(shape, dtype=dt, device=dev) if c is None else c.to(dt)
-            for c, shape, (dev, dt) in zip(costate, layout.shapes, layout.placements) if dt.is_floating_point
-            or dt.is_complex]
+    return [torch.zeros(shape, dtype=dt, device=dev) if c is None else c if c.dtype == dt else c.to(dt)
+            for c, shape, (dev, dt), m in zip(costate, layout.shapes, layout.placements, layout.mask) if m]
 
 
 def processed(chain: Chain, opts: Options, adj: AdjointState, pass_state: Any, boundary: Any, layout: B.Layout,
-              stats: dict) -> tuple[AdjointState, Any]:
-    """``adj`` and ``pass_state`` after the passes, the costate checked against the boundary's ``layout``."""
+              stats: dict, built: bool = False) -> tuple[AdjointState, Any]:
+    """``adj`` and ``pass_state`` after the passes, the costate checked against the boundary's ``layout``.
+    ``built``: the sweep made ``adj`` from the boundary's own leaves, so with no passes (``identity()``)
+    there is nothing to run and nothing that could be wrong."""
+    if built and opts.passes.members == ():
+        return adj, pass_state
     l = adj.index
-    ctx = Context(boundary=boundary, stage=chain.stages[l - 1] if l > 0 else None, key=opts.key)
-    with timed(stats, "pass_s", f"eae/{boundary_name(chain, l)}/passes", layout.placements[0][0]), \
-            naming(f"the passes at boundary {l}"):
-        out = opts.passes.update(adj, pass_state, ctx)
+    ctx = Context(boundary, chain.stages[l - 1] if l > 0 else None, opts.key)
+    try:
+        with timed(stats, "pass_s", f"eae/{boundary_name(chain, l)}/passes", layout.placements[0][0]):
+            out = opts.passes.update(adj, pass_state, ctx)
+    except Exception as e:
+        note(e, f"the passes at boundary {l}")
+        raise
     if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(f"pass {opts.passes.name!r} at boundary {l}: update must return (AdjointState, state), "
                         f"got {type(out).__name__}")
@@ -372,7 +385,7 @@ def processed(chain: Chain, opts: Options, adj: AdjointState, pass_state: Any, b
 
 def traced(adj: AdjointState, opts: Options) -> AdjointState:
     """The record as the trace keeps it: without its costate unless ``keep_costates``."""
-    return adj if opts.keep_costates else adj.replace(value=None)
+    return adj if opts.keep_costates else AdjointState(None, adj.index, adj.stage, adj.key, adj.history, adj.meta)
 
 
 # ----------------------------------------------------------------------------- the three parts
@@ -402,24 +415,28 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
         stats["boundary_bytes"] = B.nbytes(kept)
         if meter is not None and i in opts.physical:
             meter.charge(i, rows_of(h))
-        with timed(stats, "forward_s", f"eae/{s.name}/forward", device), autocast(opts.autocast, device), \
-                naming(f"the forward of {chain.where(i)}"), explained(chain, i, params[i], h, opts.autocast):
-            if recomputed(opts.recompute, i, s.name, None if budget is None else budget - largest) \
-                    or i in opts.physical:
-                with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
-                    out, tape.buffers[i] = s.call(params[i], buffers[i], h)
-                check_closed_over(chain, i, out)
-            else:
-                floats, rebuild, _ = B.split(h, f"input of {chain.where(i)}")
-                saved = SavedBytes([*optree.tree_leaves(params[i], namespace=NAMESPACE), *floats]) \
-                    if budget is not None else None
-                with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack) if saved is not None \
-                        else contextlib.nullcontext():
-                    out, closure, tape.buffers[i] = local_vjp(s, params[i], buffers[i], floats, rebuild,
-                                                              lambda o, own: check_closed_over(chain, i, o, own))
-                if saved is not None:  # keep the graph only if it fits in what is left of the budget
-                    closure, budget = (closure, budget - saved.bytes) if saved.bytes <= budget else (None, -1)
-                    largest = max(largest, saved.bytes)
+        try:
+            with timed(stats, "forward_s", f"eae/{s.name}/forward", device), autocast(opts.autocast, device):
+                if recomputed(opts.recompute, i, s.name, None if budget is None else budget - largest) \
+                        or i in opts.physical:
+                    with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
+                        out, tape.buffers[i] = s.call(params[i], buffers[i], h)
+                    check_closed_over(chain, i, optree.tree_leaves(out, namespace=NAMESPACE))
+                else:
+                    floats, rebuild, _ = B.split(h, f"input of {chain.where(i)}")
+                    saved = SavedBytes([*optree.tree_leaves(params[i], namespace=NAMESPACE), *floats]) \
+                        if budget is not None else None
+                    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack) if saved is not None \
+                            else NULL:
+                        out, closure, tape.buffers[i] = local_vjp(s, params[i], buffers[i], floats, rebuild,
+                                                                  lambda o, own: check_closed_over(chain, i, o, own))
+                    if saved is not None:  # keep the graph only if it fits in what is left of the budget
+                        closure, budget = (closure, budget - saved.bytes) if saved.bytes <= budget else (None, -1)
+                        largest = max(largest, saved.bytes)
+        except Exception as e:
+            explain(e, chain, i, params[i], h, opts.autocast)
+            note(e, f"the forward of {chain.where(i)}")
+            raise
         if [t._version for t in inputs] != versions:
             raise ValueError(f"{chain.where(i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
                              f"sweep keeps each stage's input to recompute it: use the out-of-place form")
@@ -444,20 +461,25 @@ def boundary_condition(chain: Chain, h: Any, loss_args: tuple, opts: Options, pa
     """``(loss, carry of p_L)``: p_L = loss_scale * d loss(x_L) / d x_L, through the passes; the loss
     runs under the stages' autocast, as an AMP training step computes it."""
     L = len(chain)
-    def loss_of(floats: list) -> torch.Tensor:
-        loss = chain.loss(rebuild(floats), *loss_args)
-        if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not B.is_differentiable(loss):
-            got = f"shape {tuple(loss.shape)}, {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"loss: expected a scalar floating-point tensor, got {got}")
-        return loss
-
     device = device_of(h)
-    with timed(stats, "forward_s", "eae/loss", device), naming("the loss"), autocast(opts.autocast, device):
-        floats, rebuild, costate_like = B.split(h, "input of the loss")
-        loss, loss_vjp = vjp(loss_of, floats)
-        (p,) = loss_vjp(torch.full_like(loss, loss_scale), retain_graph=False, create_graph=False)
-    adj = AdjointState(costate_like(list(p)), L, boundary_name(chain, L), fold_in(opts.key, L))
-    adj, pass_state = processed(chain, opts, adj, pass_state, h, B.Layout.of(h), stats)
+    try:
+        with timed(stats, "forward_s", "eae/loss", device), autocast(opts.autocast, device):
+            floats, rebuild, costate_like = B.split(h, "input of the loss")
+            with torch.enable_grad():
+                inputs = [t.detach().requires_grad_() for t in floats]
+                loss = chain.loss(rebuild(inputs), *loss_args)
+            if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not B.is_differentiable(loss):
+                got = f"shape {tuple(loss.shape)}, {loss.dtype}" if isinstance(loss, torch.Tensor) else \
+                    type(loss).__name__
+                raise ValueError(f"loss: expected a scalar floating-point tensor, got {got}")
+            p = torch.autograd.grad(loss, inputs, torch.full_like(loss, loss_scale), allow_unused=True) \
+                if loss.requires_grad else [None] * len(inputs)
+    except Exception as e:
+        note(e, "the loss")
+        raise
+    costate = costate_like([torch.zeros_like(t) if g is None else g for g, t in zip(p, inputs)])
+    adj = AdjointState(costate, L, boundary_name(chain, L), fold_in(opts.key, L))
+    adj, pass_state = processed(chain, opts, adj, pass_state, h, B.Layout.of(h), stats, built=True)
     return loss.detach(), Carry(adj, pass_state)
 
 
@@ -476,32 +498,35 @@ def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
 
     def step(carry: Carry, entry: Entry) -> tuple[Carry, StepOut]:
         i, s = entry.index, chain.stages[entry.index]
-        stats: dict = {}
+        physical, stats = i in opts.physical, {}
         # checked against this layout when the passes produced it (or when it arrived from another rank)
         costate = optree.tree_leaves(carry.adj.value, none_is_leaf=True, namespace=NAMESPACE)
-        floats, rebuild, costate_like = B.split(entry.boundary, f"input of {chain.where(i)}")
-        with naming(f"the reverse step of {chain.where(i)}"):
-            if i in opts.physical:
+        try:
+            if physical:
                 with timed(stats, "vjp_s", f"eae/{s.name}/estimate", device), autocast(opts.autocast, device):
                     grads, costate_in, cost = opts.estimator.stage_vjp(
                         problem, prepared, i, entry.boundary, entry.out_layout.spec.unflatten(costate))
                 stats.update(cost)
             else:
+                floats, rebuild, costate_like = B.split_as(entry.boundary, entry.layout)
                 closure = entry.closure
                 if closure is None:
                     with timed(stats, "recompute_s", f"eae/{s.name}/recompute", device), \
-                            replay_rng(entry.rng, device), \
-                            autocast(opts.autocast, device):
+                            replay_rng(entry.rng, device), autocast(opts.autocast, device):
                         _, closure, _ = local_vjp(s, params[i], entry.buffers, floats, rebuild)
                 with timed(stats, "vjp_s", f"eae/{s.name}/vjp", device):
                     grads, g_in = closure(cotangent(costate, entry.out_layout))
-                costate_in = costate_like(list(g_in))
+                costate_in = costate_like(g_in)
+        except Exception as e:
+            note(e, f"the reverse step of {chain.where(i)}")
+            raise
         if updater is not None:
             with timed(stats, "update_s", f"eae/{s.name}/update", device), naming(f"the update of {chain.where(i)}"):
                 updater.apply(i, grads)
             grads = None
         adj = AdjointState(costate_in, i, boundary_name(chain, i), fold_in(opts.key, i))
-        adj, pass_state = processed(chain, opts, adj, carry.pass_state, entry.boundary, entry.layout, stats)
+        adj, pass_state = processed(chain, opts, adj, carry.pass_state, entry.boundary, entry.layout, stats,
+                                    built=not physical)
         return Carry(adj, pass_state), StepOut(grads, traced(adj, opts), stats)
 
     return step

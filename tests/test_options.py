@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import eae_func as ef
+from eae_func import passes as P
 from eae_func.adjoint import NAMESPACE
 from helpers import assert_grads_match, autograd_grads, build, mse
 
@@ -117,7 +118,7 @@ def test_stats_and_profiler_ranges_name_every_stage():
     model, x, target = build("mlp", 3, torch.float32, 0)
     chain, params = ef.from_module(model, loss=mse)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        res = ef.sweep(chain, params, x, target)
+        res = ef.sweep(chain, params, x, target, passes=P.stats())
     names = {e.name for e in prof.events()}
     for stage in chain.names:
         for part in ("forward", "recompute", "vjp", "passes"):
