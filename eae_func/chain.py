@@ -9,6 +9,7 @@ each module of a list) into one stage through ``torch.func.functional_call``;
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import optree
@@ -42,17 +43,74 @@ class Stage:
 
     def call(self, params: Any, buffers: Mapping[str, torch.Tensor], h: Any):
         """``(h', updated_buffers)``: the stage applied to ``h``; ``buffers`` are not modified.
-        Params are checked by ``Chain.check_params``; ``functional_call`` ties aliases only where the
-        module has a tensor under two names (``aliased``)."""
+        Params are checked by ``Chain.check_params``. The given tensors take the places of the
+        module's own for the call (``Slots``); ``functional_call`` runs a module that has a tensor
+        under two names (``aliased``: it ties them) or a name that is not a parameter or buffer."""
         if self.module is None:
             return self.fn(params, h), {}
         fresh = {name: b.clone() for name, b in buffers.items()}
-        return functional_call(self.module, {**params, **fresh}, (h,), tie_weights=self.aliased, strict=False), fresh
+        tensors = {**params, **fresh}
+        slots = None if self.aliased else Slots.of(self.module, tensors)
+        if slots is None:
+            return functional_call(self.module, tensors, (h,), tie_weights=self.aliased, strict=False), fresh
+        return slots.call(self.module, tensors, h), fresh
 
     def default_buffers(self) -> dict[str, torch.Tensor]:
         if self.module is None:
             return {}
         return {name: b.detach() for name, b in self.module.named_buffers()}
+
+
+class Slots:
+    """Where a module keeps the tensors of some of its dotted names: per name, the ``_parameters``
+    or ``_buffers`` dict of the submodule that owns it. ``call`` puts given tensors in those places,
+    runs the module and puts its own back, as ``functional_call`` does, but the places are found
+    once per module and set of names, not on every call (that search cost as much as a tiny
+    stage's arithmetic). Each use first checks that the path to every owner is unchanged."""
+
+    _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, links: tuple, places: tuple):
+        self.links = links  # (parent, child name, child) along the paths to the owners
+        self.places = places  # (dict, key, dotted name) of every tensor
+
+    @classmethod
+    def of(cls, module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> "Slots | None":
+        """The places of ``tensors``' names in ``module``; ``None`` if one is not a parameter or buffer."""
+        per_module = cls._cache.setdefault(module, {})
+        names = tuple(tensors)
+        slots = per_module.get(names)
+        if slots is None or not all(parent._modules.get(name) is child for parent, name, child in slots.links):
+            slots = per_module[names] = cls.find(module, names)
+        return slots
+
+    @classmethod
+    def find(cls, module: nn.Module, names: tuple) -> "Slots | None":
+        links, places = {}, []
+        for dotted in names:
+            *path, key = dotted.split(".")
+            owner = module
+            for part in path:
+                child = owner._modules.get(part)
+                if child is None:
+                    return None
+                links[id(owner), part] = (owner, part, child)
+                owner = child
+            store = owner._parameters if key in owner._parameters else owner._buffers
+            if key not in store:
+                return None
+            places.append((store, key, dotted))
+        return cls(tuple(links.values()), tuple(places))
+
+    def call(self, module: nn.Module, tensors: Mapping[str, torch.Tensor], h: Any) -> Any:
+        own = [store[key] for store, key, _ in self.places]
+        try:
+            for store, key, dotted in self.places:
+                store[key] = tensors[dotted]
+            return module(h)
+        finally:
+            for (store, key, _), tensor in zip(self.places, own):
+                store[key] = tensor
 
 
 def stage(fn: Callable, name: str | None = None, physical: bool = False, differentiable: bool = True) -> Stage:
@@ -135,24 +193,33 @@ class Chain:
             raise ValueError(f"params: expected a tuple with one entry per stage ({len(self)}), got {got}")
         for i in range(len(self)) if stages is None else stages:
             s, p = self.stages[i], params[i]
-            if s.param_names is not None:
-                if not isinstance(p, Mapping):
-                    raise TypeError(f"params of {self.where(i)}: expected a dict name -> tensor, "
-                                    f"got {type(p).__name__}")
+            if s.param_names is None:
+                for leaf in optree.tree_leaves(p, namespace=NAMESPACE):
+                    if not isinstance(leaf, torch.Tensor):
+                        raise TypeError(f"params of {self.where(i)}: leaves must be tensors, found {type(leaf).__name__}")
+                continue
+            if not isinstance(p, Mapping):
+                raise TypeError(f"params of {self.where(i)}: expected a dict name -> tensor, got {type(p).__name__}")
+            if p.keys() != set(s.param_names):
                 missing, extra = set(s.param_names) - set(p), set(p) - set(s.param_names)
-                if missing or extra:
-                    raise ValueError(f"params of {self.where(i)} do not match its module: "
-                                     f"missing {sorted(missing)}, unexpected {sorted(extra)}")
-            for leaf in optree.tree_leaves(p, namespace=NAMESPACE):
-                if not isinstance(leaf, torch.Tensor):
-                    raise TypeError(f"params of {self.where(i)}: leaves must be tensors, found {type(leaf).__name__}")
-            for name, (shape, dtype) in zip(s.param_names or (), s.param_layout):
-                if (p[name].shape, p[name].dtype) != (shape, dtype):
-                    raise ValueError(f"params of {self.where(i)}: {name!r} has shape {tuple(p[name].shape)} and "
-                                     f"dtype {p[name].dtype}, the module's has {tuple(shape)} and {dtype}")
+                raise ValueError(f"params of {self.where(i)} do not match its module: "
+                                 f"missing {sorted(missing)}, unexpected {sorted(extra)}")
+            for name, (shape, dtype) in zip(s.param_names, s.param_layout):
+                t = p[name]
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"params of {self.where(i)}: leaves must be tensors, found {type(t).__name__}")
+                if t.shape != shape or t.dtype != dtype:
+                    raise ValueError(f"params of {self.where(i)}: {name!r} has shape {tuple(t.shape)} and "
+                                     f"dtype {t.dtype}, the module's has {tuple(shape)} and {dtype}")
         detached: dict = {}
-        return tuple(optree.tree_map(lambda t: detached.setdefault(id(t), t.detach()), p, namespace=NAMESPACE)
-                     if p is not None else None for p in params)
+
+        def detach(t: torch.Tensor) -> torch.Tensor:
+            d = detached.get(id(t))
+            if d is None:
+                d = detached[id(t)] = t.detach()
+            return d
+
+        return tuple(optree.tree_map(detach, p, namespace=NAMESPACE) if p is not None else None for p in params)
 
     def check_buffers(self, buffers: Any) -> tuple:
         """``buffers`` as a tuple with one dict per stage; ``None``: the modules' own."""

@@ -284,6 +284,10 @@ def tie_groups(chain: Chain, params: tuple) -> list:
     """The groups of ``(stage, path)`` (an optree path into that stage's params) that are one tensor:
     the same object in several places of ``params``, or a group of ``chain.ties`` (which survives a
     pure update that unties the objects); groups that share a member are one."""
+    if not chain.ties:  # the common case, checked in one pass: no tensor object used twice
+        ids = [id(t) for p in params for t in optree.tree_leaves(p, namespace=NAMESPACE)]
+        if len(set(ids)) == len(ids):
+            return []
     uses: dict = {}
     for i, p in enumerate(params):
         paths, leaves, _ = optree.tree_flatten_with_path(p, namespace=NAMESPACE)
@@ -299,10 +303,13 @@ def tie_groups(chain: Chain, params: tuple) -> list:
 
 def tie_grads(chain: Chain, params: tuple, grads: tuple) -> tuple:
     """Give every use of a shared tensor (``tie_groups``) the sum of all its uses' gradients."""
+    groups = tie_groups(chain, params)
+    if not groups:
+        return grads
     paths = [optree.tree_paths(p, namespace=NAMESPACE) for p in params]
     original, specs = zip(*(optree.tree_flatten(g, namespace=NAMESPACE) for g in grads))
     flat = [list(g) for g in original]
-    for group in tie_groups(chain, params):
+    for group in groups:
         members = [(i, paths[i].index(path)) for i, path in group]
         total = sum(original[i][j] for i, j in members)
         for i, j in members:
