@@ -12,6 +12,7 @@ state x_l is not in the record: passes read it from their context.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -56,7 +57,8 @@ class AdjointState:
 
     def applied(self, name: str, value: Any, **meta: Any) -> "AdjointState":
         """The record after pass ``name`` produced ``value`` and measured ``meta``."""
-        return self.replace(value=value, history=self.history + (name,), meta=meta)
+        return AdjointState(value, self.index, self.stage, self.key, self.history + (name,),
+                            MappingProxyType({**self.meta, **meta}) if meta else self.meta)
 
     def seed(self) -> int:
         """The seed of the pass about to run: ``fold_in(key, len(history))``, so two random passes
@@ -105,7 +107,9 @@ torch_pytree.register_pytree_node(
 )
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def fold_in(key: int, data: int) -> int:
-    """Deterministically derive a new 63-bit seed from ``key`` and ``data`` (as jax.random.fold_in)."""
+    """Deterministically derive a new 63-bit seed from ``key`` and ``data`` (as jax.random.fold_in);
+    cached, since a sweep derives the same boundary keys every step."""
     digest = hashlib.blake2b(f"{int(key)}:{int(data)}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1

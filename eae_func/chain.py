@@ -214,6 +214,8 @@ class Chain:
         detached: dict = {}
 
         def detach(t: torch.Tensor) -> torch.Tensor:
+            if not t.requires_grad:  # already outside autograd: used as given
+                return t
             d = detached.get(id(t))
             if d is None:
                 d = detached[id(t)] = t.detach()

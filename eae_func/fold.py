@@ -64,6 +64,11 @@ class Options:
     keep_costates: bool = True
     budget: int | None = None
 
+    @property
+    def no_passes(self) -> bool:
+        """The passes are ``identity()`` (the empty composition)."""
+        return self.passes.members == ()
+
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
@@ -257,9 +262,10 @@ def explain(e: Exception, chain: Chain, i: int, params: Any, h: Any, autocast_dt
 def local_vjp(stage, params: Any, buffers: Mapping, floats: list, rebuild: Callable,
               check: Callable | None = None) -> tuple:
     """``(output, pullback, updated buffers)`` of one stage run with its local autograd graph, the
-    graph ``torch.utils.checkpoint`` builds: ``pullback(cotangents)`` is ``(J_W^T p, J_x^T p)`` for the
-    cotangents of the output's differentiable leaves, by one ``torch.autograd.grad`` that frees the
-    graph as it goes and records no double-backward graph. The output is detached. ``check(output
+    graph ``torch.utils.checkpoint`` builds: ``pullback(cotangents, inputs=True)`` is
+    ``(J_W^T p, J_x^T p)`` for the cotangents of the output's differentiable leaves (``J_x^T p`` is
+    ``None`` with ``inputs=False``), by one ``torch.autograd.grad`` that frees the graph as it goes
+    and records no double-backward graph. The output is still attached to the graph. ``check(output
     leaves, inputs)`` sees the graph before that."""
     leaves, spec = optree.tree_flatten(params, namespace=NAMESPACE)
     n = len(leaves)
@@ -272,16 +278,17 @@ def local_vjp(stage, params: Any, buffers: Mapping, floats: list, rebuild: Calla
         check(flat_out, inputs)
     outputs = [t for t in flat_out if B.is_differentiable(t)]
 
-    def pullback(cotangents: list) -> tuple:
-        wanted = [t for t in inputs if t.requires_grad]
+    def pullback(cotangents: list, inputs_too: bool = True) -> tuple:
+        sources = inputs if inputs_too else inputs[:n]
+        wanted = [t for t in sources if t.requires_grad]
         connected = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
         grads = iter(torch.autograd.grad([o for o, _ in connected], wanted, [c for _, c in connected],
                                          allow_unused=True) if connected and wanted else [None] * len(wanted))
         full = [g if (g := next(grads) if t.requires_grad else None) is not None else torch.zeros_like(t)
-                for t in inputs]
-        return spec.unflatten(full[:n]), full[n:]
+                for t in sources]
+        return spec.unflatten(full[:n]), full[n:] if inputs_too else None
 
-    return optree.tree_map(torch.Tensor.detach, out, namespace=NAMESPACE), pullback, updated
+    return out, pullback, updated
 
 
 def recomputed(policy: Any, i: int, name: str, room: int | None) -> bool:
@@ -362,12 +369,9 @@ def cotangent(costate: list, layout: B.Layout) -> list:
 
 
 def processed(chain: Chain, opts: Options, adj: AdjointState, pass_state: Any, boundary: Any, layout: B.Layout,
-              stats: dict, built: bool = False) -> tuple[AdjointState, Any]:
-    """``adj`` and ``pass_state`` after the passes, the costate checked against the boundary's ``layout``.
-    ``built``: the sweep made ``adj`` from the boundary's own leaves, so with no passes (``identity()``)
-    there is nothing to run and nothing that could be wrong."""
-    if built and opts.passes.members == ():
-        return adj, pass_state
+              stats: dict) -> tuple[AdjointState, Any]:
+    """``adj`` and ``pass_state`` after the passes, the costate checked against the boundary's ``layout``
+    (the sweep skips this for a costate it built from the boundary itself when there are no passes)."""
     l = adj.index
     ctx = Context(boundary, chain.stages[l - 1] if l > 0 else None, opts.key)
     try:
@@ -430,6 +434,7 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
                             else NULL:
                         out, closure, tape.buffers[i] = local_vjp(s, params[i], buffers[i], floats, rebuild,
                                                                   lambda o, own: check_closed_over(chain, i, o, own))
+                    out = optree.tree_map(torch.Tensor.detach, out, namespace=NAMESPACE)
                     if saved is not None:  # keep the graph only if it fits in what is left of the budget
                         closure, budget = (closure, budget - saved.bytes) if saved.bytes <= budget else (None, -1)
                         largest = max(largest, saved.bytes)
@@ -479,7 +484,8 @@ def boundary_condition(chain: Chain, h: Any, loss_args: tuple, opts: Options, pa
         raise
     costate = costate_like([torch.zeros_like(t) if g is None else g for g, t in zip(p, inputs)])
     adj = AdjointState(costate, L, boundary_name(chain, L), fold_in(opts.key, L))
-    adj, pass_state = processed(chain, opts, adj, pass_state, h, B.Layout.of(h), stats, built=True)
+    if not opts.no_passes:
+        adj, pass_state = processed(chain, opts, adj, pass_state, h, B.Layout.of(h), stats)
     return loss.detach(), Carry(adj, pass_state)
 
 
@@ -495,6 +501,7 @@ def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
     step emits none.
     """
     prepared = opts.estimator.prepare(problem) if opts.physical else None
+    observed = opts.keep_costates or not opts.no_passes  # p_0, the chain input's costate, is read by someone
 
     def step(carry: Carry, entry: Entry) -> tuple[Carry, StepOut]:
         i, s = entry.index, chain.stages[entry.index]
@@ -515,8 +522,8 @@ def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
                             replay_rng(entry.rng, device), autocast(opts.autocast, device):
                         _, closure, _ = local_vjp(s, params[i], entry.buffers, floats, rebuild)
                 with timed(stats, "vjp_s", f"eae/{s.name}/vjp", device):
-                    grads, g_in = closure(cotangent(costate, entry.out_layout))
-                costate_in = costate_like(g_in)
+                    grads, g_in = closure(cotangent(costate, entry.out_layout), i > 0 or observed)
+                costate_in = None if g_in is None else costate_like(g_in)
         except Exception as e:
             note(e, f"the reverse step of {chain.where(i)}")
             raise
@@ -524,9 +531,9 @@ def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
             with timed(stats, "update_s", f"eae/{s.name}/update", device), naming(f"the update of {chain.where(i)}"):
                 updater.apply(i, grads)
             grads = None
-        adj = AdjointState(costate_in, i, boundary_name(chain, i), fold_in(opts.key, i))
-        adj, pass_state = processed(chain, opts, adj, carry.pass_state, entry.boundary, entry.layout, stats,
-                                    built=not physical)
+        adj, pass_state = AdjointState(costate_in, i, boundary_name(chain, i), fold_in(opts.key, i)), carry.pass_state
+        if physical or not opts.no_passes:  # else the step built the costate from the boundary: nothing to do
+            adj, pass_state = processed(chain, opts, adj, pass_state, entry.boundary, entry.layout, stats)
         return Carry(adj, pass_state), StepOut(grads, traced(adj, opts), stats)
 
     return step

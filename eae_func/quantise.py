@@ -25,7 +25,7 @@ def work_dtype(t: torch.Tensor) -> torch.dtype:
 
 def safe(scale: torch.Tensor) -> torch.Tensor:
     """The scale with zeros replaced by ones (a zero tensor divides by 1 and stays zero)."""
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.where(scale > 0, scale, 1.0)
 
 
 def int8_encode(t: torch.Tensor, per_channel: bool = False,
@@ -42,8 +42,9 @@ def int8_encode(t: torch.Tensor, per_channel: bool = False,
         amax = x.abs().amax() if x.numel() else x.new_zeros(())
     s = amax / INT8_MAX
     y = x / safe(s)
-    q = torch.round(y) if generator is None else torch.floor(
-        y + torch.rand(y.shape, generator=generator, device=y.device, dtype=y.dtype))
+    if generator is None:  # |t / s| <= 127 up to an ulp, so round() never leaves [-127, 127]
+        return torch.round(y).to(torch.int8), s
+    q = torch.floor(y + torch.rand(y.shape, generator=generator, device=y.device, dtype=y.dtype))
     return torch.clamp(q, -INT8_MAX, INT8_MAX).to(torch.int8), s
 
 

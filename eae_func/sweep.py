@@ -192,7 +192,8 @@ def sweep(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_ar
         last = j == len(pieces) - 1
         if updater is not None and last and grads:  # the last fold updates, the earlier folds' gradients added
             updater.carry = M.sum_grads(grads)
-        loss, g, trace, buffers, state, stats = _one(chain, params, buffers, mb, dataclasses.replace(opts, key=mb.key),
+        piece_opts = opts if mb.key == opts.key else dataclasses.replace(opts, key=mb.key)
+        loss, g, trace, buffers, state, stats = _one(chain, params, buffers, mb, piece_opts,
                                                      state, device, meter, updater if last else None)
         losses.append(loss)
         grads.append(g)

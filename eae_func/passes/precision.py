@@ -16,7 +16,9 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 def _max_of(values: list) -> Lazy | float:
     """The largest of a list of scalar tensors, read lazily; 0.0 when empty."""
-    return Lazy.of(torch.stack([v.double() for v in values]).max()) if values else 0.0
+    if len(values) <= 1:
+        return Lazy.of(values[0]) if values else 0.0
+    return Lazy.of(torch.stack([v.double() for v in values]).max())
 
 
 def cast(dtype: torch.dtype) -> Pass:
@@ -90,7 +92,7 @@ def int8(per: str = "tensor", stochastic: bool = False) -> Pass:
         if t.numel() == 0:
             return t
         q, s = Q.int8_encode(t, per == "channel", generator)
-        scales.append(s.amax())
+        scales.append(s.amax() if s.ndim else s)
         return Q.int8_decode(q, s, t.dtype)
 
     def int8_pass(adj: AdjointState) -> AdjointState:

@@ -22,8 +22,8 @@ def clip_by_global_norm(max_norm: float) -> Pass:
     def clip_pass(adj: AdjointState) -> AdjointState:
         norm = global_norm(adj.value)
         clipped = norm > max_norm
-        scale = torch.where(clipped, max_norm / (norm + 1e-6), torch.ones_like(norm))
-        value = map_costate(lambda t: torch.where(clipped, t * scale.to(t.dtype), t), adj)
+        scale = torch.where(clipped, max_norm / (norm + 1e-6), 1.0)
+        value = map_costate(lambda t: t * scale.to(t.dtype), adj)  # t * 1 is t, bit for bit
         return adj.applied("clip", value, clip_norm=Lazy.of(norm), clip_scale=Lazy.of(scale),
                            clipped=Lazy.of(clipped))
 
