@@ -11,7 +11,7 @@ is left is each method's Python and dispatch cost per stage. One step is forward
 The methods alternate step by step (interleaved), and the table gives the median microseconds
 per stage over ``--reps`` rounds. Then tokens/s of a training forward + gradient step of
 ``examples/train_lm.py``'s model (4 blocks of width 128, sequence 64, batch 8) for the same
-three methods, and a cProfile summary of where eae_func's time goes.
+three methods, and a cProfile summary of where eae_func's and checkpoint's time goes.
 
     python examples/bench_overhead.py            # 8 and 32 stages, 30 rounds
     python examples/bench_overhead.py --quick    # a smoke run
@@ -74,15 +74,32 @@ def interleaved(steps: dict, reps: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def profile(step, rounds: int = 10, lines: int = 12) -> str:
+CATEGORIES = (  # (name, test on cProfile's (file, line, function) key), first match wins
+    ("autograd engine (backward kernels)", lambda f, fn: "run_backward" in fn),
+    ("torch ops (forward kernels, dispatch)", lambda f, fn: f == "~" and "torch" in fn),
+    ("nn.Module calls", lambda f, fn: "torch/nn/" in f),
+    ("torch.autograd python", lambda f, fn: "torch/autograd" in f),
+    ("torch.utils.checkpoint", lambda f, fn: "torch/utils/checkpoint" in f),
+    ("optree", lambda f, fn: "optree" in f or "optree" in fn),
+    ("eae_func", lambda f, fn: "eae_func" in f),
+    ("other", lambda f, fn: True),
+)
+
+
+def profile(step, rounds: int) -> tuple[dict, str]:
+    """cProfile of ``rounds`` steps: (own seconds per step summed per category, the top functions)."""
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(rounds):
         step()
     profiler.disable()
+    stats = pstats.Stats(profiler)
+    totals = dict.fromkeys((name for name, _ in CATEGORIES), 0.0)
+    for (file, _, fn), (_, _, own, _, _) in stats.stats.items():
+        totals[next(name for name, test in CATEGORIES if test(file, fn))] += own / rounds
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(lines)
-    return out.getvalue()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(12)
+    return totals, out.getvalue()
 
 
 def main() -> None:
@@ -110,16 +127,24 @@ def main() -> None:
     ids = torch.randint(0, 256, (batch, seq + 1))
     steps = methods(lm, ids[:, :-1], lm_loss, ids[:, 1:])
     steps.pop("eae_func + int8, clip")
-    med = interleaved(steps, max(3, args.reps // 3))
+    med = interleaved(steps, args.reps)
     print(f"\n| method | tokens/s ({depth} blocks, width {width}, seq {seq}, batch {batch}) | vs checkpoint |")
     print("|---|---|---|")
     for name, t in med.items():
         print(f"| {name} | {batch * seq / t:,.0f} | {med['checkpoint'] / t:.2f}x |")
 
-    model, x = tiny(args.depths[-1])
-    step = methods(model, x, lambda out: out.square().mean())["eae_func"]
-    print(f"\nWhere eae_func's time goes ({args.depths[-1]} tiny stages, by own time):\n")
-    print(profile(step, rounds=3 if args.quick else 10))
+    depth = args.depths[-1]
+    model, x = tiny(depth)
+    steps = methods(model, x, lambda out: out.square().mean())
+    rounds = 3 if args.quick else 10
+    (ours, top), (theirs, _) = profile(steps["eae_func"], rounds), profile(steps["checkpoint"], rounds)
+    print(f"\nWhere the time goes ({depth} tiny stages; cProfile's own time in us per stage, which inflates "
+          f"Python calls):\n")
+    print("| own time in | eae_func | checkpoint |\n|---|---|---|")
+    for name in ours:
+        print(f"| {name} | {ours[name] / depth * 1e6:.0f} | {theirs[name] / depth * 1e6:.0f} |")
+    print(f"| all | {sum(ours.values()) / depth * 1e6:.0f} | {sum(theirs.values()) / depth * 1e6:.0f} |")
+    print(f"\neae_func's top functions by own time:\n{top}")
 
 
 if __name__ == "__main__":
