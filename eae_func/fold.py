@@ -52,6 +52,7 @@ class Options:
                     for the graphs kept (stages are kept first to last while their saved tensors fit).
     keep_costates:  keep costate values in the returned trace.
     budget:         rows the physical stages may be run on in one step (``None``: no limit).
+    timers:         time each stage's parts into its stats (and open profiler ranges while a profiler runs).
     """
 
     passes: Pass
@@ -63,6 +64,7 @@ class Options:
     recompute: bool | int | Callable[[int, str], bool] = True
     keep_costates: bool = True
     budget: int | None = None
+    timers: bool = True
 
     @property
     def no_passes(self) -> bool:
@@ -228,6 +230,11 @@ class timed:  # noqa: N801 - used as a context manager, like contextlib's
             self.range.__exit__(*exc)
 
 
+def timer(opts: Options, stats: dict, key: str, label: str, device: torch.device | None = None):
+    """``timed(stats, key, label, device)`` if ``opts.timers``, else a context that does nothing."""
+    return timed(stats, key, label, device) if opts.timers else NULL
+
+
 def note(e: Exception, what: str) -> None:
     """Add ``what`` (the stage or boundary) as a note to ``e``."""
     e.add_note(f"(eae_func: in {what})")
@@ -375,7 +382,7 @@ def processed(chain: Chain, opts: Options, adj: AdjointState, pass_state: Any, b
     l = adj.index
     ctx = Context(boundary, chain.stages[l - 1] if l > 0 else None, opts.key)
     try:
-        with timed(stats, "pass_s", f"eae/{boundary_name(chain, l)}/passes", layout.placements[0][0]):
+        with timer(opts, stats, "pass_s", f"eae/{boundary_name(chain, l)}/passes", layout.placements[0][0]):
             out = opts.passes.update(adj, pass_state, ctx)
     except Exception as e:
         note(e, f"the passes at boundary {l}")
@@ -409,7 +416,7 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
     largest = 1  # bytes of the largest graph kept so far (a budget of 0 keeps none)
     for i in range(lo, hi):
         s = chain.stages[i]
-        stats = tape.stats[s.name] = dict.fromkeys(STAGE_COUNTERS, 0)
+        stats = tape.stats[s.name] = dict.fromkeys(STAGE_COUNTERS if opts.timers else ("boundary_bytes",), 0)
         layout = layouts.pop() if layouts else B.Layout.of_leaves(*B.leaves(h, f"input of {chain.where(i)}"))
         rng, closure = rng_state(device), None
         if i == 0:  # the caller's input: the first stage runs on a copy, which a write into it cannot leave
@@ -420,7 +427,7 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
         if meter is not None and i in opts.physical:
             meter.charge(i, rows_of(h))
         try:
-            with timed(stats, "forward_s", f"eae/{s.name}/forward", device), autocast(opts.autocast, device):
+            with timer(opts, stats, "forward_s", f"eae/{s.name}/forward", device), autocast(opts.autocast, device):
                 if recomputed(opts.recompute, i, s.name, None if budget is None else budget - largest) \
                         or i in opts.physical:
                     with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
@@ -468,7 +475,7 @@ def boundary_condition(chain: Chain, h: Any, loss_args: tuple, opts: Options, pa
     L = len(chain)
     device = device_of(h)
     try:
-        with timed(stats, "forward_s", "eae/loss", device), autocast(opts.autocast, device):
+        with timer(opts, stats, "forward_s", "eae/loss", device), autocast(opts.autocast, device):
             floats, rebuild, costate_like = B.split(h, "input of the loss")
             with torch.enable_grad():
                 inputs = [t.detach().requires_grad_() for t in floats]
@@ -510,7 +517,7 @@ def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
         costate = optree.tree_leaves(carry.adj.value, none_is_leaf=True, namespace=NAMESPACE)
         try:
             if physical:
-                with timed(stats, "vjp_s", f"eae/{s.name}/estimate", device), autocast(opts.autocast, device):
+                with timer(opts, stats, "vjp_s", f"eae/{s.name}/estimate", device), autocast(opts.autocast, device):
                     grads, costate_in, cost = opts.estimator.stage_vjp(
                         problem, prepared, i, entry.boundary, entry.out_layout.spec.unflatten(costate))
                 stats.update(cost)
@@ -518,17 +525,17 @@ def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
                 floats, rebuild, costate_like = B.split_as(entry.boundary, entry.layout)
                 closure = entry.closure
                 if closure is None:
-                    with timed(stats, "recompute_s", f"eae/{s.name}/recompute", device), \
+                    with timer(opts, stats, "recompute_s", f"eae/{s.name}/recompute", device), \
                             replay_rng(entry.rng, device), autocast(opts.autocast, device):
                         _, closure, _ = local_vjp(s, params[i], entry.buffers, floats, rebuild)
-                with timed(stats, "vjp_s", f"eae/{s.name}/vjp", device):
+                with timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device):
                     grads, g_in = closure(cotangent(costate, entry.out_layout), i > 0 or observed)
                 costate_in = None if g_in is None else costate_like(g_in)
         except Exception as e:
             note(e, f"the reverse step of {chain.where(i)}")
             raise
         if updater is not None:
-            with timed(stats, "update_s", f"eae/{s.name}/update", device), naming(f"the update of {chain.where(i)}"):
+            with timer(opts, stats, "update_s", f"eae/{s.name}/update", device), naming(f"the update of {chain.where(i)}"):
                 updater.apply(i, grads)
             grads = None
         adj, pass_state = AdjointState(costate_in, i, boundary_name(chain, i), fold_in(opts.key, i)), carry.pass_state

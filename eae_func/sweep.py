@@ -54,7 +54,7 @@ class SweepResult:
 def options(chain: Chain, *, passes: Any = None, key: int = 0, boundary_dtype: torch.dtype | None = None,
             offload: bool = False, autocast: torch.dtype | None = None, estimator: Any = None,
             physical: Sequence | None = None, recompute: Any = True, keep_costates: bool = True,
-            budget: int | None = None) -> F.Options:
+            budget: int | None = None, timers: bool = True) -> F.Options:
     """The checked ``Options`` of a sweep of ``chain`` (shared by ``sweep`` and the pipeline)."""
     for name, dtype in (("boundary_dtype", boundary_dtype), ("autocast", autocast)):
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -86,7 +86,7 @@ def options(chain: Chain, *, passes: Any = None, key: int = 0, boundary_dtype: t
                              f"cannot be differentiated (a black box); use a forward-only estimator (zbp with "
                              f"method='fd', node_perturbation or direct with form='fd', twin, frozen)")
     return F.Options(compose(passes) if passes is not None else compose(), int(key), B.Policy(boundary_dtype, offload),
-                     autocast, estimator, physical, recompute, bool(keep_costates), check_budget(budget))
+                     autocast, estimator, physical, recompute, bool(keep_costates), check_budget(budget), bool(timers))
 
 
 def merge_counters(*counters: Mapping) -> dict:
@@ -111,7 +111,7 @@ def _one(chain: Chain, params: tuple, buffers: tuple, mb: M.Microbatch, opts: F.
     carry, outs = F.reverse(F.make_step(chain, params, opts, device, problem, updater), carry, tape)
     trace = (head, *(o.record for o in reversed(outs)))
     stats = {s.name: merge_counters(tape.stats[s.name], o.stats) for s, o in zip(chain.stages, outs)}
-    stats["loss"] = merge_counters({"forward_s": 0.0, "pass_s": 0.0}, loss_stats)
+    stats["loss"] = merge_counters({"forward_s": 0.0, "pass_s": 0.0} if opts.timers else {}, loss_stats)
     stats["boundaries"] = {a.index: dict(a.meta) for a in trace}
     buffers_out = tuple(tape.buffers[i] for i in range(L))
     return loss * mb.scale, tuple(o.grads for o in outs), trace, buffers_out, carry.pass_state, stats
@@ -122,7 +122,7 @@ def sweep(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_ar
           buffers: Sequence | None = None, boundary_dtype: torch.dtype | None = None, offload: bool = False,
           autocast: torch.dtype | None = None, microbatches: int = 1, reduction: str = "mean",
           estimator: Any = None, physical: Sequence | None = None, budget: int | None = None,
-          recompute: Any = True, keep_costates: bool = True, update: Any = None) -> SweepResult:
+          recompute: Any = True, keep_costates: bool = True, update: Any = None, timers: bool = True) -> SweepResult:
     """Loss, parameter gradients and the costate trace of ``chain`` at ``params`` on ``x``.
 
     chain:          a ``Chain``, or a model (``nn.Module``) with ``loss=``: an ``nn.Sequential`` /
@@ -168,19 +168,23 @@ def sweep(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_ar
                     its gradients exist, or ``ef.fused(fn, state)`` for a pure
                     ``fn(params_l, grads_l, state_l) -> (params_l, state_l)``; ``res.grads`` is then
                     ``None`` and ``res.params`` / ``res.update_state`` hold the result.
+    timers:         ``False`` leaves out the per-stage timers and profiler ranges (``stats`` then
+                    hold no ``*_s`` seconds); ``grad`` and ``value_and_grad`` return no stats and
+                    run without them.
     """
     if not isinstance(chain, Chain):
         return _on_model(chain, params, x, loss_args, loss, split_at, buffers, dict(
             passes=passes, pass_state=pass_state, key=key, boundary_dtype=boundary_dtype, offload=offload,
             autocast=autocast, microbatches=microbatches, reduction=reduction, estimator=estimator,
-            physical=physical, budget=budget, recompute=recompute, keep_costates=keep_costates, update=update))
+            physical=physical, budget=budget, recompute=recompute, keep_costates=keep_costates, update=update,
+            timers=timers))
     if loss is not None or split_at is not None:
         raise TypeError("sweep: loss= and split_at= go with a model (nn.Module); a Chain has its own loss and stages")
     params = chain.check_params(params)
     buffers = chain.check_buffers(buffers)
     opts = options(chain, passes=passes, key=key, boundary_dtype=boundary_dtype, offload=offload,
                    autocast=autocast, estimator=estimator, physical=physical, recompute=recompute,
-                   keep_costates=keep_costates, budget=budget)
+                   keep_costates=keep_costates, budget=budget, timers=timers)
     state = opts.passes.init() if pass_state is None else pass_state
     device = F.device_of(params, x)
     meter = Meter(chain, opts.physical, opts.budget)
@@ -326,12 +330,12 @@ def value_and_grad(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any,
                    estimator: Any = None, physical: Sequence | None = None, budget: int | None = None,
                    recompute: Any = True):
     """``(loss, grads)`` of ``chain`` (or a model with ``loss=``) at ``params``: ``sweep``'s loss and
-    grads (the same options), without keeping the costates of the trace."""
+    grads (the same options), without keeping the costates of the trace or timing the stages."""
     res = sweep(chain, params, x, *loss_args, loss=loss, split_at=split_at, passes=passes, pass_state=pass_state,
                 key=key, buffers=buffers,
                 boundary_dtype=boundary_dtype, offload=offload, autocast=autocast, microbatches=microbatches,
                 reduction=reduction, estimator=estimator, physical=physical, budget=budget, recompute=recompute,
-                keep_costates=False)
+                keep_costates=False, timers=False)
     return res.loss, res.grads
 
 

@@ -133,3 +133,16 @@ def test_an_estimators_costate_is_checked_without_passes():
     chain, params = ef.from_module(model, loss=mse, physical=[1])
     with pytest.raises(ValueError, match=r"costate shape \(1, 6\) differs from the stage output shape \(5, 6\)"):
         ef.value_and_grad(chain, params, x, y, estimator=WrongShape())
+
+
+def test_without_timers_the_stats_hold_no_seconds_and_the_gradients_are_the_same():
+    torch.manual_seed(0)
+    model, x, y = mlp(3), torch.randn(5, 6), torch.randn(5, 6)
+    chain, params = ef.from_module(model, loss=mse)
+    timed, untimed = ef.sweep(chain, params, x, y), ef.sweep(chain, params, x, y, timers=False)
+    for name in chain.names:
+        assert timed.stats[name]["vjp_s"] > 0 and timed.stats[name]["forward_s"] > 0
+        assert not [k for k in untimed.stats[name] if k.endswith("_s")]
+        assert untimed.stats[name]["boundary_bytes"] == timed.stats[name]["boundary_bytes"]
+        for n, g in timed.grads[chain.index(name)].items():
+            assert torch.equal(untimed.grads[chain.index(name)][n], g)
