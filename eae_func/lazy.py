@@ -25,8 +25,7 @@ class Lazy:
     @staticmethod
     def of(t: torch.Tensor) -> "Lazy":
         """The value of a one-element tensor (a bool tensor reads as a bool)."""
-        t = t.detach()
-        return Lazy(t.item)
+        return Lazy((t.detach() if t.requires_grad else t).item)
 
     @staticmethod
     def each(t: torch.Tensor) -> list:
