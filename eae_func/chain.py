@@ -66,12 +66,13 @@ class Slots:
     or ``_buffers`` dict of the submodule that owns it. ``call`` puts given tensors in those places,
     runs the module and puts its own back, as ``functional_call`` does, but the places are found
     once per module and set of names, not on every call (that search cost as much as a tiny
-    stage's arithmetic). Each use first checks that the path to every owner is unchanged."""
+    stage's arithmetic). Each use first checks that the path to every owner, and every name in
+    its owner, is unchanged. The cache holds modules weakly, so it keeps none of them alive."""
 
     _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __init__(self, links: tuple, places: tuple):
-        self.links = links  # (parent, child name, child) along the paths to the owners
+        self.links = links  # (parent, child name, child) along the paths to the owners, weakly; parent None: the root
         self.places = places  # (dict, key, dotted name) of every tensor
 
     @classmethod
@@ -80,9 +81,13 @@ class Slots:
         per_module = cls._cache.setdefault(module, {})
         names = tuple(tensors)
         slots = per_module.get(names)
-        if slots is None or not all(parent._modules.get(name) is child for parent, name, child in slots.links):
+        if slots is None or not slots.valid(module):
             slots = per_module[names] = cls.find(module, names)
         return slots
+
+    def valid(self, module: nn.Module) -> bool:
+        return all((module if parent is None else parent())._modules.get(name) is child()
+                   for parent, name, child in self.links) and all(key in store for store, key, _ in self.places)
 
     @classmethod
     def find(cls, module: nn.Module, names: tuple) -> "Slots | None":
@@ -94,7 +99,7 @@ class Slots:
                 child = owner._modules.get(part)
                 if child is None:
                     return None
-                links[id(owner), part] = (owner, part, child)
+                links[id(owner), part] = (None if owner is module else weakref.ref(owner), part, weakref.ref(child))
                 owner = child
             store = owner._parameters if key in owner._parameters else owner._buffers
             if key not in store:

@@ -146,3 +146,17 @@ def test_without_timers_the_stats_hold_no_seconds_and_the_gradients_are_the_same
         assert untimed.stats[name]["boundary_bytes"] == timed.stats[name]["boundary_bytes"]
         for n, g in timed.grads[chain.index(name)].items():
             assert torch.equal(untimed.grads[chain.index(name)][n], g)
+
+
+def test_the_places_found_keep_no_module_alive():
+    import gc
+    import weakref
+
+    model = mlp(2)
+    chain, params = ef.from_module(model, loss=mse)
+    ef.value_and_grad(chain, params, torch.randn(5, 6), torch.randn(5, 6))
+    assert len(Slots._cache.get(model[0], {})) == 1
+    stage_module = weakref.ref(model[0])
+    del model, chain, params
+    gc.collect()
+    assert stage_module() is None
