@@ -12,8 +12,8 @@ operations between two matches form a stage too. So GPT-2 cut at
 
 Each stage is an ``nn.Module`` holding exactly the model's parameters and buffers
 it uses, under their names in the model (the same tensor objects: a tied
-embedding and head is one parameter in two stages), so the engine runs it with
-``functional_call`` like any module stage. Every value alive across a cut (the
+embedding and head is one parameter in two stages), so the engine runs it on the
+given parameters like any module stage. Every value alive across a cut (the
 residual stream, a causal mask, rotary tables, a skip connection) travels in the
 boundary state, a dict ``{graph node name: tensor}``; integer and boolean ones
 have no costate. The graph is fixed to the example's shapes and to the model's
@@ -104,7 +104,7 @@ class CapturedStage(nn.Module):
     """One piece of a captured forward: ``h -> h'`` over the model's own parameters and buffers.
 
     Its submodules mirror the model's module paths, so ``named_parameters()`` gives the
-    model's names; ``functional_call`` substitutes them, and BatchNorm running statistics
+    model's names; the engine substitutes the given tensors for them, and BatchNorm running statistics
     are updated in place in the buffers it is given, as the model's own forward would.
     """
 

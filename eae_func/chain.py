@@ -1,8 +1,8 @@
 """Stages and chains: a network as a list of pure functions ``fn(params_l, h) -> h'``.
 
 ``from_module`` turns each child of an ``nn.Sequential`` / ``nn.ModuleList`` (or
-each module of a list) into one stage through ``torch.func.functional_call``;
-``stage`` wraps a plain function. A ``Chain`` is the stages plus the loss
+each module of a list) into one stage, run on the given parameters as
+``torch.func.functional_call`` runs it; ``stage`` wraps a plain function. A ``Chain`` is the stages plus the loss
 ``loss(x_L, *loss_args) -> scalar``.
 """
 
@@ -201,7 +201,8 @@ class Chain:
             if s.param_names is None:
                 for leaf in optree.tree_leaves(p, namespace=NAMESPACE):
                     if not isinstance(leaf, torch.Tensor):
-                        raise TypeError(f"params of {self.where(i)}: leaves must be tensors, found {type(leaf).__name__}")
+                        raise TypeError(f"params of {self.where(i)}: leaves must be tensors, "
+                                        f"found {type(leaf).__name__}")
                 continue
             if not isinstance(p, Mapping):
                 raise TypeError(f"params of {self.where(i)}: expected a dict name -> tensor, got {type(p).__name__}")

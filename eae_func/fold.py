@@ -172,7 +172,8 @@ def drew(before: tuple, device: torch.device) -> bool:
     """Whether the global RNG moved since ``before`` was taken (the stage drew random numbers);
     the CPU states are compared as bytes (a third of ``torch.equal``'s cost on 5 kB)."""
     cpu, cuda = rng_state(device)
-    return cpu.numpy().tobytes() != before[0].numpy().tobytes() or (cuda is not None and not torch.equal(cuda, before[1]))
+    moved = cpu.numpy().tobytes() != before[0].numpy().tobytes()
+    return moved or (cuda is not None and not torch.equal(cuda, before[1]))
 
 
 NULL = contextlib.nullcontext()
@@ -269,9 +270,9 @@ def explain(e: Exception, chain: Chain, i: int, params: Any, h: Any, autocast_dt
 def local_vjp(stage, params: Any, buffers: Mapping, floats: list, rebuild: Callable,
               check: Callable | None = None) -> tuple:
     """``(output, pullback, updated buffers)`` of one stage run with its local autograd graph, the
-    graph ``torch.utils.checkpoint`` builds: ``pullback(cotangents, inputs=True)`` is
+    graph ``torch.utils.checkpoint`` builds: ``pullback(cotangents, inputs_too=True)`` is
     ``(J_W^T p, J_x^T p)`` for the cotangents of the output's differentiable leaves (``J_x^T p`` is
-    ``None`` with ``inputs=False``), by one ``torch.autograd.grad`` that frees the graph as it goes
+    ``None`` with ``inputs_too=False``), by one ``torch.autograd.grad`` that frees the graph as it goes
     and records no double-backward graph. The output is still attached to the graph. ``check(output
     leaves, inputs)`` sees the graph before that."""
     leaves, spec = optree.tree_flatten(params, namespace=NAMESPACE)
@@ -513,7 +514,8 @@ def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
     def step(carry: Carry, entry: Entry) -> tuple[Carry, StepOut]:
         i, s = entry.index, chain.stages[entry.index]
         physical, stats = i in opts.physical, {}
-        # checked against this layout when the passes produced it (or when it arrived from another rank)
+        # built from this layout by the previous step, or checked against it (after passes, an estimator
+        # or a transfer from another rank)
         costate = optree.tree_leaves(carry.adj.value, none_is_leaf=True, namespace=NAMESPACE)
         try:
             if physical:
@@ -535,7 +537,8 @@ def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
             note(e, f"the reverse step of {chain.where(i)}")
             raise
         if updater is not None:
-            with timer(opts, stats, "update_s", f"eae/{s.name}/update", device), naming(f"the update of {chain.where(i)}"):
+            with timer(opts, stats, "update_s", f"eae/{s.name}/update", device), \
+                    naming(f"the update of {chain.where(i)}"):
                 updater.apply(i, grads)
             grads = None
         adj, pass_state = AdjointState(costate_in, i, boundary_name(chain, i), fold_in(opts.key, i)), carry.pass_state
