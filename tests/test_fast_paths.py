@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.func import functional_call
+from torch.nn.utils.parametrizations import weight_norm
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import eae_func as ef
@@ -30,6 +31,7 @@ def modules():
         "conv+batchnorm": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.GELU()),
                            (2, 3, 5, 5)),
         "transformer block": (lambda: Block(16, n_heads=4, n_kv_heads=2, ffn_hidden=24), (2, 7, 16)),
+        "weight_norm (a parametrization)": (lambda: nn.Sequential(weight_norm(nn.Linear(6, 6)), nn.Tanh()), (5, 6)),
     }
 
 
