@@ -433,7 +433,6 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
                         or i in opts.physical:
                     with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
                         out, tape.buffers[i] = s.call(params[i], buffers[i], h)
-                    check_closed_over(chain, i, optree.tree_leaves(out, namespace=NAMESPACE))
                 else:
                     floats, rebuild, _ = B.split(h, f"input of {chain.where(i)}")
                     saved = SavedBytes([*optree.tree_leaves(params[i], namespace=NAMESPACE), *floats]) \
@@ -446,6 +445,8 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
                     if saved is not None:  # keep the graph only if it fits in what is left of the budget
                         closure, budget = (closure, budget - saved.bytes) if saved.bytes <= budget else (None, -1)
                         largest = max(largest, saved.bytes)
+                outputs, out_spec = B.leaves(out, f"output of {chain.where(i)}")
+                check_closed_over(chain, i, outputs)  # detached after local_vjp, which checked them: a no-op
         except Exception as e:
             explain(e, chain, i, params[i], h, opts.autocast)
             note(e, f"the forward of {chain.where(i)}")
@@ -453,7 +454,6 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
         if [t._version for t in inputs] != versions:
             raise ValueError(f"{chain.where(i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
                              f"sweep keeps each stage's input to recompute it: use the out-of-place form")
-        outputs, out_spec = B.leaves(out, f"output of {chain.where(i)}")
         upstream_params = upstream_params or bool(optree.tree_leaves(params[i], namespace=NAMESPACE))
         if upstream_params and not any(B.is_differentiable(t) for t in outputs):
             raise TypeError(f"output of {chain.where(i)}: only integer tensors "
