@@ -77,6 +77,7 @@ def peak_rss(reset: bool) -> int:
 def worker(spec: dict) -> dict:
     import torch
     import transformers
+
     import eae_func
 
     torch.set_num_threads(spec["threads"])

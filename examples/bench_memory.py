@@ -117,6 +117,7 @@ def usable_cores() -> int:
 def build(depth: int, batch: int, seq: int, device: str, seed: int = 0):
     """The same blocks (seed ``seed``), input and target for every method."""
     import torch
+
     from eae_func.models import Block
 
     torch.manual_seed(seed)
@@ -255,9 +256,10 @@ def peak_rss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 def worker(spec: dict) -> dict:
-    import torch
-    import eae_func  # noqa: F401  (every process imports the same modules)
     import eae_runtime  # noqa: F401
+    import torch
+
+    import eae_func  # noqa: F401  (every process imports the same modules)
 
     torch.set_num_threads(spec["threads"])
     device = spec["device"]

@@ -169,7 +169,7 @@ def check_syncs(device, dim, batch, seq) -> None:
                                        ("check_finite + clip", dict(passes=ef.compose(P.check_finite(),
                                                                                       P.clip_by_global_norm(1.0))),
                                         False)):
-        n = count_syncs(lambda: ef.sweep(chain, params, x, target, **options))
+        n = count_syncs(lambda options=options: ef.sweep(chain, params, x, target, **options))
         report(f"(d) host syncs, {name}", n == 0 or not expect_none,
                f"{n} synchronizing calls{' (expected none)' if expect_none else ' (counted, one per boundary expected)'}")
 

@@ -27,6 +27,7 @@ import eae_func as ef
 import eae_func.distributed as D
 from eae_func import passes as P
 from eae_func.models import lm_loss, transformer_lm
+
 from text_data import batches, split_tokens, stdlib_docstrings
 
 CODECS = {"none": lambda: None, "int8": D.codecs.int8, "fp8": D.codecs.fp8,

@@ -14,6 +14,7 @@ import torch
 import eae_func as ef
 from eae_func import passes as P
 from eae_func.models import lm_loss, transformer_lm
+
 from text_data import batches, split_tokens, stdlib_docstrings
 
 

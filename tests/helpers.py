@@ -49,4 +49,4 @@ def assert_grads_match(chain, grads, reference: dict, rtol: float, atol: float) 
         assert set(stage_grads) == set(by_name)
         for name, g in stage_grads.items():
             torch.testing.assert_close(g, reference[by_name[name]], rtol=rtol, atol=atol,
-                                       msg=lambda m: f"{stage.name}.{name}: {m}")
+                                       msg=lambda m, stage=stage, name=name: f"{stage.name}.{name}: {m}")

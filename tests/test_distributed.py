@@ -264,7 +264,7 @@ def test_pipeline_x_data_parallel_equals_the_full_batch(four_ranks):
 
 def test_compressed_gradient_average_is_identical_on_replicas_and_within_the_int8_bound(four_ranks):
     by_stage = {}
-    for rank, replica, stage_rank, out in four_ranks:
+    for rank, _replica, stage_rank, out in four_ranks:
         r = out["mesh int8"]
         assert r["grad_err"] <= r["bound"] / 2 + 1e-7, rank  # mean of errors each <= s/2
         assert r["bytes"] < out["mesh raw"]["bytes"] / 3

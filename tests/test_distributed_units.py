@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 from eae_func import passes as P
 from eae_func.adjoint import AdjointState
-from eae_func.distributed import balance, codecs as K, schedule as S
+from eae_func.distributed import balance
+from eae_func.distributed import codecs as K
+from eae_func.distributed import schedule as S
 
 CODECS_AND_PASSES = [
     (K.int8(), P.int8()),
@@ -73,7 +75,7 @@ SIZES = [(p, m) for p in range(1, 6) for m in range(1, 9)]
 @pytest.mark.parametrize("name", S.NAMES)
 def test_schedules_run_every_microbatch_once_forward_before_backward(name):
     for p, m in SIZES:
-        for r, ops in enumerate(S.schedule(name, p, m)):
+        for ops in S.schedule(name, p, m):
             f = [o.microbatch for o in ops if o.kind == "forward"]
             b = [o.microbatch for o in ops if o.kind == "backward"]
             assert sorted(f) == sorted(b) == list(range(m))
@@ -101,7 +103,7 @@ def test_1f1b_bounds_the_microbatches_in_flight():
     """At any time rank r of 1F1B holds at most p - r microbatches (forward done, backward not);
     GPipe holds all m."""
     for p, m in SIZES:
-        for name, bound in (("1f1b", lambda r: min(p - r, m)), ("gpipe", lambda r: m)):
+        for name, bound in (("1f1b", lambda r, p=p, m=m: min(p - r, m)), ("gpipe", lambda r, m=m: m)):
             for r, ops in enumerate(S.schedule(name, p, m)):
                 live = peak = 0
                 for o in ops:

@@ -11,6 +11,7 @@ from torch import nn
 
 import eae_func as ef
 from eae_func import estimators as E
+
 from helpers import transformer
 
 # torch's forward-AD decompositions script themselves on first use (a torch-internal deprecation)
@@ -202,7 +203,7 @@ def test_fd_forms_work_on_a_stage_computed_by_numpy():
         ref = ef.sweep(twin, params, x, y, estimator=reference, physical=["box"], key=2)
         torch.testing.assert_close(res.adjoints[-1].value, ref.adjoints[-1].value, rtol=1e-5, atol=1e-9)
         assert res.stats["box"]["forward_calls"] > 0 and res.stats["box"]["param_queries"] == 32
-    with pytest.raises(Exception):  # forward-mode AD cannot enter numpy: why the fd forms exist
+    with pytest.raises(RuntimeError):  # forward-mode AD cannot enter numpy: why the fd forms exist
         ef.sweep(box, params, x, y, estimator=E.zbp(E.Probes(4), method="jvp"))
 
 

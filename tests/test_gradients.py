@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 import eae_func as ef
 from eae_func.adjoint import NAMESPACE
+
 from helpers import assert_grads_match, autograd_grads, build, mse
 
 TOL = {torch.float64: dict(rtol=1e-9, atol=1e-11), torch.float32: dict(rtol=1e-4, atol=1e-6)}

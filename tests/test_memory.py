@@ -14,6 +14,7 @@ from torch import nn
 import eae_func as ef
 from eae_func import passes as P
 from eae_func.models import Block
+
 from live_bytes import LiveBytes
 
 WIDTH, INNER, BATCH = 16, 256, 1024

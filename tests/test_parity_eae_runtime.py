@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import eae_func as ef
 from eae_func import passes as P
 from eae_func.adjoint import AdjointState
+
 from helpers import assert_grads_match, build
 
 pytest.importorskip("eae_runtime", reason="eae-runtime 0.1.1, the peer package these tests compare with, "

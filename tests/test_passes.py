@@ -15,6 +15,7 @@ import eae_func as ef
 from eae_func import passes as P
 from eae_func.adjoint import NAMESPACE, AdjointState
 from eae_func.lazy import Lazy
+
 from helpers import build, mse
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import eae_func as ef
 from eae_func import estimators as E

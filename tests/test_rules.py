@@ -12,6 +12,7 @@ from torch import nn
 import eae_func as ef
 from eae_func.adjoint import NAMESPACE
 from eae_func.models import Block, lm_loss, transformer_lm
+
 from helpers import assert_grads_match, autograd_grads
 
 

@@ -8,6 +8,7 @@ import torch
 import eae_func as ef
 from eae_func.adjoint import NAMESPACE
 from eae_func.models import lm_loss, transformer_lm
+
 from helpers import build, mse
 
 
