@@ -27,7 +27,8 @@ import fnmatch
 import functools
 import types
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import optree
 import torch
@@ -118,18 +119,28 @@ class CapturedStage(nn.Module):
             user_outputs=user_outputs, out_spec=out_spec, constants=constants, example=example, training=training,
             model=weakref.ref(model))
         for kind, name in sources.values():
-            if kind in ("parameter", "buffer"):
-                self._mirror(name, model.get_parameter(name) if kind == "parameter" else model.get_buffer(name), kind)
+            if kind == "parameter":
+                parameter = model.get_parameter(name)
+                owner, leaf = self._mirror_owner(name)
+                if leaf not in owner._parameters and leaf not in owner._buffers:
+                    owner.register_parameter(leaf, parameter)
+            elif kind == "buffer":
+                buffer = model.get_buffer(name)
+                owner, leaf = self._mirror_owner(name)
+                if leaf not in owner._parameters and leaf not in owner._buffers:
+                    owner.register_buffer(leaf, buffer)
 
-    def _mirror(self, name: str, tensor: torch.Tensor, kind: str) -> None:
+    def _mirror_owner(self, name: str) -> tuple[nn.Module, str]:
+        """The submodule of this stage at ``name``'s module path (made where missing) and the leaf name."""
         *path, leaf = name.split(".")
-        module = self
+        module: nn.Module = self
         for part in path:
-            if part not in module._modules:
-                module.add_module(part, nn.Module())
-            module = module._modules[part]
-        if leaf not in module._parameters and leaf not in module._buffers:
-            (module.register_parameter if kind == "parameter" else module.register_buffer)(leaf, tensor)
+            child = module._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                module.add_module(part, child)
+            module = child
+        return module, leaf
 
     def _lookup(self, name: str) -> torch.Tensor:
         return functools.reduce(getattr, name.split("."), self)
@@ -205,7 +216,7 @@ def cut(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[list[C
                            f"pure function per piece, or an nn.Sequential / list of modules") from e
     module, signature = program.graph_module, program.graph_signature
     stage_of, names = _stage_of_nodes(module.graph, cut_modules)
-    split = split_module(module, None, lambda node: stage_of[node], keep_original_node_name=True,
+    split = split_module(module, module, lambda node: stage_of[node], keep_original_node_name=True,
                          keep_original_input_name=True, tuple_return=True)
 
     parameters = canonical_names(model.named_parameters(remove_duplicate=False))

@@ -12,10 +12,11 @@ def check_real(pass_name: str, arg: str, value: Any, *, low: float | None = None
                high: float | None = None) -> float:
     """``value`` as a float, or a ``ValueError`` naming the pass and the expected range."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    number = float(value) if ok else math.nan  # the value returned is the one checked
     if ok and low is not None:
-        ok = value > low if low_open else value >= low
+        ok = number > low if low_open else number >= low
     if ok and high is not None:
-        ok = value <= high
+        ok = number <= high
     if not ok:
         expected = ["a finite number"]
         if low is not None:
@@ -23,7 +24,7 @@ def check_real(pass_name: str, arg: str, value: Any, *, low: float | None = None
         if high is not None:
             expected.append(f"<= {high:g}")
         raise ValueError(f"{pass_name}: {arg} must be {' and '.join(expected)}, got {value!r}")
-    return float(value)
+    return number
 
 
 def check_ratio(pass_name: str, ratio: Any) -> float:

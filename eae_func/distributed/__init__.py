@@ -21,5 +21,5 @@ from .wire import PeerError
 
 __all__ = [
     "Codec", "Mesh", "Outcome", "PeerError", "Pipeline", "PipelineResult", "average_gradients", "balance", "codecs",
-    "default_backend", "free_port", "init", "mesh", "run", "schedule", "spawn",
+    "default_backend", "free_port", "init", "mesh", "run", "schedule", "spawn", "wire",
 ]

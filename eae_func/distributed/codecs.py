@@ -25,8 +25,8 @@ import torch
 
 from .. import quantise as Q
 from ..adjoint import AdjointState
-from ..passes import Pass, stateless
 from ..checks import check_ratio
+from ..passes import Pass, stateless
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Encoded:
     allocate the payload (``k`` for top-k, else 0).
     """
 
-    codec: "Codec"
+    codec: Codec
     shape: tuple
     dtype: torch.dtype
     arg: int

@@ -21,7 +21,8 @@ schedule cannot deadlock even where a send blocks until its receive is posted
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 NAMES = ("gpipe", "1f1b")
 

@@ -58,7 +58,7 @@ class Wire:
     def __init__(self, rank: int, where, timeout: float, device: torch.device):
         self.rank, self.where, self.device = rank, where, device
         self.timeout = datetime.timedelta(seconds=timeout)
-        self.pending: list[tuple[Any, tuple, str]] = []  # (work, tensors kept alive, description)
+        self.pending: list[tuple[Any, torch.Tensor, str]] = []  # (work, the tensor kept alive, description)
         self.counts = {"bytes_sent": 0, "bytes_received": 0, "header_bytes": 0, "messages_sent": 0,
                        "messages_received": 0, "wait_s": 0.0}
         self.counts |= {f"{kind}_bytes_{d}": 0 for kind in KINDS for d in ("sent", "received")}

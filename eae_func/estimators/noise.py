@@ -12,7 +12,8 @@ O(ε²); averaging r repeated queries (``ef.black_box(..., repeats=r)``) divides
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -34,10 +35,16 @@ def suggest_eps(stage: Stage | Callable, params: Any, x: torch.Tensor, repeats: 
     two more at ``x ± δu`` (u rademacher drawn from ``key``, δ = 0.1 · rms(x)), and ε = factor · σ / gain."""
     if repeats < 2:
         raise ValueError(f"suggest_eps: repeats must be >= 2 to measure noise, got {repeats!r}")
-    fn = stage.call if isinstance(stage, Stage) else None
+    if isinstance(stage, Stage):
+        call = stage.call
 
-    def run(h: torch.Tensor) -> torch.Tensor:
-        return (fn(params, {}, h)[0] if fn is not None else stage(params, h)).detach()
+        def run(h: torch.Tensor) -> torch.Tensor:
+            return call(params, {}, h)[0].detach()
+    else:
+        fn = stage
+
+        def run(h: torch.Tensor) -> torch.Tensor:
+            return fn(params, h).detach()
 
     with torch.no_grad():
         outs = torch.stack([run(x) for _ in range(repeats)]).to(torch.float64)

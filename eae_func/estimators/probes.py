@@ -22,7 +22,7 @@ is O(max(chunk, S) × boundary size).
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -13,7 +13,8 @@ Neither runs the black box in the reverse sweep: its rows are the forward's only
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import optree
 import torch

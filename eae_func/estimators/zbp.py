@@ -27,8 +27,20 @@ from torch.func import jvp, vmap
 from .. import boundary as B
 from ..physical import rows_of
 from .base import Problem
-from .local import (Flat, OutputLeaves, check_eps, check_probes, exact_param_grads, fd_param_grads, fold,
-                    forward_mode, inner, perturb_folded, unfold, where)
+from .local import (
+    Flat,
+    OutputLeaves,
+    check_eps,
+    check_probes,
+    exact_param_grads,
+    fd_param_grads,
+    fold,
+    forward_mode,
+    inner,
+    perturb_folded,
+    unfold,
+    where,
+)
 from .probes import INPUT_STREAM, Probes, probe_seed
 
 METHODS = ("jvp", "fd")
@@ -66,7 +78,7 @@ class ZBP:
             grads, param_cost = exact_param_grads(problem, i, h_in, costate)
         else:
             grads, param_cost = fd_param_grads(problem, i, h_in, costate, self.probes, self.eps)
-        return grads, costate_like(flat.leaves(estimate) if flat.d else []), {"queries": 2 * self.probes.n,
+        return grads, costate_like(flat.leaves(estimate) if estimate is not None else []), {"queries": 2 * self.probes.n,
                                                                               **param_cost}
 
     def _input_costate(self, problem: Problem, i: int, h_in: Any, floats: list, rebuild, flat: Flat, costate: Any):

@@ -14,7 +14,8 @@ it is, and the sweep's key. The state is any pytree, threaded by the caller.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import optree
 import torch
@@ -71,23 +72,24 @@ def identity() -> Pass:
     return Pass(_no_state, _unchanged, "identity", members=())
 
 
-def stateless(fn: Callable[[AdjointState], AdjointState], name: str | None = None) -> Pass:
-    """The pass ``adj -> fn(adj)`` with no state (its state is ``None``)."""
+def stateless(fn: Callable[[AdjointState], Any], name: str | None = None) -> Pass:
+    """The pass ``adj -> fn(adj)`` with no state (its state is ``None``); ``fn`` must return an
+    ``AdjointState``, which is checked at every call."""
     if isinstance(fn, Pass):
         return fn
     if not callable(fn):
         raise TypeError(f"stateless: expected a callable adj -> adj, got {type(fn).__name__}")
-    name = name or getattr(fn, "__name__", "pass")
+    label: str = name or getattr(fn, "__name__", "pass")
 
     def update(adj: AdjointState, state: Any, ctx: Context) -> tuple:
         out = fn(adj)
         if not isinstance(out, AdjointState):
-            raise TypeError(f"pass {name!r} at boundary {adj.index} (output of stage {adj.stage!r}) returned a "
+            raise TypeError(f"pass {label!r} at boundary {adj.index} (output of stage {adj.stage!r}) returned a "
                             f"{type(out).__name__}, expected an AdjointState (return adj.applied(name, value) "
                             f"or adj.replace(...))")
         return out, state
 
-    return Pass(_no_state, update, name)
+    return Pass(_no_state, update, label)
 
 
 def map_costate(fn: Callable[[torch.Tensor], torch.Tensor], adj: AdjointState) -> Any:

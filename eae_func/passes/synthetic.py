@@ -8,9 +8,9 @@ import optree
 import torch
 
 from ..adjoint import AdjointState
+from ..checks import check_real
 from ..lazy import Lazy
 from ..tree import NAMESPACE
-from ..checks import check_real
 from .base import Context, Pass
 
 
@@ -88,7 +88,7 @@ def synthetic(lr: float = 0.5, momentum: float = 0.9, warmup: int = 100, replace
                                      (prediction * target).sum(), prediction.square().sum()]))
             sent.append(prediction.reshape(p.shape).to(p.dtype) if use else p)
         new_entry = {"step": step + 1, "W": tuple(weights), "v": tuple(velocities)}
-        meta = dict(synthetic_error=float("nan"), synthetic_cosine=0.0, synthetic_step=step + 1, synthetic_used=use)
+        meta: dict[str, Any] = dict(synthetic_error=float("nan"), synthetic_cosine=0.0, synthetic_step=step + 1, synthetic_used=use)
         if sums:
             err, norm2, dot, pred2 = torch.stack(sums).sum(0)
             meta.update(synthetic_error=Lazy.of(torch.where(norm2 > 0, err / norm2, torch.full_like(err, float("nan")))),
