@@ -7,9 +7,10 @@
 
 from . import estimators, passes
 from .adjoint import AdjointState, fold_in
-from . import capture
+from . import capture, remat
 from .chain import Chain, Stage, from_module, stage, write_back, write_buffers, write_grads
 from .estimators.base import Estimator, Problem
+from .options import Options
 from .passes import Context, Pass, compose, global_norm, identity, map_costate, stateless
 from .physical import black_box
 from .sweep import SweepResult, grad, sweep, value_and_grad
@@ -19,9 +20,9 @@ from .update import fused
 __version__ = "0.2.0"
 
 __all__ = [
-    "AdjointState", "Chain", "Context", "Estimator", "Pass", "Problem", "Stage", "SweepResult", "black_box", "capture",
+    "AdjointState", "Chain", "Context", "Estimator", "Options", "Pass", "Problem", "Stage", "SweepResult", "black_box", "capture",
     "compose",
-    "estimators", "fold_in", "from_module", "fused", "global_norm", "grad", "identity", "map_costate", "passes", "stage",
+    "estimators", "fold_in", "from_module", "fused", "global_norm", "grad", "identity", "map_costate", "passes", "remat", "stage",
     "stateless", "sweep", "tree_leaves", "tree_map", "tree_structure", "value_and_grad", "write_back", "write_buffers",
     "write_grads",
 ]

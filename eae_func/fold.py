@@ -26,50 +26,16 @@ import torch
 from torch.profiler import record_function
 
 from . import boundary as B
+from . import remat
 from .adjoint import AdjointState, fold_in
 from .chain import Chain
 from .lazy import event_seconds
-from .passes import Context, Pass
+from .options import Options
+from .passes import Context
 from .physical import Meter, rows_of
 from .tree import NAMESPACE
 
 STAGE_COUNTERS = ("forward_s", "recompute_s", "vjp_s", "pass_s", "boundary_bytes")
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """How a sweep runs (``ef.sweep``'s keyword arguments, checked).
-
-    passes:         the ``Pass`` applied to every costate p_L..p_0.
-    key:            int seed; boundary l gets ``fold_in(key, l)``.
-    boundary:       where boundary states live between the sweeps (dtype, offload).
-    autocast:       dtype stages compute in under ``torch.autocast`` (``None``: off).
-    estimator:      the reverse step of physical stages (``None``: every stage exact).
-    physical:       indices of the physical stages (empty without an estimator).
-    recompute:      the remat policy: ``True`` rebuilds each stage's graph from its saved input,
-                    ``False`` keeps every stage's graph from the forward, a predicate
-                    ``(index, name) -> bool`` says which stages to rebuild, an int is a byte budget
-                    for the graphs kept (stages are kept first to last while their saved tensors fit).
-    keep_costates:  keep costate values in the returned trace.
-    budget:         rows the physical stages may be run on in one step (``None``: no limit).
-    timers:         time each stage's parts into its stats (and open profiler ranges while a profiler runs).
-    """
-
-    passes: Pass
-    key: int = 0
-    boundary: B.Policy = B.Policy()
-    autocast: torch.dtype | None = None
-    estimator: Any = None
-    physical: tuple[int, ...] = ()
-    recompute: bool | int | Callable[[int, str], bool] = True
-    keep_costates: bool = True
-    budget: int | None = None
-    timers: bool = True
-
-    @property
-    def no_passes(self) -> bool:
-        """The passes are ``identity()`` (the empty composition)."""
-        return self.passes.members == ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,21 +73,28 @@ class Tape:
         self.output: Any = None
         self.buffers: dict[int, Mapping] = {}
         self.stats: dict[str, dict] = {}
-        self.prefetch = B.Prefetcher(policy, device)
-        self.stored = policy.dtype is not None or policy.offload
+        self.policy, self.prefetch = policy, B.Prefetcher(policy, device)
+        self.stored_apart = policy.dtype is not None or policy.offload
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def pop(self) -> Entry:
         entry = self.entries.pop()
-        if not self.stored:  # boundaries kept as computed: nothing to load
+        if not self.stored_apart:  # boundaries kept as computed: nothing to load
             return entry
         loaded = self.prefetch.get(entry.index, entry.boundary, entry.layout)
         if self.entries:
             following = self.entries[-1]
             self.prefetch.start(following.index, following.boundary, following.layout)
         return dataclasses.replace(entry, boundary=loaded)
+
+    def stored(self, out: Any, layout: B.Layout, last: bool) -> tuple[Any, Any]:
+        """``(as kept, as fed to the next stage)``: a stage output stored as the boundary policy
+        says (the next stage runs on what is stored), except the chain's output (the loss's input)."""
+        if last or not self.stored_apart:
+            return out, out
+        return self.policy.store(out, layout, self.prefetch.stream)
 
     def take_output(self) -> Any:
         output, self.output = self.output, None
@@ -299,34 +272,6 @@ def local_vjp(stage, params: Any, buffers: Mapping, floats: list, rebuild: Calla
     return out, pullback, updated
 
 
-def recomputed(policy: Any, i: int, name: str, room: int | None) -> bool:
-    """Whether the remat ``policy`` rebuilds stage i's graph in the reverse sweep instead of keeping
-    the forward's. With a byte budget, ``room`` is the budget left minus the largest graph seen so
-    far: a graph is only built if it can be expected to fit (one that does not is never held)."""
-    if room is not None:
-        return room < 0
-    return bool(policy(i, name)) if callable(policy) else bool(policy)
-
-
-class SavedBytes:
-    """``saved_tensors_hooks`` that count the bytes of the storages a graph saves, besides ``own``'s."""
-
-    def __init__(self, own: Sequence[torch.Tensor]):
-        self.seen = {t.untyped_storage().data_ptr() for t in own}
-        self.bytes = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.seen:
-            self.seen.add(storage.data_ptr())
-            self.bytes += storage.nbytes()
-        return t
-
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-
 def check_closed_over(chain: Chain, i: int, outputs: list, own: Sequence[torch.Tensor] = ()) -> None:
     """Refuse ``outputs`` (stage i's output leaves) that depend on a tensor requiring grad other than
     ``own`` (the stage's params and input as the sweep gave them): stage i then closes over, say, a
@@ -404,69 +349,80 @@ def traced(adj: AdjointState, opts: Options) -> AdjointState:
 
 def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: Any, opts: Options,
             device: torch.device, meter: Meter | None = None) -> Tape:
-    """Stages ``lo..hi-1`` on ``h`` with no autograd graph (unless ``recompute=False``).
+    """Stages ``lo..hi-1`` on ``h`` with no autograd graph (except the graphs the remat policy keeps).
 
     ``params`` and ``buffers`` have one entry per stage of the whole chain. Boundaries are stored
     as ``opts.boundary`` says, and the next stage runs on exactly what is stored. A stage that
     writes into its input is refused (the first one runs on a copy, so the caller's input is
     never written). ``meter`` counts the physical stages' rows.
     """
-    policy, tape = opts.boundary, Tape(opts.boundary, device)
-    kept, upstream_params, layouts = h, False, []
-    budget = opts.recompute if isinstance(opts.recompute, int) and not isinstance(opts.recompute, bool) else None
-    largest = 1  # bytes of the largest graph kept so far (a budget of 0 keeps none)
+    tape, plan = Tape(opts.boundary, device), opts.recompute.plan()
+    kept, layout = h, B.Layout.of_leaves(*B.leaves(h, f"input of {chain.where(lo)}"))
+    if lo == 0:  # the caller's input: the first stage runs on a copy, which a write into it cannot leave
+        h = optree.tree_map(lambda t: t.detach().clone(), h, namespace=NAMESPACE)
+    upstream_params = False
     for i in range(lo, hi):
-        s = chain.stages[i]
-        stats = tape.stats[s.name] = dict.fromkeys(STAGE_COUNTERS if opts.timers else ("boundary_bytes",), 0)
-        layout = layouts.pop() if layouts else B.Layout.of_leaves(*B.leaves(h, f"input of {chain.where(i)}"))
-        rng, closure = rng_state(device), None
-        if i == 0:  # the caller's input: the first stage runs on a copy, which a write into it cannot leave
-            h = optree.tree_map(lambda t: t.detach().clone(), h, namespace=NAMESPACE)
-        inputs = optree.tree_leaves(h, namespace=NAMESPACE)
-        versions = [t._version for t in inputs]
+        stats = tape.stats[chain.stages[i].name] = dict.fromkeys(STAGE_COUNTERS if opts.timers else
+                                                                  ("boundary_bytes",), 0)
         stats["boundary_bytes"] = B.nbytes(kept)
         if meter is not None and i in opts.physical:
             meter.charge(i, rows_of(h))
-        try:
-            with timer(opts, stats, "forward_s", f"eae/{s.name}/forward", device), autocast(opts.autocast, device):
-                if recomputed(opts.recompute, i, s.name, None if budget is None else budget - largest) \
-                        or i in opts.physical:
-                    with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
-                        out, tape.buffers[i] = s.call(params[i], buffers[i], h)
-                else:
-                    floats, rebuild, _ = B.split(h, f"input of {chain.where(i)}")
-                    saved = SavedBytes([*optree.tree_leaves(params[i], namespace=NAMESPACE), *floats]) \
-                        if budget is not None else None
-                    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack) if saved is not None \
-                            else NULL:
-                        out, closure, tape.buffers[i] = local_vjp(s, params[i], buffers[i], floats, rebuild,
-                                                                  lambda o, own: check_closed_over(chain, i, o, own))
-                    out = optree.tree_map(torch.Tensor.detach, out, namespace=NAMESPACE)
-                    if saved is not None:  # keep the graph only if it fits in what is left of the budget
-                        closure, budget = (closure, budget - saved.bytes) if saved.bytes <= budget else (None, -1)
-                        largest = max(largest, saved.bytes)
-                outputs, out_spec = B.leaves(out, f"output of {chain.where(i)}")
-                check_closed_over(chain, i, outputs)  # detached after local_vjp, which checked them: a no-op
-        except Exception as e:
-            explain(e, chain, i, params[i], h, opts.autocast)
-            note(e, f"the forward of {chain.where(i)}")
-            raise
-        if [t._version for t in inputs] != versions:
-            raise ValueError(f"{chain.where(i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
-                             f"sweep keeps each stage's input to recompute it: use the out-of-place form")
+        out, (outputs, out_spec), closure, rng = run_stage(chain, i, params[i], buffers[i], h, opts, device, plan,
+                                                           tape, stats)
         upstream_params = upstream_params or bool(optree.tree_leaves(params[i], namespace=NAMESPACE))
         if upstream_params and not any(B.is_differentiable(t) for t in outputs):
             raise TypeError(f"output of {chain.where(i)}: only integer tensors "
                             f"({', '.join(str(t.dtype) for t in outputs)}), so no costate flows back to the "
                             f"parameters before it; a stage must return a floating-point tensor")
         out_layout = B.Layout.of_leaves(outputs, out_spec)
-        tape.entries.append(Entry(i, kept, layout, out_layout, rng if drew(rng, device) else None, buffers[i], closure))
-        h = kept = out
-        layouts = [out_layout]  # the next stage's input has it (a stored copy is loaded back to it)
-        if i < len(chain) - 1 and (policy.dtype is not None or policy.offload):
-            kept, h = policy.store(out, out_layout, tape.prefetch.stream)
+        tape.entries.append(Entry(i, kept, layout, out_layout, rng, buffers[i], closure))
+        kept, h = tape.stored(out, out_layout, last=i == len(chain) - 1)
+        layout = out_layout  # the next stage's input has it (a stored copy is loaded back to it)
     tape.output = h
     return tape
+
+
+def run_stage(chain: Chain, i: int, params: Any, buffers: Mapping, h: Any, opts: Options, device: torch.device,
+              plan: remat.Plan, tape: Tape, stats: dict) -> tuple[Any, tuple, Callable | None, tuple | None]:
+    """Stage i's forward on ``h``: ``(output, (its leaves, treespec), vjp closure if its graph is kept,
+    RNG state to replay or None)``; its updated buffers go into ``tape.buffers[i]``. The remat ``plan`` says whether the
+    graph is kept (a physical stage's never is: its reverse step comes from the estimator)."""
+    s = chain.stages[i]
+    rng, closure = rng_state(device), None
+    inputs = optree.tree_leaves(h, namespace=NAMESPACE)
+    versions = [t._version for t in inputs]
+    try:
+        with timer(opts, stats, "forward_s", f"eae/{s.name}/forward", device), autocast(opts.autocast, device):
+            if i in opts.physical or plan.rebuilds(i, s.name):
+                with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
+                    out, tape.buffers[i] = s.call(params, buffers, h)
+                flat = B.leaves(out, f"output of {chain.where(i)}")
+                check_closed_over(chain, i, flat[0])
+            else:
+                out, closure, tape.buffers[i] = kept_graph(chain, i, params, buffers, h, plan)
+                flat = B.leaves(out, f"output of {chain.where(i)}")
+    except Exception as e:
+        explain(e, chain, i, params, h, opts.autocast)
+        note(e, f"the forward of {chain.where(i)}")
+        raise
+    if [t._version for t in inputs] != versions:
+        raise ValueError(f"{chain.where(i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
+                         f"sweep keeps each stage's input to recompute it: use the out-of-place form")
+    return out, flat, closure, rng if drew(rng, device) else None
+
+
+def kept_graph(chain: Chain, i: int, params: Any, buffers: Mapping, h: Any,
+               plan: remat.Plan) -> tuple[Any, Callable | None, Mapping]:
+    """Stage i run with its local graph: ``(detached output, vjp closure or None, updated buffers)``;
+    with a byte budget the closure is only kept if its saved tensors fit in what is left."""
+    floats, rebuild, _ = B.split(h, f"input of {chain.where(i)}")
+    saved = remat.SavedBytes([*optree.tree_leaves(params, namespace=NAMESPACE), *floats]) if plan.counts else None
+    with saved.hooks() if saved is not None else NULL:
+        out, closure, updated = local_vjp(chain.stages[i], params, buffers, floats, rebuild,
+                                          lambda o, own: check_closed_over(chain, i, o, own))
+    if saved is not None and not plan.kept(saved.bytes):
+        closure = None
+    return optree.tree_map(torch.Tensor.detach, out, namespace=NAMESPACE), closure, updated
 
 
 def boundary_condition(chain: Chain, h: Any, loss_args: tuple, opts: Options, pass_state: Any,

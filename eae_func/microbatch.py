@@ -18,8 +18,6 @@ import torch
 from .adjoint import AdjointState, fold_in
 from .tree import NAMESPACE
 
-REDUCTIONS = ("mean", "sum")
-
 
 @dataclasses.dataclass(frozen=True)
 class Microbatch:
@@ -29,13 +27,6 @@ class Microbatch:
     loss_args: tuple
     scale: float | None
     key: int
-
-
-def check(microbatches: Any, reduction: Any, where: str) -> None:
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{where}: reduction must be 'mean' or 'sum', got {reduction!r}")
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise ValueError(f"{where}: microbatches must be a positive int, got {microbatches!r}")
 
 
 def _batched(tree: Any) -> list:
@@ -49,11 +40,12 @@ def _pieces(tree: Any, k: int) -> list:
     return [spec.unflatten([c[j] for c in cut]) for j in range(k)]
 
 
-def split(x: Any, loss_args: tuple, k: int, reduction: str, key: int, where: str = "sweep") -> list[Microbatch]:
+def split(x: Any, loss_args: tuple | None, k: int, reduction: str, key: int,
+          where: str = "sweep") -> list[Microbatch]:
     """``k`` microbatches of ``x`` and ``loss_args`` (either may be ``None``: a pipeline rank that
-    has no input or computes no loss). The rows are counted on the first batched tensor of
-    ``x``, else of ``loss_args``; ``scale`` is ``None`` where neither has one."""
-    check(k, reduction, where)
+    has no input or computes no loss); ``k`` and ``reduction`` as checked by ``Options``. The rows
+    are counted on the first batched tensor of ``x``, else of ``loss_args``; ``scale`` is ``None``
+    where neither has one."""
     if k == 1:
         return [Microbatch(x, loss_args, 1.0, key)]
     reference = _batched(x) or _batched(loss_args)

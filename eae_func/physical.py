@@ -63,12 +63,6 @@ class Meter:
         counts["calls"] += kind != "backward_calls"
 
 
-def check_budget(budget: Any) -> int | None:
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 1):
-        raise TypeError(f"sweep: budget must be None or an int >= 1 (rows per step), got {budget!r}")
-    return None if budget is None else int(budget)
-
-
 def query(fn: Callable, args: Any, repeats: int, piece: Any) -> Any:
     """``fn(args, piece)`` averaged over ``repeats`` queries (a module-level function: picklable)."""
     total = fn(args, piece)

@@ -11,6 +11,7 @@ from torch import nn
 import eae_func as ef
 from eae_func import passes as P
 from eae_func.adjoint import NAMESPACE
+
 from helpers import assert_grads_match, autograd_grads, build, mse
 
 
@@ -208,7 +209,7 @@ def test_gpu_seconds_add_lazily_and_are_read_when_used_as_numbers():
     """GPU timers: sums of event pairs stay lazy through the stats' counters (no wait for the GPU
     inside the sweep) and become seconds when read."""
     from eae_func.lazy import event_seconds
-    from eae_func.sweep import merge_counters
+    from eae_func.runner import merge_counters
 
     FakeEvent.waits = 0
     a, b = event_seconds(FakeEvent(0), FakeEvent(250)), event_seconds(FakeEvent(10), FakeEvent(760))
@@ -231,12 +232,12 @@ def test_the_compute_device_comes_from_the_params_not_the_input():
 def test_stored_boundaries_keep_their_memory_format():
     """A channels_last boundary stored in bf16 stays channels_last, so the recompute runs the same kernels."""
     from eae_func import fold
-    from eae_func.sweep import options
+    from eae_func.options import Options
 
     chain = ef.Chain([ef.stage(lambda p, h: torch.tanh(h) * 2, name="a"), ef.stage(lambda p, h: h * h, name="b")],
                      loss=lambda out: out.float().square().mean())
     x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
-    opts = options(chain, boundary_dtype=torch.bfloat16)
+    opts = Options(boundary_dtype=torch.bfloat16).bind(chain)
     tape = fold.forward(chain, 0, 2, ({}, {}), ({}, {}), x, opts, torch.device("cpu"))
     stored = tape.entries[1].boundary
     assert stored.dtype == torch.bfloat16 and stored.is_contiguous(memory_format=torch.channels_last)

@@ -21,8 +21,9 @@ import contextlib
 import dataclasses
 import json
 import time
+from collections.abc import Sequence
 from types import MappingProxyType
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
@@ -30,15 +31,21 @@ import torch.distributed as dist
 
 from .. import fold as F
 from .. import microbatch as M
-from ..adjoint import AdjointState, fold_in
 from ..chain import Chain
-from ..estimators.base import Problem
+from ..options import make
 from ..physical import Meter
-from ..sweep import SweepResult, merge_counters, metered, options
+from ..runner import Range
+from ..sweep import SweepResult, metered
+from ..ties import tie_grads, tie_groups
 from ..tree import NAMESPACE
 from . import schedule as S
 from .codecs import Codec, Raw, round_trip
 from .wire import PeerError, Wire
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ..options import SweepOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +139,6 @@ class Pipeline:
             nccl = dist.get_backend() == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = device
-        self.ties = self._tie_groups()
         self.failure: str | None = None
         self._agree()
 
@@ -187,62 +193,62 @@ class Pipeline:
         return f"stage {lo} ({names[lo]!r})" if hi - lo == 1 else \
             f"stages {lo}-{hi - 1} ({names[lo]!r}..{names[hi - 1]!r})"
 
-    def _tie_groups(self) -> tuple:
-        """``(members here, owner positions)`` for each tie group with a member on this rank."""
-        groups = []
-        for group in self.chain.ties:
-            owners = sorted({self._owner(i) for i, _ in group})
-            mine = tuple((i, name) for i, name in group if self.lo <= i < self.hi)
-            groups.append((mine, tuple(owners)))
-        return tuple(groups)
-
     def _owner(self, stage: int) -> int:
         return next(k for k, (lo, hi) in enumerate(self.ranges) if lo <= stage < hi)
 
-    def sweep(self, params: Sequence, x: Any = None, *loss_args: Any, passes: Any = None, pass_state: Any = None,
-              key: int = 0, microbatches: int = 1, reduction: str = "mean", buffers: Sequence | None = None,
-              boundary_dtype: torch.dtype | None = None, offload: bool = False, autocast: torch.dtype | None = None,
-              estimator: Any = None, physical: Sequence | None = None) -> PipelineResult:
-        """This rank's part of ``ef.sweep(chain, params, x, *loss_args, ...)`` with the same options.
+    def sweep(self, params: Sequence, x: Any = None, *loss_args: Any, pass_state: Any = None,
+              buffers: Sequence | None = None, **options: Unpack[SweepOptions]) -> PipelineResult:
+        """This rank's part of ``ef.sweep(chain, params, x, *loss_args, **options)``.
 
         params:  one entry per stage of the whole chain; only this rank's entries are read
                  (the others may be ``None``). Same for ``buffers`` (``None``: the modules' own).
+                 A tensor object that appears in stages of several ranks (a tied embedding and
+                 head) is found on every rank that is given both entries; otherwise declare it
+                 in ``chain.ties``.
         x:       the input batch, needed on the first rank; ``loss_args`` on the last rank
                  (other ranks may pass them too: they are ignored).
-        passes, pass_state, key, microbatches, reduction, boundary_dtype, offload, autocast:
-                 as for ``ef.sweep``; a pass with state sees this rank's boundaries only, in the
-                 same order as in one process.
-        estimator, physical: as for ``ef.sweep``, for estimators that need only the stage
-                 (``zbp``, ``exact``); model-level ones probe the whole chain and need one process.
+        options: those of ``ef.sweep``; a pass with state sees this rank's boundaries only, in the
+                 same order as in one process; ``budget`` counts this rank's physical stages.
+                 Not across ranks: ``update`` (a fused step needs every microbatch's and every
+                 rank's share of a gradient first) and model-level estimators (they probe the
+                 whole chain from its input); ``zbp``, ``exact``, ``twin`` and ``frozen`` need
+                 only their stage.
         """
         if self.failure is not None:
             raise PeerError(f"rank {self.rank}: an earlier step of this pipeline failed ({self.failure}); its links "
                             f"may be closed: re-create the process group and the pipeline")
         chain, lo, hi, p, k = self.chain, self.lo, self.hi, len(self.ranks), self.position
         first, last = k == 0, k == p - 1
+        opts = make("Pipeline.sweep", options).bind(chain)
+        if opts.update is not None:
+            raise ValueError("Pipeline.sweep: update= cannot cross ranks: a fused step needs the gradient summed over "
+                             "every microbatch (and every rank's use of a tied tensor) before it steps; run the "
+                             "pipeline unfused and step the optimizer on res.grads")
+        if opts.estimator is not None and getattr(opts.estimator, "scope", "model") != "stage" and p > 1:
+            raise ValueError(f"Pipeline.sweep: estimator={opts.estimator!r} probes the whole chain from its input, "
+                             f"which no single rank has; across ranks use an estimator that needs only its stage "
+                             f"(zbp, exact, twin, frozen)")
         params = chain.check_params(params, self.stages)
         buffers = chain.check_buffers(buffers)
-        opts = options(chain, passes=passes, key=key, boundary_dtype=boundary_dtype, offload=offload,
-                       autocast=autocast, estimator=estimator, physical=physical)
-        if opts.estimator is not None and getattr(opts.estimator, "scope", "model") != "stage" and p > 1:
-            raise ValueError(f"Pipeline.sweep: {opts.estimator!r} probes the whole chain; across ranks use an "
-                             f"estimator that needs only its stage (zbp, exact)")
         if first and x is None:
             raise ValueError(f"Pipeline.sweep: rank {self.rank} runs the first stage and needs the input x")
-        pieces = M.split(x if first else None, loss_args if last else None, microbatches, reduction, opts.key,
+        microbatches = opts.microbatches
+        pieces = M.split(x if first else None, loss_args if last else None, microbatches, opts.reduction, opts.key,
                          where="Pipeline.sweep")
         if last and any(mb.scale is None for mb in pieces):
             raise ValueError(f"Pipeline.sweep: rank {self.rank} computes the loss and needs a batched tensor (x or a "
-                             f"loss arg) to weigh the microbatches of a {reduction!r} loss")
+                             f"loss arg) to weigh the microbatches of a {opts.reduction!r} loss")
         state = opts.passes.init() if pass_state is None else pass_state
         device = F.device_of(params[lo:hi], x if first else None, default=self.device)
-        meter = Meter(chain, tuple(i for i in opts.physical if lo <= i < hi))
+        meter = Meter(chain, tuple(i for i in opts.physical if lo <= i < hi), opts.budget)
+        mine = Range(chain, lo, hi, params, opts, device, meter)
+        groups = tie_groups(chain, params)
 
         with self._guard():  # a failed step leaves the ranks out of step: no later step may reuse them
             wire = Wire(self.rank, self.where, self.timeout, self.device)
             prev = self.ranks[k - 1] if not first else None
             nxt = self.ranks[k + 1] if not last else None
-            inbox, outbox, tapes, costates, outgoing = {}, {}, {}, {}, {}
+            inbox, outbox, tapes, costates, outgoing, ran_with = {}, {}, {}, {}, {}, {}
             grads, losses, traces, all_stats = [], [], {}, {}
             busy, step_start = 0.0, time.perf_counter()
             for op in S.schedule(self.schedule, p, microbatches)[k]:
@@ -260,10 +266,9 @@ class Pipeline:
                 else:
                     start = time.perf_counter()
                     try:
-                        mb_opts = dataclasses.replace(opts, key=mb.key)
                         if op.kind == "forward":
-                            h = mb.x if first else inbox.pop(j)
-                            tapes[j] = F.forward(chain, lo, hi, params, buffers, h, mb_opts, device, meter)
+                            ran_with[j] = buffers
+                            tapes[j] = mine.forward(buffers, mb, None if first else inbox.pop(j))
                             buffers = buffers[:lo] + tuple(tapes[j].buffers[i] for i in self.stages) + buffers[hi:]
                             if not last:
                                 outbox[j] = tapes[j].take_output()
@@ -271,19 +276,19 @@ class Pipeline:
                         else:
                             tape = tapes.pop(j)
                             input_shape = tape.entries[0].layout.shapes[0]
-                            loss, g, trace, state, stats = self._backward(tape, mb, mb_opts, costates.pop(j, None),
-                                                                          state, params, buffers, device, meter)
+                            piece = mine.backward(tape, ran_with.pop(j), mb, state, costates.pop(j, None))
+                            state, trace = piece.pass_state, piece.trace
                             if not first:
                                 outgoing[j], trace = self._encode_costate(trace, input_shape)
-                            losses.append(loss)
-                            grads.append(g)
-                            traces[j], all_stats[j] = trace, stats
+                            losses.append(piece.loss)
+                            grads.append(piece.grads)
+                            traces[j], all_stats[j] = trace, piece.stats
                     except Exception as e:
                         e.add_note(f"(on rank {self.rank}, {self.where(self.rank)}, {op.kind} of microbatch {j})")
                         raise
                     busy += time.perf_counter() - start
             loss = self._share_loss(wire, losses)
-            grads = self._tie(wire, M.sum_grads(grads))
+            grads = self._tie(wire, params, tie_grads(params, M.sum_grads(grads), groups, lo), groups)
             wire.flush()
         step = time.perf_counter() - step_start
 
@@ -303,30 +308,6 @@ class Pipeline:
         except Exception as e:
             self.failure = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
             raise
-
-    def _backward(self, tape: F.Tape, mb: M.Microbatch, opts: F.Options, received: Any, state: Any,
-                  params: tuple, buffers: tuple, device: torch.device, meter: Meter):
-        """The reverse fold of this rank's range for one microbatch, from the loss (last rank) or
-        from the received costate p_hi: ``(scaled loss or None, grads, trace, pass state, stats)``."""
-        chain, hi = self.chain, self.hi
-        head, stats = (), {}
-        if hi == len(chain):
-            stats["loss"] = {"forward_s": 0.0, "pass_s": 0.0}
-            loss, carry = F.boundary_condition(chain, tape.take_output(), mb.loss_args, opts, state, mb.scale,
-                                               stats["loss"])
-            head, loss = (carry.adj,), loss * mb.scale
-        else:
-            loss = None
-            adj = AdjointState(received, hi, F.boundary_name(chain, hi), fold_in(opts.key, hi))
-            F.check_costate(chain, hi, adj, tape.entries[-1].out_layout)
-            carry = F.Carry(adj, state)
-        problem = Problem(chain, params, buffers, None, None, opts.physical, opts.key, mb.scale, meter=meter)
-        carry, outs = F.reverse(F.make_step(chain, params, opts, device, problem), carry, tape)
-        trace = head + tuple(o.record for o in reversed(outs))
-        stats.update({chain.stages[i].name: merge_counters(tape.stats[chain.stages[i].name], o.stats)
-                      for i, o in zip(self.stages, outs)})
-        stats["boundaries"] = {a.index: dict(a.meta) for a in trace}
-        return loss, tuple(o.grads for o in outs), trace, carry.pass_state, stats
 
     def _encode_costate(self, trace: tuple, shape: tuple) -> tuple:
         """``(the costate p_lo to send, encoded; the trace with boundary lo's record as its round trip)``."""
@@ -352,33 +333,36 @@ class Pipeline:
             return loss
         return wire.recv(self.ranks[-1], "loss", 0, Raw(), shape=())
 
-    def _tie(self, wire: Wire, grads: tuple) -> tuple:
-        """Give every use of a tied parameter the sum of all uses' gradients, across ranks.
+    def _tie(self, wire: Wire, params: tuple, grads: tuple, groups: list) -> tuple:
+        """Give every use of a tied tensor whose uses sit on several ranks (``groups`` from
+        ``tie_groups``; those within this rank are summed already) the sum of all uses' gradients.
 
         Each owner sums its own uses, sends that partial sum to the other owners and adds
         theirs in rank order, so every owner ends with bit-identical totals. Of each pair,
         the lower position sends first (a consistent order for blocking transports).
         """
-        flat = [dict(g) for g in grads]
-        for n, (mine, owners) in enumerate(self.ties):
-            if not mine:
+        flat = [optree.tree_flatten(g, namespace=NAMESPACE) for g in grads]
+        leaves = [list(f) for f, _ in flat]
+        paths = [optree.tree_paths(params[i], namespace=NAMESPACE) for i in self.stages]
+        for n, group in enumerate(groups):
+            owners = sorted({self._owner(i) for i, _ in group})
+            mine = [(i - self.lo, paths[i - self.lo].index(path)) for i, path in group if self.lo <= i < self.hi]
+            if len(owners) == 1 or not mine:
                 continue
-            partials = {self.position: sum(flat[i - self.lo][name] for i, name in mine)}
+            partials = {self.position: sum(leaves[a][b] for a, b in mine)}
+            shape = tuple(partials[self.position].shape)
             for o in owners:
                 if o == self.position:
                     continue
-                def send():
-                    wire.send(self.ranks[o], "tie", n, Raw().encode(partials[self.position]))
                 if self.position < o:
-                    send()
-                shape = tuple(partials[self.position].shape)
+                    wire.send(self.ranks[o], "tie", n, Raw().encode(partials[self.position]))
                 partials[o] = wire.recv(self.ranks[o], "tie", n, Raw(), shape=shape)
                 if self.position > o:
-                    send()
+                    wire.send(self.ranks[o], "tie", n, Raw().encode(partials[self.position]))
             total = sum(partials[o] for o in owners)
-            for i, name in mine:
-                flat[i - self.lo][name] = total
-        return tuple(flat)
+            for a, b in mine:
+                leaves[a][b] = total
+        return tuple(spec.unflatten(f) for (_, spec), f in zip(flat, leaves))
 
 
 def _check_ranges(ranges: Sequence, stages: int, parts: int) -> tuple:

@@ -31,6 +31,12 @@ class Problem:
     meter:                   counts the rows and calls of each physical stage against the step's
                              budget: ``meter.charge(i, rows, kind)`` before running stage i on
                              ``rows`` rows (``kind``: forward_calls, jvp_calls, backward_calls).
+    run:                     ``run(i, params, h)``: stage i's output as the sweep's forward computed
+                             it (a digital stage's RNG state replayed, so its dropout masks repeat;
+                             under the sweep's autocast); ``None``: the stage called plainly.
+    feed:                    ``feed(i, out)``: stage i's output as the forward fed it to stage i+1
+                             (rounded to the boundary dtype); ``None``: as is.
+    drawn:                   the digital stages whose forward drew random numbers (``run`` replays them).
     """
 
     chain: Chain
@@ -43,6 +49,19 @@ class Problem:
     loss_scale: float
     exact_trace: Callable[[Chain], tuple] | None = None
     meter: Any = None
+    run: Callable[[int, Any, Any], Any] | None = None
+    feed: Callable[[int, Any], Any] | None = None
+    drawn: frozenset[int] = frozenset()
+
+    def call(self, i: int, params: Any, h: Any) -> Any:
+        """Stage i on ``h`` at ``params`` as the forward ran it (its buffer updates discarded)."""
+        if self.run is not None:
+            return self.run(i, params, h)
+        return self.chain.stages[i].call(params, self.buffers[i], h)[0]
+
+    def fed(self, i: int, out: Any) -> Any:
+        """Stage i's output ``out`` as the next stage runs on it."""
+        return out if self.feed is None else self.feed(i, out)
 
     def charge(self, i: int, rows: int, kind: str = "forward_calls") -> None:
         """Count a call of stage i on ``rows`` rows (raises, before it runs, past the budget)."""

@@ -144,8 +144,8 @@ class OutputLeaves:
 
 
 def call(problem: Problem, i: int, params: Any, h: Any) -> Any:
-    """Stage i's output on ``h`` (its buffer updates are discarded)."""
-    return problem.chain.stages[i].call(params, problem.buffers[i], h)[0]
+    """Stage i's output on ``h`` as the sweep's forward computed it (``Problem.call``)."""
+    return problem.call(i, params, h)
 
 
 def param_leaves(params: Any) -> tuple[list, Any]:

@@ -142,7 +142,7 @@ class _Run:
                     self.boundaries[i] = h
                     self.layout(i, B.split(h, f"input of {where(self.problem, i)}")[0])
                 self.count(i, "forward_calls", rows_of(h))
-                h = call(self.problem, i, self.problem.params[i], h)
+                h = self.problem.fed(i, call(self.problem, i, self.problem.params[i], h))
         return h
 
     def run(self, start: int, h: Any, shifts: dict, kind: str, copies: int = 1) -> Any:
@@ -152,7 +152,7 @@ class _Run:
             if i in shifts:
                 h = shifts[i](h)
             self.count(i, kind, copies * rows_of(h))
-            h = call(self.problem, i, self.problem.params[i], h)
+            h = self.problem.fed(i, call(self.problem, i, self.problem.params[i], h))
         return h
 
     def scalar_dims(self) -> int:
@@ -206,13 +206,18 @@ class _Run:
             return self.shares(self.run(start, h0, shifts, "jvp_calls", len(probes[order[0]])))
 
         zeros = tuple(torch.zeros_like(probes[i][0]) for i in order)
-        with forward_mode():
-            return vmap(lambda *us: jvp(shares_at, zeros, us)[1])(*(probes[i] for i in order))
+        with forward_mode():  # every probe sees the tape's dropout masks (its RNG state replayed)
+            return vmap(lambda *us: jvp(shares_at, zeros, us)[1], randomness="same")(*(probes[i] for i in order))
 
     def slopes_fd(self, start: int, probes: dict) -> torch.Tensor:
         """Central differences of the loss shares, the ± copies of all probes folded into the batch."""
         eps = self.estimator.eps
         k = next(iter(probes.values())).shape[0]
+        drawing = sorted(i for i in self.problem.drawn if i >= start)
+        if drawing:
+            raise ValueError(f"{self.estimator.name}(form='fd'): {where(self.problem, drawing[0])} draws random "
+                             f"numbers (dropout in train mode), and the probes' copies folded into the batch would "
+                             f"see other draws than the sweep replays; use form='jvp' or 'oracle', or eval mode")
         shifts = {i: (lambda h, i=i, u=u: perturb_folded(h, 2 * k, self.flats[i], eps * torch.cat([u, -u]),
                                                          f"input of {where(self.problem, i)}"))
                   for i, u in probes.items()}

@@ -1,0 +1,128 @@
+"""The remat policy: which stages' graphs the reverse sweep rebuilds from their saved input
+and which it keeps from the forward.
+
+    always()          rebuild every stage (the memory-saving sweep; ``recompute=True``)
+    never()           keep every stage's graph (plain autograd's memory, no second forward; ``False``)
+    where(pred)       rebuild stage i when ``pred(i, name)`` is true
+    budget(nbytes)    keep graphs first to last while their saved tensors fit in ``nbytes``
+
+Every setting gives the same gradients; only memory and time differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Remat:
+    """A remat policy; ``kind`` is one of ``"always"``, ``"never"``, ``"where"`` (with ``predicate``)
+    or ``"budget"`` (with ``nbytes``). Make one with ``always``, ``never``, ``where`` or ``budget``."""
+
+    kind: str
+    predicate: Callable[[int, str], bool] | None = None
+    nbytes: int = 0
+
+    def plan(self) -> Plan:
+        """The per-forward decisions of this policy (a byte budget is spent stage by stage)."""
+        return Plan(self, self.nbytes)
+
+
+def always() -> Remat:
+    """Rebuild every stage's graph from its saved input (the memory-saving sweep)."""
+    return Remat("always")
+
+
+def never() -> Remat:
+    """Keep every stage's graph from the forward: no recompute, memory like plain autograd."""
+    return Remat("never")
+
+
+def where(predicate: Callable[[int, str], bool]) -> Remat:
+    """Rebuild stage i's graph when ``predicate(i, name)`` is true, keep it otherwise."""
+    if not callable(predicate):
+        raise TypeError(f"remat.where: expected a predicate (index, name) -> bool, got {type(predicate).__name__}")
+    return Remat("where", predicate=predicate)
+
+
+def budget(nbytes: int) -> Remat:
+    """Keep stages' graphs first to last while the bytes their saved tensors hold fit in ``nbytes``;
+    from the first stage that does not fit on, rebuild."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 0:
+        raise TypeError(f"remat.budget: expected a byte count (an int >= 0), got {nbytes!r}")
+    return Remat("budget", nbytes=int(nbytes))
+
+
+def policy(value: Any) -> Remat:
+    """``recompute=``'s value as a ``Remat``: a ``Remat``, ``True`` (always), ``False`` (never), a
+    predicate (where) or an int (a byte budget)."""
+    if isinstance(value, Remat):
+        return value
+    if isinstance(value, bool):
+        return always() if value else never()
+    if isinstance(value, numbers.Integral) and value >= 0:
+        return budget(int(value))
+    if callable(value):
+        return where(value)
+    raise TypeError(f"sweep: recompute must be True, False, a predicate (index, name) -> bool, a byte budget "
+                    f"(an int >= 0) or an eae_func.remat policy, got {value!r}")
+
+
+class Plan:
+    """One forward's remat decisions. ``rebuilds(i, name)`` before stage i runs; with a byte budget,
+    ``kept(nbytes)`` after a graph was built says whether it is kept. A graph is only built when
+    the budget left can hold the largest graph seen so far (one that cannot is never held), and
+    once one does not fit, every later stage is rebuilt (graphs are kept first to last)."""
+
+    def __init__(self, remat: Remat, left: int):
+        self.remat, self.left, self.largest, self.full = remat, left, 0, False
+
+    @property
+    def counts(self) -> bool:
+        """Whether graphs' saved bytes must be counted (a byte budget)."""
+        return self.remat.kind == "budget"
+
+    def rebuilds(self, i: int, name: str) -> bool:
+        kind = self.remat.kind
+        if kind == "budget":
+            return self.full or self.left == 0 or self.left < self.largest
+        if kind == "where":
+            assert self.remat.predicate is not None
+            return bool(self.remat.predicate(i, name))
+        return kind == "always"
+
+    def kept(self, nbytes: int) -> bool:
+        """Spend ``nbytes`` of the budget on a built graph, if they fit."""
+        self.largest = max(self.largest, nbytes)
+        if nbytes <= self.left:
+            self.left -= nbytes
+            return True
+        self.full = True
+        return False
+
+
+class SavedBytes:
+    """``saved_tensors_hooks`` that count the bytes of the storages a graph saves, besides ``own``'s."""
+
+    def __init__(self, own: Sequence[torch.Tensor]):
+        self.seen = {t.untyped_storage().data_ptr() for t in own}
+        self.bytes = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.seen:
+            self.seen.add(storage.data_ptr())
+            self.bytes += storage.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

@@ -1,0 +1,132 @@
+"""The one per-range runner: one microbatch over the stages ``lo..hi-1`` of a chain.
+
+    tape         = forward(chain, lo, hi, params, buffers, x_lo)      keep x_lo..x_{hi-1}
+    loss, carry  = boundary_condition(chain, x_L, loss_args)          if hi = L, else the received p_hi
+    carry, outs  = reverse(step, carry, tape)                         p_{hi-1}..p_lo, grads
+    -> Piece(loss, grads, trace, buffers, pass state, stats)
+
+``ef.sweep`` runs it over the whole chain once per microbatch, every pipeline rank over its own
+range, and the model-level estimators' oracle over the whole chain for its exact trace. The
+estimators' probes run each stage as the tape did: ``Problem.call`` replays the stage's RNG
+state (dropout masks repeat) under the sweep's autocast, and ``Problem.feed`` rounds a stage's
+output to the boundary dtype as the forward fed it to the next stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from . import boundary as B
+from . import fold as F
+from .adjoint import AdjointState, fold_in
+from .chain import Chain
+from .estimators.base import Problem
+from .microbatch import Microbatch
+from .options import Options
+from .physical import Meter
+from .update import Updater
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One microbatch's results over a range: the loss times its scale (``None`` where the range
+    does not end the chain), one gradient entry per stage (``None`` each with fused updates), the
+    trace (record L first if the range ends the chain, then hi-1 down to lo), the updated buffers
+    of the range's stages, the pass state and the stats."""
+
+    loss: torch.Tensor | None
+    grads: tuple
+    trace: tuple
+    buffers: tuple
+    pass_state: Any
+    stats: dict
+
+
+def merge_counters(*counters: dict) -> dict:
+    total: dict = {}
+    for c in counters:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """Stages ``lo..hi-1`` of ``chain`` at ``params`` (one entry per stage of the whole chain), run
+    as the bound ``opts`` say on ``device``; ``meter`` counts the physical stages' rows."""
+
+    chain: Chain
+    lo: int
+    hi: int
+    params: tuple
+    opts: Options
+    device: torch.device
+    meter: Meter | None = None
+
+    def forward(self, buffers: tuple, mb: Microbatch, h: Any = None) -> F.Tape:
+        """The forward of microbatch ``mb`` from ``h`` (``None``: ``mb.x``, the chain's input)."""
+        return F.forward(self.chain, self.lo, self.hi, self.params, buffers, mb.x if h is None else h,
+                         self.at(mb), self.device, self.meter)
+
+    def backward(self, tape: F.Tape, buffers: tuple, mb: Microbatch, pass_state: Any, received: Any = None,
+                 updater: Updater | None = None) -> Piece:
+        """The reverse fold of ``tape`` from the loss (the range ends the chain) or from the
+        ``received`` costate p_hi; ``buffers`` are those the forward ran with."""
+        chain, lo, hi, opts = self.chain, self.lo, self.hi, self.at(mb)
+        stats: dict = {}
+        if hi == len(chain):
+            stats["loss"] = {"forward_s": 0.0, "pass_s": 0.0} if opts.timers else {}
+            loss, carry = F.boundary_condition(chain, tape.take_output(), mb.loss_args, opts, pass_state, mb.scale,
+                                               stats["loss"])
+            head, loss = (F.traced(carry.adj, opts),), loss * mb.scale
+        else:
+            adj = AdjointState(received, hi, F.boundary_name(chain, hi), fold_in(opts.key, hi))
+            F.check_costate(chain, hi, adj, tape.entries[-1].out_layout)
+            loss, head, carry = None, (), F.Carry(adj, pass_state)
+        problem = self.problem(tape, buffers, mb) if opts.physical else None
+        carry, outs = F.reverse(F.make_step(chain, self.params, opts, self.device, problem, updater), carry, tape)
+        trace = head + tuple(o.record for o in reversed(outs))
+        stats.update({chain.stages[i].name: merge_counters(tape.stats[chain.stages[i].name], o.stats)
+                      for i, o in zip(range(lo, hi), outs)})
+        stats["boundaries"] = {a.index: dict(a.meta) for a in trace}
+        return Piece(loss, tuple(o.grads for o in outs), trace, tuple(tape.buffers[i] for i in range(lo, hi)),
+                     carry.pass_state, stats)
+
+    def run(self, buffers: tuple, mb: Microbatch, pass_state: Any, updater: Updater | None = None) -> Piece:
+        """Forward and backward of the whole chain on microbatch ``mb``."""
+        return self.backward(self.forward(buffers, mb), buffers, mb, pass_state, updater=updater)
+
+    def at(self, mb: Microbatch) -> Options:
+        """The options for microbatch ``mb`` (its own key)."""
+        return self.opts if mb.key == self.opts.key else dataclasses.replace(self.opts, key=mb.key)
+
+    def problem(self, tape: F.Tape, buffers: tuple, mb: Microbatch) -> Problem:
+        """What the estimators see of this microbatch: stages run as the tape ran them (digital
+        stages' RNG replayed, physical ones drawing afresh), the exact trace from this runner."""
+        chain, opts, device = self.chain, self.at(mb), self.device
+        rng = {e.index: e.rng for e in tape.entries if e.index not in opts.physical}
+        rounding = B.Policy(opts.boundary_dtype)
+
+        def call(i: int, params: Any, h: Any) -> Any:
+            with F.replay_rng(rng.get(i), device), F.autocast(opts.autocast, device):
+                return chain.stages[i].call(params, buffers[i], h)[0]
+
+        def feed(i: int, out: Any) -> Any:
+            if rounding.dtype is None or i == len(chain) - 1:
+                return out
+            return rounding.store(out, B.Layout.of(out))[1]
+
+        def exact_trace(probed: Chain) -> tuple:
+            exact = Options(key=opts.key, boundary_dtype=opts.boundary_dtype, offload=opts.offload,
+                            autocast=opts.autocast, timers=False).bind(probed)
+            piece = Microbatch(mb.x, mb.loss_args, 1.0, opts.key)
+            return Range(probed, 0, len(probed), self.params, exact, device).run(buffers, piece, None).trace
+
+        whole = self.lo == 0 and self.hi == len(chain)
+        return Problem(chain, self.params, buffers, mb.x if whole else None, mb.loss_args if whole else None,
+                       opts.physical, opts.key, mb.scale if mb.scale is not None else 1.0,
+                       exact_trace if whole else None, self.meter, call, feed,
+                       frozenset(i for i, state in rng.items() if state is not None))
