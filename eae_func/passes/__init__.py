@@ -4,7 +4,9 @@ One pass type, as in optax: ``Pass(init, update)`` with ``update(adj, state, ctx
 ``stateless(fn)`` lifts a plain ``adj -> adj`` function; ``compose`` lifts plain callables
 itself and always returns a ``Pass``. Every built-in pass is a small factory that returns a
 ``Pass``, appends its name to ``adj.history`` and records what it measured in ``adj.meta``
-(Python scalars, which reach ``res.stats["boundaries"][l]``).
+(Python numbers, or ``eae_func.lazy.Lazy`` numbers computed on the device and read when used;
+they reach ``res.stats["boundaries"][l]``). No built-in pass reads a number off the device
+inside the sweep, except ``check_finite("raise")``, which must read its count to raise.
 """
 
 from .base import Context, Pass, global_norm, identity, map_costate, map_costate_random, stateless

@@ -40,7 +40,9 @@ def stats() -> Pass:
 def log(logger: logging.Logger | str | None = None, level: int | str = logging.INFO) -> Pass:
     """Emit ``costate_statistics`` of every boundary through Python logging, one record per
     boundary, the fields in ``record.eae`` (``extra={"eae": {...}}``: index, stage, history and
-    the statistics). Costs nothing when ``logger`` is not enabled for ``level``."""
+    the statistics). Costs nothing when ``logger`` is not enabled for ``level``. The numbers are
+    lazy: the pass reads nothing off the device; a handler that formats the record reads them
+    (all fields by one transfer)."""
     if logger is None or isinstance(logger, str):
         logger = logging.getLogger(logger or "eae_func.passes")
     elif not isinstance(logger, logging.Logger):

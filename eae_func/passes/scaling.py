@@ -38,7 +38,7 @@ def clip_by_value(limit: float) -> Pass:
         counts = []
 
         def clamp(t: torch.Tensor) -> torch.Tensor:
-            counts.append(torch.stack([(t.abs() > limit).sum(), torch.tensor(t.numel(), device=t.device)]))
+            counts.append(torch.stack([(t.abs() > limit).sum(), torch.full((), t.numel(), dtype=torch.int64, device=t.device)]))
             return t.clamp(-limit, limit)
 
         value = map_costate(clamp, adj)

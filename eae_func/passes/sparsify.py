@@ -7,13 +7,15 @@ import torch
 from .. import quantise as Q
 from ..adjoint import AdjointState
 from ..checks import check_ratio
+from ..lazy import Lazy
 from .base import Pass, map_costate, map_costate_random, stateless
 
 
 def topk(ratio: float) -> Pass:
     """Top-k sparsification per tensor: keep the ``k = ceil(ratio * n)`` entries of largest ``|p|``,
     zero the rest (biased; pair it with ``error_feedback``). Records ``topk_kept`` (fraction of
-    entries kept) and ``topk_energy`` (``|sent|^2 / |p|^2``)."""
+    entries kept) and ``topk_energy`` (``|sent|^2 / |p|^2``, 1 for a zero costate; computed on the
+    device in float64 and read lazily: no host sync in the sweep)."""
     ratio = check_ratio("topk", ratio)
 
     def topk_pass(adj: AdjointState) -> AdjointState:
@@ -30,9 +32,11 @@ def topk(ratio: float) -> Pass:
             return Q.scatter(index, values, t.shape)
 
         value = map_costate(sparsify, adj)
-        sent, total = torch.stack(energy).sum(0).tolist() if energy else (0.0, 0.0)
-        return adj.applied("topk", value, topk_kept=_fraction(kept),
-                           topk_energy=sent / total if total > 0 else 1.0)
+        if not energy:
+            return adj.applied("topk", value, topk_kept=_fraction(kept), topk_energy=1.0)
+        sent, total = torch.stack(energy).sum(0)
+        fraction = torch.where(total > 0, sent / total, torch.ones_like(total))
+        return adj.applied("topk", value, topk_kept=_fraction(kept), topk_energy=Lazy.of(fraction))
 
     return stateless(topk_pass, f"topk({ratio:g})")
 
