@@ -2,6 +2,7 @@
 
 import logging
 import math
+import operator
 
 import optree
 import pytest
@@ -527,18 +528,206 @@ def test_clip_by_value_clamps_each_entry(value, limit):
     assert out.meta["clipped_fraction"] == pytest.approx(changed / sum(v.numel() for v in leaves(value)))
 
 
-class ScalarReads(TorchDispatchMode):
-    """Counts ``aten::_local_scalar_dense``: what ``.item()``, ``float(t)`` and ``bool(t)`` dispatch to,
-    a host sync on a GPU."""
+class HostReads(TorchDispatchMode):
+    """Records, by name, every read of a number off the device while it is entered.
 
-    def __init__(self):
+    ``aten::_local_scalar_dense`` is what ``.item()``, ``float(t)``, ``int(t)`` and ``bool(t)``
+    dispatch to (a stalled stream on a GPU). Some reads never reach the dispatcher on the CPU,
+    where every tensor already lies on the host: ``.tolist()``, ``.numpy()``, ``.cpu()`` and
+    ``.to("cpu")``. So while entered (with ``methods=True``), those methods of ``torch.Tensor``, and
+    ``item``, ``__bool__``, ``__float__``, ``__int__`` and ``__index__`` (what a Python ``if``, ``int(t)``
+    or an index on a tensor calls), are wrapped to record the call and delegate. A wrapper bound
+    while the mode was entered and called after it (``Lazy.of(t)`` keeps ``t.item``) records
+    nothing: reading a lazy value later is the point."""
+
+    METHODS = ("tolist", "numpy", "item", "cpu", "to", "__bool__", "__float__", "__int__", "__index__")
+
+    def __init__(self, methods: bool = True):
         super().__init__()
-        self.count = 0
+        self.reads: list[str] = []
+        self.methods = methods
+        self._saved: dict = {}
+        self._depth = 0
+
+    def __enter__(self):
+        if self.methods and self._depth == 0:
+            self._saved = {name: torch.Tensor.__dict__.get(name) for name in self.METHODS}
+            for name in self.METHODS:
+                setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
+        self._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._depth -= 1
+            if self.methods and self._depth == 0:
+                for name, original in self._saved.items():
+                    if original is None:
+                        delattr(torch.Tensor, name)
+                    else:
+                        setattr(torch.Tensor, name, original)
+
+    def _wrap(self, name, original):
+        reads = self
+
+        def wrapper(t, *args, **kwargs):
+            if reads._depth and (name != "to" or _to_cpu(args, kwargs)):
+                reads.reads.append(f"Tensor.{name}")
+            return original(t, *args, **kwargs)
+
+        return wrapper
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
+            self.reads.append("aten::_local_scalar_dense")
         return func(*args, **(kwargs or {}))
+
+
+_TENSOR_METHODS = {name: torch.Tensor.__dict__.get(name) for name in HostReads.METHODS}
+
+
+def _to_cpu(args, kwargs) -> bool:
+    """Whether ``Tensor.to(*args, **kwargs)`` names the CPU as the target device."""
+    return any(isinstance(d, (str, torch.device)) and torch.device(d).type == "cpu"
+               for d in (*args, kwargs.get("device")))
+
+
+def watched(p, reads: HostReads) -> P.Pass:
+    """``p`` with ``reads`` entered around each of its updates, and only there (neither the
+    sweep's own work nor reading the lazy measurements afterwards is watched)."""
+    p = P.lift(p)
+
+    def update(adj, state, ctx):
+        with reads:
+            return p.update(adj, state, ctx)
+
+    return P.Pass(p.init, update, f"watched({p.name})")
+
+
+def _sweep_problem():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    chain, params = ef.from_module(model, loss=nn.functional.mse_loss)
+    return chain, params, torch.randn(6, 8), torch.randn(6, 4)
+
+
+def _reads_of(p):
+    """The host reads inside ``p``'s updates over one sweep (after a warm-up sweep), and its result."""
+    chain, params, x, y = _sweep_problem()
+    ef.sweep(chain, params, x, y, passes=p)  # warm-up: lazy initialisations
+    reads = HostReads()
+    res = ef.sweep(chain, params, x, y, passes=watched(p, reads))
+    assert {name: torch.Tensor.__dict__.get(name) for name in HostReads.METHODS} == _TENSOR_METHODS  # restored
+    return reads.reads, res
+
+
+def _reading(name, read):
+    """A pass that reads its costate's norm off the device with ``read``: what the detector must catch."""
+    def update(adj, state, ctx):
+        read(torch.linalg.vector_norm(adj.value))
+        return adj.applied(name, adj.value), state
+    return P.Pass(lambda: None, update, name)
+
+
+def _if_tensor(t):
+    if t:  # a Python if on a tensor
+        return True
+    return False
+
+
+READS = {
+    "tolist": (lambda t: t.tolist(), "Tensor.tolist"),
+    "item": (lambda t: t.item(), "Tensor.item"),
+    "cpu": (lambda t: t.cpu(), "Tensor.cpu"),
+    "to_cpu": (lambda t: t.to("cpu"), "Tensor.to"),
+    "to_cpu_device": (lambda t: t.to(device=torch.device("cpu"), dtype=torch.float64), "Tensor.to"),
+    "numpy": (lambda t: t.detach().numpy(), "Tensor.numpy"),
+    "bool": (lambda t: bool(t > 0), "Tensor.__bool__"),
+    "if": (lambda t: _if_tensor(t > 0), "Tensor.__bool__"),
+    "float": (lambda t: float(t), "Tensor.__float__"),
+    "int": (lambda t: int(t), "Tensor.__int__"),
+    "index": (lambda t: operator.index(t.long()), "Tensor.__index__"),
+}
+
+
+@pytest.mark.parametrize("kind", list(READS))
+def test_the_host_read_detector_fires_on_each_kind_of_read(kind):
+    """So that the no-host-read tests below cannot pass vacuously: a pass that reads its costate
+    with ``kind`` is caught at every boundary (and nothing else is), through the same harness."""
+    read, expected = READS[kind]
+    reads, res = _reads_of(_reading(kind, read))
+    assert reads.count(expected) == len(res.adjoints) > 0, reads
+    assert set(reads) <= {expected, "aten::_local_scalar_dense"}, reads
+
+
+def test_the_host_read_detector_passes_casts_and_lazy_values_read_afterwards():
+    """A cast that names no device is no read, and a lazy value read after the update is not counted."""
+    def update(adj, state, ctx):
+        value = adj.value.to(torch.float64).to(adj.value.dtype)
+        return adj.applied("lazy", value, lazy_norm=Lazy.of(torch.linalg.vector_norm(value))), state
+
+    reads, res = _reads_of(P.Pass(lambda: None, update, "lazy"))
+    for adj in res.adjoints:
+        assert float(res.stats["boundaries"][adj.index]["lazy_norm"]) == pytest.approx(
+            torch.linalg.vector_norm(adj.value).item())
+    assert reads == []
+
+
+def built_in_passes():
+    """Every built-in pass, in each of its modes, as a factory (``check_finite("raise")`` apart)."""
+    return {
+        **{name: lambda name=name: all_passes()[name] for name in all_passes()},
+        "identity": P.identity, "check_finite_skip": lambda: P.check_finite("skip"),
+        "synthetic_learning": lambda: P.synthetic(warmup=1, replace=True),
+        "synthetic_observing": lambda: P.synthetic(replace=False),
+        "error_feedback_int8": lambda: P.error_feedback(P.int8()),
+        "log_enabled": lambda: P.log(_collecting_logger()),
+        "randk_tiny": lambda: P.randk(1e-3), "topk_all": lambda: P.topk(1.0),
+        "compose": lambda: ef.compose(P.int8(), P.clip_by_global_norm(1e-3), P.stats()),
+    }
+
+
+class _Collect(logging.Handler):
+    """Keeps the records unformatted (a handler that formats one reads its lazy numbers, as it should)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def _collecting_logger():
+    logger = logging.getLogger("test_passes.host_reads")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logger.handlers[:] = [_Collect()]
+    return logger
+
+
+@pytest.mark.parametrize("name", list(built_in_passes()))
+def test_no_built_in_pass_reads_the_device_inside_the_sweep(name):
+    """Every built-in pass (``check_finite("raise")`` apart) measures on the device and records
+    plain or lazy numbers: no host read inside its updates, and the numbers read fine afterwards."""
+    reads, res = _reads_of(built_in_passes()[name]())
+    assert reads == []
+    for adj in res.adjoints:
+        for key, value in adj.meta.items():
+            assert isinstance(value.value if isinstance(value, Lazy) else value, (bool, int, float, str)), (key, value)
+    if name == "log_enabled":  # one record per boundary, over the warm-up sweep and the watched one
+        (handler,) = logging.getLogger("test_passes.host_reads").handlers
+        assert len(handler.records) == 2 * len(res.adjoints)
+        assert all("eae costate at boundary" in r.getMessage() for r in handler.records)
+
+
+def test_check_finite_raise_reads_its_count_once_per_boundary_and_nothing_else():
+    """The one built-in pass that must read (raising needs the count), seen by the detector."""
+    reads, res = _reads_of(P.check_finite("raise"))
+    assert reads.count("Tensor.item") == len(res.adjoints)
+    assert set(reads) == {"Tensor.item", "aten::_local_scalar_dense"}
 
 
 @pytest.mark.parametrize("passes", [
@@ -547,16 +736,15 @@ class ScalarReads(TorchDispatchMode):
                        P.check_finite("zero"), P.synthetic(warmup=0)),
 ], ids=["int8+clip+stats", "the other measuring passes"])
 def test_no_host_sync_inside_the_sweep_meta_is_read_when_used(passes):
-    """The passes record their measurements lazily: a sweep reads no scalar off the device, and
-    the recorded values are right once read (clip: the norm before, the scale, whether it clipped)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-    chain, params = ef.from_module(model, loss=nn.functional.mse_loss)
-    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    """The passes record their measurements lazily: a sweep (the engine's work and the passes')
+    dispatches no scalar read, the passes' updates read nothing at all, and the recorded values
+    are right once read (clip: the norm before, the scale, whether it clipped)."""
+    chain, params, x, y = _sweep_problem()
     ef.sweep(chain, params, x, y, passes=passes())  # warm-up: lazy initialisations
-    with ScalarReads() as reads:
-        res = ef.sweep(chain, params, x, y, passes=passes())
-    assert reads.count == 0
+    in_sweep, in_passes = HostReads(methods=False), HostReads()
+    with in_sweep:
+        res = ef.sweep(chain, params, x, y, passes=watched(passes(), in_passes))
+    assert in_sweep.reads == [] and in_passes.reads == []
     meta = res.stats["boundaries"]
     if "clip_norm" in meta[1]:
         for adj in res.adjoints:
