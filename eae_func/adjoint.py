@@ -4,9 +4,12 @@
 static facts about it. It is a frozen dataclass and a plain value: registered as
 a pytree both in PyTorch's registry (read by ``torch.func`` transforms) and in
 optree under the ``"eae_func"`` namespace, its only leaf is the costate value and
-its static fields are hashable values (index, stage, key, history, meta), so two
-records that differ only in their costates ``tree_map`` together. The boundary
-state x_l is not in the record: passes read it from their context.
+its static fields are cheap hashable values (index, stage, key, history). What the
+passes measured (``meta``) rides along as ``Measurements``, which never make two
+structures differ and are never read by a comparison, so two records that differ
+only in their costates and measurements ``tree_map`` together (the result keeps the
+first record's). The boundary state x_l is not in the record: passes read it from
+their context.
 """
 
 from __future__ import annotations
@@ -14,14 +17,61 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from types import MappingProxyType
-from typing import Any, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
 from .tree import NAMESPACE
+
+
+class Measurements(Mapping):
+    """An immutable (and picklable) mapping of what passes measured at a boundary."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, Any] = ()):  # type: ignore[assignment]
+        self._items = dict(items)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+    def __reduce__(self):
+        return Measurements, (self._items,)
+
+
+class Carried:
+    """A record's measurements in its pytree's static data: carried, not compared. Any two are equal
+    and hash alike, so no structure comparison reads a lazy device number and measurements never
+    make two records' structures differ."""
+
+    __slots__ = ("meta",)
+
+    def __init__(self, meta: Measurements):
+        self.meta = meta
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Carried)
+
+    def __hash__(self) -> int:
+        return hash(Carried)
+
+    def __repr__(self) -> str:
+        return "Carried(...)"
+
+    def __reduce__(self):
+        return Carried, (self.meta,)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -42,11 +92,11 @@ class AdjointState:
     stage: str
     key: int = 0
     history: tuple = ()
-    meta: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=Measurements)
 
     def __post_init__(self):
-        if not isinstance(self.meta, MappingProxyType):
-            object.__setattr__(self, "meta", MappingProxyType(dict(self.meta)))
+        if not isinstance(self.meta, Measurements):
+            object.__setattr__(self, "meta", Measurements(self.meta))
         object.__setattr__(self, "history", tuple(self.history))
 
     def replace(self, **changes: Any) -> "AdjointState":
@@ -58,7 +108,7 @@ class AdjointState:
     def applied(self, name: str, value: Any, **meta: Any) -> "AdjointState":
         """The record after pass ``name`` produced ``value`` and measured ``meta``."""
         return AdjointState(value, self.index, self.stage, self.key, self.history + (name,),
-                            MappingProxyType({**self.meta, **meta}) if meta else self.meta)
+                            Measurements({**self.meta, **meta}) if meta else self.meta)
 
     def seed(self) -> int:
         """The seed of the pass about to run: ``fold_in(key, len(history))``, so two random passes
@@ -84,12 +134,12 @@ class AdjointState:
 
 
 def _flatten(adj: AdjointState):
-    return [adj.value], (adj.index, adj.stage, adj.key, adj.history, tuple(adj.meta.items()))
+    return [adj.value], (adj.index, adj.stage, adj.key, adj.history, Carried(adj.meta))
 
 
 def _unflatten(children, context) -> AdjointState:
-    index, stage, key, history, meta = context
-    return AdjointState(children[0], index, stage, key, history, dict(meta))
+    index, stage, key, history, carried = context
+    return AdjointState(children[0], index, stage, key, history, carried.meta)
 
 
 optree.register_pytree_node(
