@@ -1,13 +1,12 @@
 """eae_func: Explicit Adjoint Exposure as a functional library over torch.func.
 
-    chain, params = ef.from_module(model, loss=loss_fn)
-    res = ef.sweep(chain, params, x, target, passes=ef.compose(...), key=0)
-    res.loss, res.grads, res.adjoints, res.buffers, res.pass_state, res.stats
+chain, params = ef.from_module(model, loss=loss_fn)
+res = ef.sweep(chain, params, x, target, passes=ef.compose(...), key=0)
+res.loss, res.grads, res.adjoints, res.buffers, res.pass_state, res.stats
 """
 
-from . import estimators, passes
+from . import capture, estimators, passes, remat
 from .adjoint import AdjointState, fold_in
-from . import capture, remat
 from .chain import Chain, Stage, from_module, stage, write_back, write_buffers, write_grads
 from .estimators.base import Estimator, Problem
 from .options import Options
@@ -20,9 +19,36 @@ from .update import fused
 __version__ = "0.2.0"
 
 __all__ = [
-    "AdjointState", "Chain", "Context", "Estimator", "Options", "Pass", "Problem", "Stage", "SweepResult", "black_box", "capture",
+    "AdjointState",
+    "Chain",
+    "Context",
+    "Estimator",
+    "Options",
+    "Pass",
+    "Problem",
+    "Stage",
+    "SweepResult",
+    "black_box",
+    "capture",
     "compose",
-    "estimators", "fold_in", "from_module", "fused", "global_norm", "grad", "identity", "map_costate", "passes", "remat", "stage",
-    "stateless", "sweep", "tree_leaves", "tree_map", "tree_structure", "value_and_grad", "write_back", "write_buffers",
+    "estimators",
+    "fold_in",
+    "from_module",
+    "fused",
+    "global_norm",
+    "grad",
+    "identity",
+    "map_costate",
+    "passes",
+    "remat",
+    "stage",
+    "stateless",
+    "sweep",
+    "tree_leaves",
+    "tree_map",
+    "tree_structure",
+    "value_and_grad",
+    "write_back",
+    "write_buffers",
     "write_grads",
 ]

@@ -32,8 +32,8 @@ class Measurements(Mapping):
 
     __slots__ = ("_items",)
 
-    def __init__(self, items: Mapping[str, Any] = ()):  # type: ignore[assignment]
-        self._items = dict(items)
+    def __init__(self, items: Mapping[str, Any] | None = None):
+        self._items = dict(items or {})
 
     def __getitem__(self, key: str) -> Any:
         return self._items[key]
@@ -58,7 +58,7 @@ class Carried:
 
     __slots__ = ("meta",)
 
-    def __init__(self, meta: Measurements):
+    def __init__(self, meta: Mapping[str, Any]):
         self.meta = meta
 
     def __eq__(self, other: object) -> bool:
@@ -99,16 +99,22 @@ class AdjointState:
             object.__setattr__(self, "meta", Measurements(self.meta))
         object.__setattr__(self, "history", tuple(self.history))
 
-    def replace(self, **changes: Any) -> "AdjointState":
+    def replace(self, **changes: Any) -> AdjointState:
         """A new record with ``changes``; ``meta`` given as a mapping is merged, not replaced."""
         if "meta" in changes:
             changes["meta"] = {**self.meta, **changes["meta"]}
         return dataclasses.replace(self, **changes)
 
-    def applied(self, name: str, value: Any, **meta: Any) -> "AdjointState":
+    def applied(self, name: str, value: Any, **meta: Any) -> AdjointState:
         """The record after pass ``name`` produced ``value`` and measured ``meta``."""
-        return AdjointState(value, self.index, self.stage, self.key, self.history + (name,),
-                            Measurements({**self.meta, **meta}) if meta else self.meta)
+        return AdjointState(
+            value,
+            self.index,
+            self.stage,
+            self.key,
+            self.history + (name,),
+            Measurements({**self.meta, **meta}) if meta else self.meta,
+        )
 
     def seed(self) -> int:
         """The seed of the pass about to run: ``fold_in(key, len(history))``, so two random passes
@@ -129,23 +135,29 @@ class AdjointState:
 
     def __repr__(self) -> str:
         shapes = optree.tree_map(lambda t: tuple(t.shape), self.value, namespace=NAMESPACE)
-        return (f"AdjointState(index={self.index}, stage={self.stage!r}, value={shapes}, "
-                f"history={self.history}, meta={dict(self.meta)})")
+        return (
+            f"AdjointState(index={self.index}, stage={self.stage!r}, value={shapes}, "
+            f"history={self.history}, meta={dict(self.meta)})"
+        )
 
 
-def _flatten(adj: AdjointState):
+def _flatten(adj: Any) -> tuple[list, tuple]:
     return [adj.value], (adj.index, adj.stage, adj.key, adj.history, Carried(adj.meta))
 
 
-def _unflatten(children, context) -> AdjointState:
+def _unflatten(children: Any, context: Any) -> AdjointState:
     index, stage, key, history, carried = context
     return AdjointState(children[0], index, stage, key, history, carried.meta)
 
 
+def _flatten_with_keys(adj: Any) -> tuple[list[tuple[Any, Any]], Any]:
+    return [(torch_pytree.GetAttrKey("value"), adj.value)], _flatten(adj)[1]
+
+
 optree.register_pytree_node(
-    AdjointState,
+    AdjointState,  # pyright: ignore[reportArgumentType] (optree's stub types a node class as a Collection)
     lambda adj: (*_flatten(adj), ("value",)),
-    lambda context, children: _unflatten(children, context),
+    lambda context, children: _unflatten(children, context),  # pyright: ignore[reportArgumentType] (same)
     namespace=NAMESPACE,
 )
 torch_pytree.register_pytree_node(
@@ -153,7 +165,7 @@ torch_pytree.register_pytree_node(
     _flatten,
     _unflatten,
     serialized_type_name="eae_func.AdjointState",
-    flatten_with_keys_fn=lambda adj: ([(torch_pytree.GetAttrKey("value"), adj.value)], _flatten(adj)[1]),
+    flatten_with_keys_fn=_flatten_with_keys,
 )
 
 

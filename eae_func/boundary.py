@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import optree
 import torch
@@ -21,12 +22,16 @@ def leaves(tree: Any, where: str) -> tuple[list, Any]:
     """Leaves and treespec of a boundary state: at least one leaf, every leaf a tensor."""
     flat, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
     if not flat:
-        raise TypeError(f"{where}: boundary states must be tensors or pytrees of tensors, got "
-                        f"{type(tree).__name__} with no tensor in it")
+        raise TypeError(
+            f"{where}: boundary states must be tensors or pytrees of tensors, got "
+            f"{type(tree).__name__} with no tensor in it"
+        )
     for t in flat:
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}: boundary states must be tensors or pytrees of tensors, "
-                            f"found a leaf of type {type(t).__name__}")
+            raise TypeError(
+                f"{where}: boundary states must be tensors or pytrees of tensors, "
+                f"found a leaf of type {type(t).__name__}"
+            )
     return flat, spec
 
 
@@ -41,7 +46,7 @@ def split(tree: Any, where: str) -> tuple[list, Callable[[list], Any], Callable[
     return _split(flat, spec, [is_differentiable(t) for t in flat])
 
 
-def split_as(tree: Any, layout: "Layout") -> tuple[list, Callable[[list], Any], Callable[[list], Any]]:
+def split_as(tree: Any, layout: Layout) -> tuple[list, Callable[[list], Any], Callable[[list], Any]]:
     """``split`` of a state known to have ``layout`` (a tape's boundary, checked when it was made)."""
     return _split(optree.tree_leaves(tree, namespace=NAMESPACE), layout.spec, layout.mask)
 
@@ -54,9 +59,11 @@ def _split(flat: list, spec: Any, mask: Sequence[bool]) -> tuple:
         it = iter(new)
         return spec.unflatten([next(it) if m else other(t) for t, m in zip(flat, mask)])
 
-    return ([t for t, m in zip(flat, mask) if m],
-            lambda new: fill(new, lambda t: t),
-            lambda new: fill(new, lambda t: None))
+    return (
+        [t for t, m in zip(flat, mask) if m],
+        lambda new: fill(new, lambda t: t),
+        lambda new: fill(new, lambda t: None),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,22 +80,26 @@ class Policy:
     dtype: torch.dtype | None = None
     offload: bool = False
 
-    def store(self, tree: Any, like: "Layout", stream: Any = None) -> tuple[Any, Any]:
+    def store(self, tree: Any, like: Layout, stream: Any = None) -> tuple[Any, Any]:
         """``(kept, fed)``: the state as the tape keeps it (in ``dtype``; on the CPU with ``offload``,
         the device-to-host copies issued on ``stream``, a side CUDA stream, so the compute stream
         never waits on them) and as the next stage runs on it: the kept values back in the compute
         dtype, cast on the device (no round trip through the host)."""
-        low = optree.tree_map(lambda t: t.to(self.dtype) if self.dtype is not None and is_differentiable(t) else t,
-                              tree, namespace=NAMESPACE)
+        low = optree.tree_map(
+            lambda t: t.to(self.dtype) if self.dtype is not None and is_differentiable(t) else t,
+            tree,
+            namespace=NAMESPACE,
+        )
         fed = self.load(low, like) if self.dtype is not None else tree
         kept = optree.tree_map(lambda t: to_host(t, stream), low, namespace=NAMESPACE) if self.offload else low
         return kept, fed
 
-    def load(self, stored: Any, like: "Layout") -> Any:
+    def load(self, stored: Any, like: Layout) -> Any:
         """The stored state back in the compute dtype and on the compute device."""
         flat = optree.tree_leaves(stored, namespace=NAMESPACE)
-        return like.spec.unflatten([t.to(device=dev, dtype=dt, non_blocking=True)
-                                    for t, (dev, dt) in zip(flat, like.placements)])
+        return like.spec.unflatten(
+            [t.to(device=dev, dtype=dt, non_blocking=True) for t, (dev, dt) in zip(flat, like.placements)]
+        )
 
 
 def to_host(t: torch.Tensor, stream: Any) -> torch.Tensor:
@@ -116,11 +127,11 @@ class Layout:
     placements: tuple  # (device, dtype) per leaf
 
     @staticmethod
-    def of(tree: Any) -> "Layout":
+    def of(tree: Any) -> Layout:
         return Layout.of_leaves(*optree.tree_flatten(tree, namespace=NAMESPACE))
 
     @staticmethod
-    def of_leaves(flat: list, spec: Any) -> "Layout":
+    def of_leaves(flat: list, spec: Any) -> Layout:
         return Layout(spec, tuple(t.shape for t in flat), tuple((t.device, t.dtype) for t in flat))
 
     @functools.cached_property
@@ -131,8 +142,9 @@ class Layout:
     @functools.cached_property
     def costate_spec(self) -> Any:
         """The tree structure a costate of this boundary has (``None`` leaves counted as leaves)."""
-        return optree.tree_structure(self.spec.unflatten([0] * self.spec.num_leaves), none_is_leaf=True,
-                                     namespace=NAMESPACE)
+        return optree.tree_structure(
+            self.spec.unflatten([0] * self.spec.num_leaves), none_is_leaf=True, namespace=NAMESPACE
+        )
 
 
 def nbytes(tree: Any) -> int:
@@ -157,7 +169,7 @@ class Prefetcher:
             self.pending[index] = self.policy.load(stored, like)
 
     def get(self, index: int, stored: Any, like: Layout) -> Any:
-        if index not in self.pending:
+        if self.stream is None or index not in self.pending:
             if self.stream is not None:  # the device-to-host copy ran on the side stream
                 torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
             return self.policy.load(stored, like)

@@ -75,7 +75,7 @@ def _module_paths(node) -> list[str]:
     """The module paths a graph node runs in, outermost first, relative to the model."""
     stack = node.meta.get("nn_module_stack") or {}
     paths = [path.split("@")[0] for path, _ in stack.values()]
-    return [p[len(_ROOT):] for p in paths if p.startswith(_ROOT)]
+    return [p[len(_ROOT) :] for p in paths if p.startswith(_ROOT)]
 
 
 def canonical_names(named) -> dict:
@@ -94,8 +94,9 @@ def _register_output_types(spec) -> None:
     cls = spec.type
     if cls in torch_pytree.SUPPORTED_NODES and cls not in _NATIVE and cls not in _REGISTERED:
         node = torch_pytree.SUPPORTED_NODES[cls]
-        optree.register_pytree_node(cls, node.flatten_fn,
-                                    lambda context, children: node.unflatten_fn(children, context), namespace=NAMESPACE)
+        optree.register_pytree_node(
+            cls, node.flatten_fn, lambda context, children: node.unflatten_fn(children, context), namespace=NAMESPACE
+        )
         _REGISTERED.add(cls)
     for child in spec.children():
         _register_output_types(child)
@@ -109,15 +110,37 @@ class CapturedStage(nn.Module):
     are updated in place in the buffers it is given, as the model's own forward would.
     """
 
-    def __init__(self, model: nn.Module, graph: nn.Module | None, inputs: list, outputs: list, sources: dict,
-                 carried: list, user_inputs: list | None, user_outputs: list | None, out_spec, constants: dict,
-                 example: list, training: bool):
+    def __init__(
+        self,
+        model: nn.Module,
+        graph: nn.Module | None,
+        inputs: list,
+        outputs: list,
+        sources: dict,
+        carried: list,
+        user_inputs: list | None,
+        user_outputs: list | None,
+        out_spec,
+        constants: dict,
+        example: list,
+        training: bool,
+    ):
         super().__init__()
         # Everything but the mirrored tensors lives in one attribute whose name no module path uses.
         self._eae = types.SimpleNamespace(
-            graph=graph, inputs=inputs, outputs=outputs, sources=sources, carried=carried, user_inputs=user_inputs,
-            user_outputs=user_outputs, out_spec=out_spec, constants=constants, example=example, training=training,
-            model=weakref.ref(model))
+            graph=graph,
+            inputs=inputs,
+            outputs=outputs,
+            sources=sources,
+            carried=carried,
+            user_inputs=user_inputs,
+            user_outputs=user_outputs,
+            out_spec=out_spec,
+            constants=constants,
+            example=example,
+            training=training,
+            model=weakref.ref(model),
+        )
         for kind, name in sources.values():
             if kind == "parameter":
                 parameter = model.get_parameter(name)
@@ -152,8 +175,10 @@ class CapturedStage(nn.Module):
         flat = torch_pytree.tree_leaves(as_call(h))
         got = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in flat]
         if got != plan.example:
-            raise ValueError(f"captured stage: the model was captured for inputs {plan.example}, got {got}; "
-                             f"capture again with this input (ef.grad(model, ...) captures once per input layout)")
+            raise ValueError(
+                f"captured stage: the model was captured for inputs {plan.example}, got {got}; "
+                f"capture again with this input (ef.grad(model, ...) captures once per input layout)"
+            )
         return dict(zip(plan.user_inputs, flat))
 
     def forward(self, h: Any) -> Any:
@@ -161,14 +186,21 @@ class CapturedStage(nn.Module):
         model = plan.model()
         if model is not None and model.training != plan.training:
             mode = "train" if plan.training else "eval"
-            raise ValueError(f"captured stage: the model was captured in {mode} mode and is now in the other; "
-                             f"capture again (ef.grad(model, ...) captures once per mode)")
+            raise ValueError(
+                f"captured stage: the model was captured in {mode} mode and is now in the other; "
+                f"capture again (ef.grad(model, ...) captures once per mode)"
+            )
         env = self._environment(h)
         args = []
         for name in plan.inputs:
             kind, key = plan.sources.get(name, ("value", name))
-            args.append(self._lookup(key) if kind in ("parameter", "buffer") else
-                        plan.constants[key] if kind == "constant" else env[name])
+            args.append(
+                self._lookup(key)
+                if kind in ("parameter", "buffer")
+                else plan.constants[key]
+                if kind == "constant"
+                else env[name]
+            )
         if plan.graph is not None:
             env.update(zip(plan.outputs, plan.graph(*args)))
         if plan.user_outputs is not None:
@@ -204,26 +236,35 @@ def cut(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[list[C
     cut_modules = {n for n, _ in model.named_modules() if n and any(matches(n, p) for p in split_at)}
     if not cut_modules:
         shown = [n for n, _ in model.named_modules() if n][:12]
-        raise ValueError(f"split_at: no module of {type(model).__name__} matches {list(split_at)}; "
-                         f"its modules include {shown}")
+        raise ValueError(
+            f"split_at: no module of {type(model).__name__} matches {list(split_at)}; its modules include {shown}"
+        )
     args, kwargs = as_call(example)
     try:
         with torch.random.fork_rng():  # capture draws no random numbers the next forward should see
             program = torch.export.export(_Exportable(model), args, kwargs, strict=False)
     except Exception as e:
-        raise RuntimeError(f"split_at: torch.export could not capture {type(model).__name__}'s forward ({e}); "
-                           f"cut it by hand instead: ef.Chain([ef.stage(fn, name=...), ...], loss=...) with one "
-                           f"pure function per piece, or an nn.Sequential / list of modules") from e
+        raise RuntimeError(
+            f"split_at: torch.export could not capture {type(model).__name__}'s forward ({e}); "
+            f"cut it by hand instead: ef.Chain([ef.stage(fn, name=...), ...], loss=...) with one "
+            f"pure function per piece, or an nn.Sequential / list of modules"
+        ) from e
     module, signature = program.graph_module, program.graph_signature
     stage_of, names = _stage_of_nodes(module.graph, cut_modules)
-    split = split_module(module, module, lambda node: stage_of[node], keep_original_node_name=True,
-                         keep_original_input_name=True, tuple_return=True)
+    split = split_module(
+        module,
+        module,
+        lambda node: stage_of[node],
+        keep_original_node_name=True,
+        keep_original_input_name=True,
+        tuple_return=True,
+    )
 
     parameters = canonical_names(model.named_parameters(remove_duplicate=False))
     buffers = canonical_names(model.named_buffers(remove_duplicate=False))
     sources = {}
     for spec in signature.input_specs:
-        target = spec.target[len(_ROOT):] if spec.target else None
+        target = spec.target[len(_ROOT) :] if spec.target else None
         if spec.kind == InputKind.PARAMETER:
             sources[spec.arg.name] = ("parameter", parameters[target])
         elif spec.kind == InputKind.BUFFER:
@@ -231,34 +272,55 @@ def cut(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[list[C
         elif spec.kind == InputKind.CONSTANT_TENSOR:
             sources[spec.arg.name] = ("constant", spec.target)
         elif spec.kind != InputKind.USER_INPUT:
-            raise RuntimeError(f"split_at: the captured graph has an input of kind {spec.kind}, which eae_func "
-                               f"cannot feed; cut the model by hand")
+            raise RuntimeError(
+                f"split_at: the captured graph has an input of kind {spec.kind}, which eae_func "
+                f"cannot feed; cut the model by hand"
+            )
     user_inputs = [s.arg.name for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
     user_outputs = [s.arg.name for s in signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
     if len(user_outputs) != len(signature.output_specs):
         kinds = sorted({str(s.kind) for s in signature.output_specs if s.kind != OutputKind.USER_OUTPUT})
-        raise RuntimeError(f"split_at: the captured graph returns {kinds} besides the model output (in-place "
-                           f"updates of inputs); cut the model by hand")
+        raise RuntimeError(
+            f"split_at: the captured graph returns {kinds} besides the model output (in-place "
+            f"updates of inputs); cut the model by hand"
+        )
 
     pieces, produced, last_use = [], {n: 0 for n in user_inputs}, {n: len(names) for n in user_outputs}
     for k in range(len(names)):
         graph = getattr(split, f"submod_{k}", None)
         inputs = [n.name for n in graph.graph.nodes if n.op == "placeholder"] if graph is not None else []
-        outputs = [a.name for a in next(n for n in graph.graph.nodes if n.op == "output").args[0]] \
-            if graph is not None else []
+        outputs = (
+            [a.name for a in next(n for n in graph.graph.nodes if n.op == "output").args[0]]
+            if graph is not None
+            else []
+        )
         pieces.append((graph, inputs, outputs))
         produced.update({n: k for n in outputs})
         for n in inputs:
             if n not in sources:
                 last_use[n] = max(last_use.get(n, -1), k)
-    example_layout = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
-                      for t in torch_pytree.tree_leaves((args, kwargs))]
+    example_layout = [
+        (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
+        for t in torch_pytree.tree_leaves((args, kwargs))
+    ]
     _register_output_types(program.call_spec.out_spec)
     stages = []
     for k, (graph, inputs, outputs) in enumerate(pieces):
         carried = [n for n, at in produced.items() if at <= k < last_use.get(n, -1)]
-        stages.append(CapturedStage(
-            model, graph, inputs, outputs, {n: sources[n] for n in inputs if n in sources}, carried,
-            user_inputs if k == 0 else None, user_outputs if k == len(pieces) - 1 else None,
-            program.call_spec.out_spec, dict(program.constants), example_layout, model.training))
+        stages.append(
+            CapturedStage(
+                model,
+                graph,
+                inputs,
+                outputs,
+                {n: sources[n] for n in inputs if n in sources},
+                carried,
+                user_inputs if k == 0 else None,
+                user_outputs if k == len(pieces) - 1 else None,
+                program.call_spec.out_spec,
+                dict(program.constants),
+                example_layout,
+                model.training,
+            )
+        )
     return stages, names

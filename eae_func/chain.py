@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import optree
 import torch
@@ -47,6 +48,7 @@ class Stage:
         module's own for the call (``Slots``); ``functional_call`` runs a module that has a tensor
         under two names (``aliased``: it ties them) or a name that is not a parameter or buffer."""
         if self.module is None:
+            assert self.fn is not None  # a function stage
             return self.fn(params, h), {}
         fresh = {name: b.clone() for name, b in buffers.items()}
         tensors = {**params, **fresh}
@@ -76,7 +78,7 @@ class Slots:
         self.places = places  # (dict, key, dotted name) of every tensor
 
     @classmethod
-    def of(cls, module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> "Slots | None":
+    def of(cls, module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Slots | None:
         """The places of ``tensors``' names in ``module``; ``None`` if one is not a parameter or buffer."""
         per_module = cls._cache.setdefault(module, {})
         names = tuple(tensors)
@@ -86,11 +88,12 @@ class Slots:
         return slots
 
     def valid(self, module: nn.Module) -> bool:
-        return all((module if parent is None else parent())._modules.get(name) is child()
-                   for parent, name, child in self.links) and all(key in store for store, key, _ in self.places)
+        return all(
+            (module if parent is None else parent())._modules.get(name) is child() for parent, name, child in self.links
+        ) and all(key in store for store, key, _ in self.places)
 
     @classmethod
-    def find(cls, module: nn.Module, names: tuple) -> "Slots | None":
+    def find(cls, module: nn.Module, names: tuple) -> Slots | None:
         links, places = {}, []
         for dotted in names:
             *path, key = dotted.split(".")
@@ -140,6 +143,8 @@ class Chain:
     stages: tuple[Stage, ...]
     loss: Callable
     ties: tuple[tuple[tuple[int, str], ...], ...] = ()
+    names: tuple[str, ...] = dataclasses.field(init=False)
+    labels: tuple[str, ...] = dataclasses.field(init=False, repr=False)
 
     def __init__(self, stages: Iterable[Stage | Callable], loss: Callable, ties: Iterable = ()):
         stages = tuple(s if isinstance(s, Stage) else stage(s) for s in stages)
@@ -147,29 +152,26 @@ class Chain:
             raise ValueError("Chain: expected at least one stage, got an empty chain")
         if not callable(loss):
             raise TypeError(f"Chain: loss must be callable loss(output, *loss_args), got {type(loss).__name__}")
-        named = tuple(dataclasses.replace(s, name=s.name or f"{_base_name(s)}_{i}") for i, s in enumerate(stages))
-        names = [s.name for s in named]
+        names = tuple(s.name or f"{_base_name(s)}_{i}" for i, s in enumerate(stages))
+        named = tuple(dataclasses.replace(s, name=n) for s, n in zip(stages, names))
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"Chain: stage names must be unique, repeated: {duplicates}")
         object.__setattr__(self, "stages", named)
-        object.__setattr__(self, "_labels", tuple(f"stage {i} ({s.name!r})" for i, s in enumerate(named)))
+        object.__setattr__(self, "names", names)
+        object.__setattr__(self, "labels", tuple(f"stage {i} ({n!r})" for i, n in enumerate(names)))
         object.__setattr__(self, "loss", loss)
         object.__setattr__(self, "ties", tuple(tuple((int(i), str(n)) for i, n in group) for group in ties))
         for group in self.ties:
             for i, n in group:
                 if not 0 <= i < len(named):
                     raise ValueError(f"Chain: ties name stage {i}, but the chain has {len(named)} stages")
-                if named[i].param_names is not None and n not in named[i].param_names:
-                    raise ValueError(f"Chain: ties name parameter {n!r} of {self.where(i)}, which has "
-                                     f"{list(named[i].param_names)}")
+                own = named[i].param_names
+                if own is not None and n not in own:
+                    raise ValueError(f"Chain: ties name parameter {n!r} of {self.where(i)}, which has {list(own)}")
 
     def __len__(self) -> int:
         return len(self.stages)
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(s.name for s in self.stages)
 
     def index(self, name_or_index: str | int) -> int:
         """Stage index of a stage given by name or index."""
@@ -187,7 +189,7 @@ class Chain:
 
     def where(self, i: int) -> str:
         """``"stage i ('name')"``, as errors name a stage."""
-        return self._labels[i]
+        return self.labels[i]
 
     def check_params(self, params: Any, stages: range | None = None) -> tuple:
         """``params`` as a tuple with one entry per stage, those of ``stages`` (default: all)
@@ -201,22 +203,27 @@ class Chain:
             if s.param_names is None:
                 for leaf in optree.tree_leaves(p, namespace=NAMESPACE):
                     if not isinstance(leaf, torch.Tensor):
-                        raise TypeError(f"params of {self.where(i)}: leaves must be tensors, "
-                                        f"found {type(leaf).__name__}")
+                        raise TypeError(
+                            f"params of {self.where(i)}: leaves must be tensors, found {type(leaf).__name__}"
+                        )
                 continue
             if not isinstance(p, Mapping):
                 raise TypeError(f"params of {self.where(i)}: expected a dict name -> tensor, got {type(p).__name__}")
             if p.keys() != set(s.param_names):
                 missing, extra = set(s.param_names) - set(p), set(p) - set(s.param_names)
-                raise ValueError(f"params of {self.where(i)} do not match its module: "
-                                 f"missing {sorted(missing)}, unexpected {sorted(extra)}")
+                raise ValueError(
+                    f"params of {self.where(i)} do not match its module: "
+                    f"missing {sorted(missing)}, unexpected {sorted(extra)}"
+                )
             for name, (shape, dtype) in zip(s.param_names, s.param_layout):
                 t = p[name]
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"params of {self.where(i)}: leaves must be tensors, found {type(t).__name__}")
                 if t.shape != shape or t.dtype != dtype:
-                    raise ValueError(f"params of {self.where(i)}: {name!r} has shape {tuple(t.shape)} and "
-                                     f"dtype {t.dtype}, the module's has {tuple(shape)} and {dtype}")
+                    raise ValueError(
+                        f"params of {self.where(i)}: {name!r} has shape {tuple(t.shape)} and "
+                        f"dtype {t.dtype}, the module's has {tuple(shape)} and {dtype}"
+                    )
         detached: dict = {}
 
         def detach(t: torch.Tensor) -> torch.Tensor:
@@ -249,11 +256,15 @@ def _children(model: nn.Module | Sequence) -> list:
     if isinstance(model, (list, tuple)):
         return list(model)
     if isinstance(model, nn.Module):
-        raise TypeError(f"from_module: a {type(model).__name__} is not a sequence of stages; cut it at module paths "
-                        f"with split_at=[...] (e.g. split_at=['transformer.h.*'], with example= an input batch), "
-                        f"or give an nn.Sequential, an nn.ModuleList or a list of modules ([model] for one stage)")
-    raise TypeError("from_module: expected an nn.Sequential, an nn.ModuleList, a list of modules or functions, "
-                    f"or a module with split_at, got {type(model).__name__}")
+        raise TypeError(
+            f"from_module: a {type(model).__name__} is not a sequence of stages; cut it at module paths "
+            f"with split_at=[...] (e.g. split_at=['transformer.h.*'], with example= an input batch), "
+            f"or give an nn.Sequential, an nn.ModuleList or a list of modules ([model] for one stage)"
+        )
+    raise TypeError(
+        "from_module: expected an nn.Sequential, an nn.ModuleList, a list of modules or functions, "
+        f"or a module with split_at, got {type(model).__name__}"
+    )
 
 
 def _function_stage(f: Callable) -> Callable:
@@ -264,8 +275,13 @@ def _function_stage(f: Callable) -> Callable:
     return apply
 
 
-def from_module(model: nn.Module | Sequence, loss: Callable, physical: Iterable[int | str] = (),
-                split_at: Sequence[str] | None = None, example: Any = None):
+def from_module(
+    model: nn.Module | Sequence,
+    loss: Callable,
+    physical: Iterable[int | str] = (),
+    split_at: Sequence[str] | None = None,
+    example: Any = None,
+):
     """``(chain, params)`` with one stage per child of ``model``, or, with ``split_at``, one per
     piece of ``model``'s own forward cut at those module paths (glob patterns, e.g.
     ``["transformer.h.*"]``) by graph capture on ``example`` (``eae_func.capture``).
@@ -278,13 +294,18 @@ def from_module(model: nn.Module | Sequence, loss: Callable, physical: Iterable[
     """
     if split_at is not None:
         if example is None:
-            raise ValueError("from_module: split_at captures the model's forward on an input: give example= (a "
-                             "tensor, a tuple of positional inputs or a dict of keyword inputs)")
+            raise ValueError(
+                "from_module: split_at captures the model's forward on an input: give example= (a "
+                "tensor, a tuple of positional inputs or a dict of keyword inputs)"
+            )
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"from_module: split_at cuts a model's own forward, got a {type(model).__name__}")
         stages, names = capture.cut(model, example, split_at)
         named_children = list(zip(names, stages))
     else:
-        named_children = (list(model.named_children()) if isinstance(model, nn.Sequential)
-                          else [(None, c) for c in _children(model)])
+        named_children = (
+            list(model.named_children()) if isinstance(model, nn.Sequential) else [(None, c) for c in _children(model)]
+        )
     detached: dict[int, torch.Tensor] = {}
     positions: dict[int, list] = {}
     stages, params = [], []
@@ -295,8 +316,9 @@ def from_module(model: nn.Module | Sequence, loss: Callable, physical: Iterable[
             names, layout = tuple(n for n, _ in own), tuple((t.shape, t.dtype) for _, t in own)
             tensors = [*child.named_parameters(remove_duplicate=False), *child.named_buffers(remove_duplicate=False)]
             aliased = len({id(t) for _, t in tensors}) < len(tensors)
-            stages.append(Stage(fn=None, name=name, module=child, param_names=names, param_layout=layout,
-                                aliased=aliased))
+            stages.append(
+                Stage(fn=None, name=name, module=child, param_names=names, param_layout=layout, aliased=aliased)
+            )
             stage_params = {}
             for n, p in child.named_parameters():
                 stage_params[n] = detached.setdefault(id(p), p.detach())
@@ -309,8 +331,11 @@ def from_module(model: nn.Module | Sequence, loss: Callable, physical: Iterable[
             raise TypeError(f"from_module: child {i} is a {type(child).__name__}, not a module or function")
     chain = Chain(stages, loss=loss, ties=[group for group in positions.values() if len(group) > 1])
     marked = {chain.index(p) for p in physical}
-    chain = Chain([dataclasses.replace(s, physical=s.physical or i in marked) for i, s in enumerate(chain.stages)],
-                  loss=loss, ties=chain.ties)
+    chain = Chain(
+        [dataclasses.replace(s, physical=s.physical or i in marked) for i, s in enumerate(chain.stages)],
+        loss=loss,
+        ties=chain.ties,
+    )
     return chain, tuple(params)
 
 
@@ -319,6 +344,11 @@ def _entries(model: nn.Module | Sequence, tree: Any, what: str):
     of the model's names, one dict per stage of a captured model (the model's names too), or one dict
     per child of a sequence (the child's names)."""
     if isinstance(tree, Mapping):
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"{what}: a flat {{name: tensor}} dict names a model's own tensors; give the model "
+                f"(an nn.Module), got a {type(model).__name__}"
+            )
         for name, value in tree.items():
             yield repr(name), model, name, value
     elif isinstance(model, nn.Module) and not isinstance(model, (nn.Sequential, nn.ModuleList)):
@@ -330,7 +360,7 @@ def _entries(model: nn.Module | Sequence, tree: Any, what: str):
         if len(children) != len(tree):
             raise ValueError(f"{what}: the model has {len(children)} stages but got {len(tree)} entries")
         for i, (child, stage) in enumerate(zip(children, tree)):
-            for name, value in (stage.items() if isinstance(child, nn.Module) else ()):
+            for name, value in stage.items() if isinstance(child, nn.Module) else ():
                 yield f"stage {i}'s {name!r}", child, name, value
 
 
@@ -341,8 +371,10 @@ def _target(owner: nn.Module, name: str, label: str, value: Any, what: str, kind
         raise KeyError(f"{what}: the model has no {kind} {label}") from e
     if not isinstance(value, torch.Tensor) or value.shape != target.shape:
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"{what}: the {'gradient' if kind == 'parameter' else 'value'} of {label} has shape {got}, "
-                         f"the {kind} has {tuple(target.shape)}")
+        raise ValueError(
+            f"{what}: the {'gradient' if kind == 'parameter' else 'value'} of {label} has shape {got}, "
+            f"the {kind} has {tuple(target.shape)}"
+        )
     return target
 
 
@@ -351,8 +383,10 @@ def write_grads(model: nn.Module | Sequence, grads: Any) -> None:
     one dict per stage, or a flat ``{name: grad}`` dict as ``ef.grad(model, dict(model.named_parameters()), ...)``
     returns. A tied parameter appears in several stages' dicts with the summed gradient; it is written once.
     """
-    pairs = [(_target(owner, name, label, g, "write_grads", "parameter"), g)
-             for label, owner, name, g in _entries(model, grads, "write_grads")]  # every check before any write
+    pairs = [
+        (_target(owner, name, label, g, "write_grads", "parameter"), g)
+        for label, owner, name, g in _entries(model, grads, "write_grads")
+    ]  # every check before any write
     written: set[int] = set()
     for p, g in pairs:
         if id(p) not in written:
@@ -362,8 +396,10 @@ def write_grads(model: nn.Module | Sequence, grads: Any) -> None:
 
 def write_buffers(model: nn.Module | Sequence, buffers: Any) -> None:
     """Copy updated buffers (``res.buffers``: BatchNorm running statistics) into ``model``'s own."""
-    pairs = [(_target(owner, name, label, b, "write_buffers", "buffer"), b)
-             for label, owner, name, b in _entries(model, buffers, "write_buffers")]
+    pairs = [
+        (_target(owner, name, label, b, "write_buffers", "buffer"), b)
+        for label, owner, name, b in _entries(model, buffers, "write_buffers")
+    ]
     with torch.no_grad():
         for target, b in pairs:
             target.copy_(b)

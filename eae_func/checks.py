@@ -8,8 +8,9 @@ import numbers
 from typing import Any
 
 
-def check_real(pass_name: str, arg: str, value: Any, *, low: float | None = None, low_open: bool = False,
-               high: float | None = None) -> float:
+def check_real(
+    pass_name: str, arg: str, value: Any, *, low: float | None = None, low_open: bool = False, high: float | None = None
+) -> float:
     """``value`` as a float, or a ``ValueError`` naming the pass and the expected range."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     number = float(value) if ok else math.nan  # the value returned is the one checked

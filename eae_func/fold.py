@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import optree
 import torch
@@ -122,9 +123,10 @@ class StepOut:
 
 # ----------------------------------------------------------------------------- small parts
 
+
 def boundary_name(chain: Chain, l: int) -> str:
     """The ``stage`` field of boundary l's record: the stage whose output it is, ``"input"`` at 0."""
-    return chain.stages[l - 1].name if l > 0 else "input"
+    return chain.names[l - 1] if l > 0 else "input"
 
 
 def device_of(*trees: Any, default: torch.device = torch.device("cpu")) -> torch.device:
@@ -155,7 +157,7 @@ NULL = contextlib.nullcontext()
 def replay_rng(state: tuple | None, device: torch.device):
     """A context that runs with the global RNG as it was when ``state`` was taken (dropout masks
     repeat); ``None``: the stage drew nothing, nothing to replay."""
-    return NULL if state is None else _replayed(*state, device)
+    return NULL if state is None else _replayed(state[0], state[1], device)
 
 
 @contextlib.contextmanager
@@ -228,20 +230,27 @@ def naming(what: str):
 def explain(e: Exception, chain: Chain, i: int, params: Any, h: Any, autocast_dtype: torch.dtype | None) -> None:
     """When stage i failed on an input whose dtype or device differs from its params', add a note
     saying which stage made that input (a black box returning float64, or data on another device)."""
-    floats = [t for t in optree.tree_leaves(h, namespace=NAMESPACE) if isinstance(t, torch.Tensor)
-              and t.is_floating_point()]
-    weights = [t for t in optree.tree_leaves(params, namespace=NAMESPACE) if isinstance(t, torch.Tensor)
-               and t.is_floating_point()]
+    floats = [
+        t for t in optree.tree_leaves(h, namespace=NAMESPACE) if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
+    weights = [
+        t
+        for t in optree.tree_leaves(params, namespace=NAMESPACE)
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
     if floats and weights:
         got, want = (floats[0].dtype, floats[0].device), (weights[0].dtype, weights[0].device)
         if got[1] != want[1] or (got[0] != want[0] and autocast_dtype is None):
             source = f"the output of {chain.where(i - 1)}" if i > 0 else "the chain's input"
-            e.add_note(f"(eae_func: the input of {chain.where(i)} is {got[0]} on {got[1]}, its params are "
-                       f"{want[0]} on {want[1]}: {source} must be {want[0]} on {want[1]})")
+            e.add_note(
+                f"(eae_func: the input of {chain.where(i)} is {got[0]} on {got[1]}, its params are "
+                f"{want[0]} on {want[1]}: {source} must be {want[0]} on {want[1]})"
+            )
 
 
-def local_vjp(stage, params: Any, buffers: Mapping, floats: list, rebuild: Callable,
-              check: Callable | None = None) -> tuple:
+def local_vjp(
+    stage, params: Any, buffers: Mapping, floats: list, rebuild: Callable, check: Callable | None = None
+) -> tuple:
     """``(output, pullback, updated buffers)`` of one stage run with its local autograd graph, the
     graph ``torch.utils.checkpoint`` builds: ``pullback(cotangents, inputs_too=True)`` is
     ``(J_W^T p, J_x^T p)`` for the cotangents of the output's differentiable leaves (``J_x^T p`` is
@@ -263,10 +272,14 @@ def local_vjp(stage, params: Any, buffers: Mapping, floats: list, rebuild: Calla
         sources = inputs if inputs_too else inputs[:n]
         wanted = [t for t in sources if t.requires_grad]
         connected = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
-        grads = iter(torch.autograd.grad([o for o, _ in connected], wanted, [c for _, c in connected],
-                                         allow_unused=True) if connected and wanted else [None] * len(wanted))
-        full = [g if (g := next(grads) if t.requires_grad else None) is not None else torch.zeros_like(t)
-                for t in sources]
+        grads = iter(
+            torch.autograd.grad([o for o, _ in connected], wanted, [c for _, c in connected], allow_unused=True)
+            if connected and wanted
+            else [None] * len(wanted)
+        )
+        full = [
+            g if (g := next(grads) if t.requires_grad else None) is not None else torch.zeros_like(t) for t in sources
+        ]
         return spec.unflatten(full[:n]), full[n:] if inputs_too else None
 
     return out, pullback, updated
@@ -287,21 +300,27 @@ def check_closed_over(chain: Chain, i: int, outputs: list, own: Sequence[torch.T
         if fn in seen:
             continue
         seen.add(fn)
-        if hasattr(fn, "variable") and id(fn.variable) not in mine:
-            leaves.append(tuple(fn.variable.shape))
+        variable = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf tensor
+        if variable is not None and id(variable) not in mine:
+            leaves.append(tuple(variable.shape))
         todo += [f for f, _ in fn.next_functions if f is not None]
     if mine and not leaves:
         return
-    raise ValueError(f"{chain.where(i)}: its output depends on a tensor that requires grad but is not among its "
-                     f"params (shapes {leaves or 'unknown'}): a stage that closes over a module's weights would get "
-                     f"no gradient for them; pass them in params (ef.from_module, or functional_call on them)")
+    raise ValueError(
+        f"{chain.where(i)}: its output depends on a tensor that requires grad but is not among its "
+        f"params (shapes {leaves or 'unknown'}): a stage that closes over a module's weights would get "
+        f"no gradient for them; pass them in params (ef.from_module, or functional_call on them)"
+    )
 
 
 def check_costate(chain: Chain, l: int, adj: Any, layout: B.Layout) -> list:
     """The leaves of the costate at boundary ``l`` (``None`` where a boundary leaf has none),
     checked against the boundary's ``layout``: a record, of the boundary's structure and shapes."""
-    where_ = "costate at boundary 0 (the chain's input)" if l == 0 else \
-        f"costate entering {chain.where(l - 1)} at boundary {l}"
+    where_ = (
+        "costate at boundary 0 (the chain's input)"
+        if l == 0
+        else f"costate entering {chain.where(l - 1)} at boundary {l}"
+    )
     what = "the chain's input" if l == 0 else "the stage output"
     if not isinstance(adj, AdjointState):
         raise TypeError(f"{where_}: a pass returned {type(adj).__name__}, expected an AdjointState")
@@ -317,12 +336,16 @@ def check_costate(chain: Chain, l: int, adj: Any, layout: B.Layout) -> list:
 
 def cotangent(costate: list, layout: B.Layout) -> list:
     """The costate leaves as a cotangent of the output's differentiable leaves (zeros where one has none)."""
-    return [torch.zeros(shape, dtype=dt, device=dev) if c is None else c if c.dtype == dt else c.to(dt)
-            for c, shape, (dev, dt), m in zip(costate, layout.shapes, layout.placements, layout.mask) if m]
+    return [
+        torch.zeros(shape, dtype=dt, device=dev) if c is None else c if c.dtype == dt else c.to(dt)
+        for c, shape, (dev, dt), m in zip(costate, layout.shapes, layout.placements, layout.mask)
+        if m
+    ]
 
 
-def processed(chain: Chain, opts: Options, adj: AdjointState, pass_state: Any, boundary: Any, layout: B.Layout,
-              stats: dict) -> tuple[AdjointState, Any]:
+def processed(
+    chain: Chain, opts: Options, adj: AdjointState, pass_state: Any, boundary: Any, layout: B.Layout, stats: dict
+) -> tuple[AdjointState, Any]:
     """``adj`` and ``pass_state`` after the passes, the costate checked against the boundary's ``layout``
     (the sweep skips this for a costate it built from the boundary itself when there are no passes)."""
     l = adj.index
@@ -334,8 +357,10 @@ def processed(chain: Chain, opts: Options, adj: AdjointState, pass_state: Any, b
         note(e, f"the passes at boundary {l}")
         raise
     if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError(f"pass {opts.passes.name!r} at boundary {l}: update must return (AdjointState, state), "
-                        f"got {type(out).__name__}")
+        raise TypeError(
+            f"pass {opts.passes.name!r} at boundary {l}: update must return (AdjointState, state), "
+            f"got {type(out).__name__}"
+        )
     check_costate(chain, l, out[0], layout)
     return out
 
@@ -347,8 +372,18 @@ def traced(adj: AdjointState, opts: Options) -> AdjointState:
 
 # ----------------------------------------------------------------------------- the three parts
 
-def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: Any, opts: Options,
-            device: torch.device, meter: Meter | None = None) -> Tape:
+
+def forward(
+    chain: Chain,
+    lo: int,
+    hi: int,
+    params: tuple,
+    buffers: tuple,
+    h: Any,
+    opts: Options,
+    device: torch.device,
+    meter: Meter | None = None,
+) -> Tape:
     """Stages ``lo..hi-1`` on ``h`` with no autograd graph (except the graphs the remat policy keeps).
 
     ``params`` and ``buffers`` have one entry per stage of the whole chain. Boundaries are stored
@@ -362,18 +397,20 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
         h = optree.tree_map(lambda t: t.detach().clone(), h, namespace=NAMESPACE)
     upstream_params = False
     for i in range(lo, hi):
-        stats = tape.stats[chain.stages[i].name] = dict.fromkeys(STAGE_COUNTERS if opts.timers else
-                                                                  ("boundary_bytes",), 0)
+        stats = tape.stats[chain.names[i]] = dict.fromkeys(STAGE_COUNTERS if opts.timers else ("boundary_bytes",), 0)
         stats["boundary_bytes"] = B.nbytes(kept)
         if meter is not None and i in opts.physical:
             meter.charge(i, rows_of(h))
-        out, (outputs, out_spec), closure, rng = run_stage(chain, i, params[i], buffers[i], h, opts, device, plan,
-                                                           tape, stats)
+        out, (outputs, out_spec), closure, rng = run_stage(
+            chain, i, params[i], buffers[i], h, opts, device, plan, tape, stats
+        )
         upstream_params = upstream_params or bool(optree.tree_leaves(params[i], namespace=NAMESPACE))
         if upstream_params and not any(B.is_differentiable(t) for t in outputs):
-            raise TypeError(f"output of {chain.where(i)}: only integer tensors "
-                            f"({', '.join(str(t.dtype) for t in outputs)}), so no costate flows back to the "
-                            f"parameters before it; a stage must return a floating-point tensor")
+            raise TypeError(
+                f"output of {chain.where(i)}: only integer tensors "
+                f"({', '.join(str(t.dtype) for t in outputs)}), so no costate flows back to the "
+                f"parameters before it; a stage must return a floating-point tensor"
+            )
         out_layout = B.Layout.of_leaves(outputs, out_spec)
         tape.entries.append(Entry(i, kept, layout, out_layout, rng, buffers[i], closure))
         kept, h = tape.stored(out, out_layout, last=i == len(chain) - 1)
@@ -382,8 +419,18 @@ def forward(chain: Chain, lo: int, hi: int, params: tuple, buffers: tuple, h: An
     return tape
 
 
-def run_stage(chain: Chain, i: int, params: Any, buffers: Mapping, h: Any, opts: Options, device: torch.device,
-              plan: remat.Plan, tape: Tape, stats: dict) -> tuple[Any, tuple, Callable | None, tuple | None]:
+def run_stage(
+    chain: Chain,
+    i: int,
+    params: Any,
+    buffers: Mapping,
+    h: Any,
+    opts: Options,
+    device: torch.device,
+    plan: remat.Plan,
+    tape: Tape,
+    stats: dict,
+) -> tuple[Any, tuple, Callable | None, tuple | None]:
     """Stage i's forward on ``h``: ``(output, (its leaves, treespec), vjp closure if its graph is kept,
     RNG state to replay or None)``; its updated buffers go into ``tape.buffers[i]``. The remat ``plan`` says whether the
     graph is kept (a physical stage's never is: its reverse step comes from the estimator)."""
@@ -393,7 +440,7 @@ def run_stage(chain: Chain, i: int, params: Any, buffers: Mapping, h: Any, opts:
     versions = [t._version for t in inputs]
     try:
         with timer(opts, stats, "forward_s", f"eae/{s.name}/forward", device), autocast(opts.autocast, device):
-            if i in opts.physical or plan.rebuilds(i, s.name):
+            if i in opts.physical or plan.rebuilds(i, chain.names[i]):
                 with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
                     out, tape.buffers[i] = s.call(params, buffers, h)
                 flat = B.leaves(out, f"output of {chain.where(i)}")
@@ -406,27 +453,32 @@ def run_stage(chain: Chain, i: int, params: Any, buffers: Mapping, h: Any, opts:
         note(e, f"the forward of {chain.where(i)}")
         raise
     if [t._version for t in inputs] != versions:
-        raise ValueError(f"{chain.where(i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
-                         f"sweep keeps each stage's input to recompute it: use the out-of-place form")
+        raise ValueError(
+            f"{chain.where(i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
+            f"sweep keeps each stage's input to recompute it: use the out-of-place form"
+        )
     return out, flat, closure, rng if drew(rng, device) else None
 
 
-def kept_graph(chain: Chain, i: int, params: Any, buffers: Mapping, h: Any,
-               plan: remat.Plan) -> tuple[Any, Callable | None, Mapping]:
+def kept_graph(
+    chain: Chain, i: int, params: Any, buffers: Mapping, h: Any, plan: remat.Plan
+) -> tuple[Any, Callable | None, Mapping]:
     """Stage i run with its local graph: ``(detached output, vjp closure or None, updated buffers)``;
     with a byte budget the closure is only kept if its saved tensors fit in what is left."""
     floats, rebuild, _ = B.split(h, f"input of {chain.where(i)}")
     saved = remat.SavedBytes([*optree.tree_leaves(params, namespace=NAMESPACE), *floats]) if plan.counts else None
     with saved.hooks() if saved is not None else NULL:
-        out, closure, updated = local_vjp(chain.stages[i], params, buffers, floats, rebuild,
-                                          lambda o, own: check_closed_over(chain, i, o, own))
+        out, closure, updated = local_vjp(
+            chain.stages[i], params, buffers, floats, rebuild, lambda o, own: check_closed_over(chain, i, o, own)
+        )
     if saved is not None and not plan.kept(saved.bytes):
         closure = None
     return optree.tree_map(torch.Tensor.detach, out, namespace=NAMESPACE), closure, updated
 
 
-def boundary_condition(chain: Chain, h: Any, loss_args: tuple, opts: Options, pass_state: Any,
-                       loss_scale: float, stats: dict) -> tuple[torch.Tensor, Carry]:
+def boundary_condition(
+    chain: Chain, h: Any, loss_args: tuple, opts: Options, pass_state: Any, loss_scale: float, stats: dict
+) -> tuple[torch.Tensor, Carry]:
     """``(loss, carry of p_L)``: p_L = loss_scale * d loss(x_L) / d x_L, through the passes; the loss
     runs under the stages' autocast, as an AMP training step computes it."""
     L = len(chain)
@@ -438,11 +490,17 @@ def boundary_condition(chain: Chain, h: Any, loss_args: tuple, opts: Options, pa
                 inputs = [t.detach().requires_grad_() for t in floats]
                 loss = chain.loss(rebuild(inputs), *loss_args)
             if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not B.is_differentiable(loss):
-                got = f"shape {tuple(loss.shape)}, {loss.dtype}" if isinstance(loss, torch.Tensor) else \
-                    type(loss).__name__
+                got = (
+                    f"shape {tuple(loss.shape)}, {loss.dtype}"
+                    if isinstance(loss, torch.Tensor)
+                    else type(loss).__name__
+                )
                 raise ValueError(f"loss: expected a scalar floating-point tensor, got {got}")
-            p = torch.autograd.grad(loss, inputs, torch.full_like(loss, loss_scale), allow_unused=True) \
-                if loss.requires_grad else [None] * len(inputs)
+            p = (
+                torch.autograd.grad(loss, inputs, torch.full_like(loss, loss_scale), allow_unused=True)
+                if loss.requires_grad
+                else [None] * len(inputs)
+            )
     except Exception as e:
         note(e, "the loss")
         raise
@@ -453,8 +511,9 @@ def boundary_condition(chain: Chain, h: Any, loss_args: tuple, opts: Options, pa
     return loss.detach(), Carry(adj, pass_state)
 
 
-def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
-              problem: Any = None, updater: Any = None) -> Callable[[Carry, Entry], tuple[Carry, StepOut]]:
+def make_step(
+    chain: Chain, params: tuple, opts: Options, device: torch.device, problem: Any = None, updater: Any = None
+) -> Callable[[Carry, Entry], tuple[Carry, StepOut]]:
     """The reverse step ``(carry, entry) -> (carry, out)`` of one stage.
 
     A digital stage takes the exact local vjp: its closure from the tape, or one rebuilt from the
@@ -477,14 +536,18 @@ def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
             if physical:
                 with timer(opts, stats, "vjp_s", f"eae/{s.name}/estimate", device), autocast(opts.autocast, device):
                     grads, costate_in, cost = opts.estimator.stage_vjp(
-                        problem, prepared, i, entry.boundary, entry.out_layout.spec.unflatten(costate))
+                        problem, prepared, i, entry.boundary, entry.out_layout.spec.unflatten(costate)
+                    )
                 stats.update(cost)
             else:
                 floats, rebuild, costate_like = B.split_as(entry.boundary, entry.layout)
                 closure = entry.closure
                 if closure is None:
-                    with timer(opts, stats, "recompute_s", f"eae/{s.name}/recompute", device), \
-                            replay_rng(entry.rng, device), autocast(opts.autocast, device):
+                    with (
+                        timer(opts, stats, "recompute_s", f"eae/{s.name}/recompute", device),
+                        replay_rng(entry.rng, device),
+                        autocast(opts.autocast, device),
+                    ):
                         _, closure, _ = local_vjp(s, params[i], entry.buffers, floats, rebuild)
                 with timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device):
                     grads, g_in = closure(cotangent(costate, entry.out_layout), i > 0 or observed)
@@ -493,8 +556,10 @@ def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
             note(e, f"the reverse step of {chain.where(i)}")
             raise
         if updater is not None:
-            with timer(opts, stats, "update_s", f"eae/{s.name}/update", device), \
-                    naming(f"the update of {chain.where(i)}"):
+            with (
+                timer(opts, stats, "update_s", f"eae/{s.name}/update", device),
+                naming(f"the update of {chain.where(i)}"),
+            ):
                 updater.apply(i, grads)
             grads = None
         adj, pass_state = AdjointState(costate_in, i, boundary_name(chain, i), fold_in(opts.key, i)), carry.pass_state
@@ -505,8 +570,9 @@ def make_step(chain: Chain, params: tuple, opts: Options, device: torch.device,
     return step
 
 
-def reverse(step: Callable[[Carry, Entry], tuple[Carry, StepOut]], carry: Carry,
-            tape: Tape) -> tuple[Carry, tuple[StepOut, ...]]:
+def reverse(
+    step: Callable[[Carry, Entry], tuple[Carry, StepOut]], carry: Carry, tape: Tape
+) -> tuple[Carry, tuple[StepOut, ...]]:
     """The fold: ``step`` over the tape's entries, last first, each handed out once.
 
     Returns the final carry (boundary lo) and the outputs in stage order lo..hi-1.

@@ -9,7 +9,8 @@ formatting, ``repr``). A sum of ``Lazy`` values stays lazy, so counters can add 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ class Lazy:
         self._read, self._value = read, None
 
     @staticmethod
-    def of(t: torch.Tensor) -> "Lazy":
+    def of(t: torch.Tensor) -> Lazy:
         """The value of a one-element tensor (a bool tensor reads as a bool)."""
         return Lazy((t.detach() if t.requires_grad else t).item)
 
@@ -120,7 +121,9 @@ def _number(x: Any) -> Any:
 
 def event_seconds(start: Any, end: Any) -> Lazy:
     """The seconds between two recorded CUDA events, read when needed."""
+
     def read() -> float:
         end.synchronize()
         return start.elapsed_time(end) / 1000.0
+
     return Lazy(read)

@@ -10,7 +10,8 @@ batch's loss and the summed gradients are its gradients. Piece j's key is
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import optree
 import torch
@@ -40,25 +41,27 @@ def _pieces(tree: Any, k: int) -> list:
     return [spec.unflatten([c[j] for c in cut]) for j in range(k)]
 
 
-def split(x: Any, loss_args: tuple | None, k: int, reduction: str, key: int,
-          where: str = "sweep") -> list[Microbatch]:
+def split(x: Any, loss_args: tuple | None, k: int, reduction: str, key: int, where: str = "sweep") -> list[Microbatch]:
     """``k`` microbatches of ``x`` and ``loss_args`` (either may be ``None``: a pipeline rank that
     has no input or computes no loss); ``k`` and ``reduction`` as checked by ``Options``. The rows
     are counted on the first batched tensor of ``x``, else of ``loss_args``; ``scale`` is ``None``
     where neither has one."""
     if k == 1:
-        return [Microbatch(x, loss_args, 1.0, key)]
+        return [Microbatch(x, () if loss_args is None else loss_args, 1.0, key)]
     reference = _batched(x) or _batched(loss_args)
     if x is not None and not _batched(x):
         raise ValueError(f"{where}: microbatches={k} cuts the input on dim 0, but it has no tensor with a batch dim")
     n = reference[0].shape[0] if reference else None
     if n is not None and n < k:
-        raise ValueError(f"{where}: microbatches={k} is more than the {n} rows of the batch; "
-                         f"use at most {n} microbatches")
-    sizes = [len(r) for r in torch.arange(n).tensor_split(k)] if n is not None else [None] * k
+        raise ValueError(
+            f"{where}: microbatches={k} is more than the {n} rows of the batch; use at most {n} microbatches"
+        )
     xs = _pieces(x, k) if x is not None else [None] * k
-    args = _pieces(loss_args, k) if loss_args is not None else [None] * k
-    scales = [(s / n if reduction == "mean" else 1.0) if s is not None else None for s in sizes]
+    args = _pieces(loss_args, k) if loss_args is not None else [()] * k
+    if n is None:
+        return [Microbatch(xs[j], args[j], None, fold_in(key, -1 - j)) for j in range(k)]
+    sizes = [len(r) for r in torch.arange(n).tensor_split(k)]
+    scales = [s / n if reduction == "mean" else 1.0 for s in sizes]
     return [Microbatch(xs[j], args[j], scales[j], fold_in(key, -1 - j)) for j in range(k)]
 
 
@@ -89,8 +92,9 @@ def sum_stats(all_stats: Sequence[dict]) -> dict:
     if len(all_stats) == 1:
         return all_stats[0]
     total = {name: dict(entry) for name, entry in all_stats[0].items() if name != "boundaries"}
-    total["boundaries"] = {i: {"microbatches": tuple(s["boundaries"][i] for s in all_stats)}
-                           for i in all_stats[0]["boundaries"]}
+    total["boundaries"] = {
+        i: {"microbatches": tuple(s["boundaries"][i] for s in all_stats)} for i in all_stats[0]["boundaries"]
+    }
     for stats in all_stats[1:]:
         for name, entry in stats.items():
             if name == "boundaries":

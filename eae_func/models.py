@@ -31,7 +31,7 @@ def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     freqs = base ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
     angles = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * freqs
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
@@ -42,8 +42,10 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
         if dim % n_heads or n_heads % n_kv_heads:
-            raise ValueError(f"CausalSelfAttention: need dim % n_heads == 0 and n_heads % n_kv_heads == 0, "
-                             f"got dim={dim}, n_heads={n_heads}, n_kv_heads={n_kv_heads}")
+            raise ValueError(
+                f"CausalSelfAttention: need dim % n_heads == 0 and n_heads % n_kv_heads == 0, "
+                f"got dim={dim}, n_heads={n_heads}, n_kv_heads={n_kv_heads}"
+            )
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
         self.dropout = dropout
         self.wq = nn.Linear(dim, dim, bias=False)
@@ -57,8 +59,7 @@ class CausalSelfAttention(nn.Module):
         q, k = rotary(q), rotary(k)
         repeat = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -79,8 +80,9 @@ class Block(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``; ``dropout`` applies to the
     attention weights and to both residual branches."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, ffn_hidden: int | None = None,
-                 dropout: float = 0.0):
+    def __init__(
+        self, dim: int, n_heads: int, n_kv_heads: int | None = None, ffn_hidden: int | None = None, dropout: float = 0.0
+    ):
         super().__init__()
         self.attn_norm, self.ffn_norm = RMSNorm(dim), RMSNorm(dim)
         self.attn = CausalSelfAttention(dim, n_heads, n_kv_heads, dropout)
@@ -104,11 +106,18 @@ class TiedHead(nn.Module):
         return F.linear(self.norm(h), self.weight)
 
 
-def transformer_lm(vocab: int, dim: int, depth: int, n_heads: int, n_kv_heads: int | None = None,
-                   ffn_hidden: int | None = None, dropout: float = 0.0) -> nn.Sequential:
+def transformer_lm(
+    vocab: int,
+    dim: int,
+    depth: int,
+    n_heads: int,
+    n_kv_heads: int | None = None,
+    ffn_hidden: int | None = None,
+    dropout: float = 0.0,
+) -> nn.Sequential:
     """``nn.Sequential(embedding, block_1..block_depth, tied head)``: one EAE stage per child."""
     embedding = nn.Embedding(vocab, dim)
-    nn.init.normal_(embedding.weight, std=dim ** -0.5)
+    nn.init.normal_(embedding.weight, std=dim**-0.5)
     blocks = [Block(dim, n_heads, n_kv_heads, ffn_hidden, dropout) for _ in range(depth)]
     return nn.Sequential(embedding, *blocks, TiedHead(embedding))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
@@ -60,7 +60,7 @@ class Options:
     microbatches: int = 1
     reduction: str = "mean"
     estimator: Any = None
-    physical: Sequence[int | str] | None = None
+    physical: Any = None  # Sequence[int | str] | None; bound: tuple[int, ...]
     budget: int | None = None
     recompute: Any = True
     keep_costates: bool = True
@@ -76,17 +76,21 @@ class Options:
         for name in ("boundary_dtype", "autocast"):
             dtype = getattr(self, name)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-                raise TypeError(f"sweep: {name} must be a floating torch.dtype (e.g. torch.bfloat16) or None, "
-                                f"got {dtype!r}")
+                raise TypeError(
+                    f"sweep: {name} must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}"
+                )
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"sweep: reduction must be 'mean' or 'sum', got {self.reduction!r}")
         m = self.microbatches
         if not isinstance(m, numbers.Integral) or isinstance(m, bool) or m < 1:
             raise ValueError(f"sweep: microbatches must be a positive int, got {m!r}")
-        if self.estimator is not None and not all(callable(getattr(self.estimator, f, None))
-                                                  for f in ("prepare", "stage_vjp")):
-            raise TypeError(f"sweep: estimator must have prepare(problem) and stage_vjp(...) (eae_func.estimators), "
-                            f"got {type(self.estimator).__name__}")
+        if self.estimator is not None and not all(
+            callable(getattr(self.estimator, f, None)) for f in ("prepare", "stage_vjp")
+        ):
+            raise TypeError(
+                f"sweep: estimator must have prepare(problem) and stage_vjp(...) (eae_func.estimators), "
+                f"got {type(self.estimator).__name__}"
+            )
         b = self.budget
         if b is not None and (isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1):
             raise TypeError(f"sweep: budget must be None or an int >= 1 (rows per step), got {b!r}")
@@ -116,22 +120,29 @@ class Options:
         marked physical), checked against the estimator."""
         given = [i for i, s in enumerate(chain.stages) if s.physical] if self.physical is None else self.physical
         physical = tuple(sorted({chain.index(p) for p in given}))
-        digital_boxes = [chain.where(i) for i, s in enumerate(chain.stages)
-                         if not s.differentiable and i not in physical]
+        digital_boxes = [
+            chain.where(i) for i, s in enumerate(chain.stages) if not s.differentiable and i not in physical
+        ]
         if digital_boxes:
-            raise ValueError(f"sweep: {', '.join(digital_boxes)} cannot be differentiated (a black box) but is not "
-                             f"among physical={list(physical)}: its reverse step must come from an estimator")
+            raise ValueError(
+                f"sweep: {', '.join(digital_boxes)} cannot be differentiated (a black box) but is not "
+                f"among physical={list(physical)}: its reverse step must come from an estimator"
+            )
         if physical and self.estimator is None:
-            raise ValueError(f"sweep: {', '.join(chain.where(i) for i in physical)} is physical (run forward only) "
-                             f"but no estimator was given: pass estimator= (E.zbp, E.node_perturbation, E.direct, "
-                             f"E.twin, E.frozen), or estimator=E.exact() for a torch-differentiable simulation")
+            raise ValueError(
+                f"sweep: {', '.join(chain.where(i) for i in physical)} is physical (run forward only) "
+                f"but no estimator was given: pass estimator= (E.zbp, E.node_perturbation, E.direct, "
+                f"E.twin, E.frozen), or estimator=E.exact() for a torch-differentiable simulation"
+            )
         if getattr(self.estimator, "differentiates", False):
             boxes = [chain.where(i) for i in physical if not chain.stages[i].differentiable]
             if boxes:
-                raise ValueError(f"sweep: {self.estimator!r} differentiates the physical stages, but "
-                                 f"{', '.join(boxes)} cannot be differentiated (a black box); use a forward-only "
-                                 f"estimator (zbp with method='fd', node_perturbation or direct with form='fd', "
-                                 f"twin, frozen)")
+                raise ValueError(
+                    f"sweep: {self.estimator!r} differentiates the physical stages, but "
+                    f"{', '.join(boxes)} cannot be differentiated (a black box); use a forward-only "
+                    f"estimator (zbp with method='fd', node_perturbation or direct with form='fd', "
+                    f"twin, frozen)"
+                )
         return self if physical == self.physical else dataclasses.replace(self, physical=physical)
 
 
@@ -157,10 +168,12 @@ class SweepOptions(TypedDict, total=False):
 NAMES = tuple(f.name for f in dataclasses.fields(Options))
 
 
-def make(where: str, options: dict, **defaults: Any) -> Options:
+def make(where: str, options: Mapping[str, Any], **defaults: Any) -> Options:
     """``Options(**defaults, **options)``; an unknown keyword raises naming ``where`` and the options."""
     unknown = sorted(set(options) - set(NAMES))
     if unknown:
-        raise TypeError(f"{where}: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-                        f"the options are {', '.join(NAMES)}")
+        raise TypeError(
+            f"{where}: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"the options are {', '.join(NAMES)}"
+        )
     return Options(**{**defaults, **options})

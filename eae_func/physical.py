@@ -16,7 +16,8 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import numbers
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import optree
@@ -53,9 +54,11 @@ class Meter:
         rows *= getattr(self.chain.stages[i].fn, "repeats", 1)
         if self.budget is not None and self.total + rows > self.budget:
             spent = ", ".join(f"{self.chain.stages[j].name!r} {c['rows']}" for j, c in self.counts.items())
-            raise RuntimeError(f"budget: {self.chain.where(i)} would run {rows} more rows ({kind}), "
-                               f"{self.total + rows} in all, over the budget of {self.budget} rows per step "
-                               f"(rows so far: {spent}); raise budget= or use fewer probes")
+            raise RuntimeError(
+                f"budget: {self.chain.where(i)} would run {rows} more rows ({kind}), "
+                f"{self.total + rows} in all, over the budget of {self.budget} rows per step "
+                f"(rows so far: {spent}); raise budget= or use fewer probes"
+            )
         self.total += rows
         counts = self.counts[i]
         counts[kind] += 1
@@ -76,8 +79,17 @@ class BlackBox:
     most ``max_rows`` (one unbatched row each with ``per_sample``), mapped over ``workers``, each
     call averaged over ``repeats`` queries; the output comes back in the input's dtype and device."""
 
-    def __init__(self, fn: Callable, numpy: bool, per_sample: bool, max_rows: int | None,
-                 workers: int | concurrent.futures.Executor | None, dtype: Any, repeats: int, name: str | None):
+    def __init__(
+        self,
+        fn: Callable,
+        numpy: bool,
+        per_sample: bool,
+        max_rows: int | None,
+        workers: int | concurrent.futures.Executor | None,
+        dtype: Any,
+        repeats: int,
+        name: str | None,
+    ):
         self.fn, self.numpy, self.per_sample, self.dtype, self.repeats = fn, numpy, per_sample, dtype, repeats
         self.max_rows = 1 if per_sample else max_rows
         self.workers = workers
@@ -91,31 +103,42 @@ class BlackBox:
         if not isinstance(h, torch.Tensor) or not (h.is_floating_point() or h.is_complex()) or h.ndim < 1:
             got = f"{h.dtype} tensor of shape {tuple(h.shape)}" if isinstance(h, torch.Tensor) else type(h).__name__
             raise TypeError(f"{where}: expected one floating-point tensor with a batch dim as input, got {got}")
-        if any(torch._C._functorch.is_functorch_wrapped_tensor(t)
-               for t in (h, *optree.tree_leaves(params, namespace=NAMESPACE)) if isinstance(t, torch.Tensor)):
-            raise RuntimeError(f"{where}: called under a torch.func transform (jvp, vjp, vmap); a black box is only "
-                               "run forward on plain data: use an fd estimator, twin or frozen")
+        if any(
+            torch._C._functorch.is_functorch_wrapped_tensor(t)  # pyright: ignore[reportAttributeAccessIssue] (not in torch's stubs)
+            for t in (h, *optree.tree_leaves(params, namespace=NAMESPACE))
+            if isinstance(t, torch.Tensor)
+        ):
+            raise RuntimeError(
+                f"{where}: called under a torch.func transform (jvp, vjp, vmap); a black box is only "
+                "run forward on plain data: use an fd estimator, twin or frozen"
+            )
         with torch.no_grad():
             data, args = self._plain(h.detach()), optree.tree_map(self._plain, params, namespace=NAMESPACE)
             step = self.max_rows or len(h)
-            pieces = [data[j:j + step] for j in range(0, len(h), step)]
+            pieces = [data[j : j + step] for j in range(0, len(h), step)]
             if self.per_sample:
                 pieces = [p[0] for p in pieces]
             outs = self._map(functools.partial(query, self.fn, args, self.repeats), pieces)
             outs = [self._tensor(o, h, where) for o in outs]
             out = torch.stack(outs) if self.per_sample else torch.cat(outs)
         if out.shape[0] != h.shape[0]:
-            raise ValueError(f"{where}: returned {out.shape[0]} rows for an input of {h.shape[0]}; a black box must "
-                             "keep the batch dim (use per_sample=True for a function of one sample)")
+            raise ValueError(
+                f"{where}: returned {out.shape[0]} rows for an input of {h.shape[0]}; a black box must "
+                "keep the batch dim (use per_sample=True for a function of one sample)"
+            )
         return out
 
     def _plain(self, t: torch.Tensor) -> Any:
+        """``t`` as the black box gets it: a read-only numpy array (a write into it would corrupt the
+        sweep's saved boundary unseen, numpy writes bumping no torch version counter) or a tensor."""
         t = t.detach()
-        if self.numpy:
-            t = t.cpu()
-            t = (t.float() if t.dtype == torch.bfloat16 else t).numpy()  # numpy has no bfloat16
-            return t.astype(self.dtype) if self.dtype is not None else t
-        return t.to(self.dtype) if self.dtype is not None else t
+        if not self.numpy:
+            return t.to(self.dtype) if self.dtype is not None else t
+        cpu = t.cpu()
+        array = (cpu.float() if cpu.dtype == torch.bfloat16 else cpu).numpy()  # numpy has no bfloat16
+        array = array.astype(self.dtype) if self.dtype is not None else array
+        array.flags.writeable = False
+        return array
 
     def _map(self, fn: Callable, pieces: list) -> list:
         if isinstance(self.workers, concurrent.futures.Executor):  # a process pool: send pieces in batches
@@ -132,14 +155,24 @@ class BlackBox:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"{where}: returned {type(out).__name__}, expected a numpy array or a tensor")
         if out.is_complex() and not like.is_complex():
-            raise TypeError(f"{where}: returned a complex {out.dtype} output for a real {like.dtype} input; return "
-                            "a real measurement (an intensity, or real and imaginary parts)")
+            raise TypeError(
+                f"{where}: returned a complex {out.dtype} output for a real {like.dtype} input; return "
+                "a real measurement (an intensity, or real and imaginary parts)"
+            )
         return out.to(dtype=like.dtype, device=like.device)
 
 
-def black_box(fn: Callable, name: str | None = None, *, numpy: bool = False, per_sample: bool = False,
-              max_rows: int | None = None, workers: int | concurrent.futures.Executor | None = None,
-              dtype: Any = None, repeats: int = 1) -> Stage:
+def black_box(
+    fn: Callable,
+    name: str | None = None,
+    *,
+    numpy: bool = False,
+    per_sample: bool = False,
+    max_rows: int | None = None,
+    workers: int | concurrent.futures.Executor | None = None,
+    dtype: Any = None,
+    repeats: int = 1,
+) -> Stage:
     """A physical stage from a simulator or instrument ``fn(params, x) -> y``, run forward only.
 
     numpy:       ``fn`` gets numpy arrays (``x`` and every parameter) and may return one;
@@ -161,8 +194,11 @@ def black_box(fn: Callable, name: str | None = None, *, numpy: bool = False, per
             raise ValueError(f"black_box: {what} must be an int >= 1, got {v!r}")
     if per_sample and max_rows is not None:
         raise ValueError("black_box: per_sample=True calls fn on one sample at a time; max_rows does not apply")
-    if workers is not None and not isinstance(workers, concurrent.futures.Executor) and (
-            isinstance(workers, bool) or not isinstance(workers, numbers.Integral) or workers < 1):
+    if (
+        workers is not None
+        and not isinstance(workers, concurrent.futures.Executor)
+        and (isinstance(workers, bool) or not isinstance(workers, numbers.Integral) or workers < 1)
+    ):
         raise ValueError(f"black_box: workers must be an int >= 1 or a concurrent.futures.Executor, got {workers!r}")
     box = BlackBox(fn, numpy, per_sample, max_rows, workers, dtype, int(repeats), name)
     return Stage(fn=box, name=name, physical=True, differentiable=False)

@@ -28,8 +28,9 @@ def safe(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, 1.0)
 
 
-def int8_encode(t: torch.Tensor, per_channel: bool = False,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_encode(
+    t: torch.Tensor, per_channel: bool = False, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, s)``: q int8 of t's shape, s the scale ``max|t| / 127`` (per tensor, or per index of the
     last dim, the max over all other dims, broadcastable against t). With a ``generator`` the rounding
     is stochastic, ``floor(t / s + u)``, u ~ U[0, 1): unbiased, ``E[q s] = t``."""
@@ -78,5 +79,8 @@ def topk_indices(t: torch.Tensor, k: int) -> torch.Tensor:
 
 def scatter(index: torch.Tensor, values: torch.Tensor, shape: tuple) -> torch.Tensor:
     """A tensor of ``shape``: ``values`` at the flat ``index``, zero elsewhere."""
-    return torch.zeros(math.prod(shape), dtype=values.dtype, device=values.device).index_copy(
-        0, index.long(), values).view(shape)
+    return (
+        torch.zeros(math.prod(shape), dtype=values.dtype, device=values.device)
+        .index_copy(0, index.long(), values)
+        .view(shape)
+    )

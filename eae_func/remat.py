@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,12 +66,14 @@ def policy(value: Any) -> Remat:
         return value
     if isinstance(value, bool):
         return always() if value else never()
-    if isinstance(value, numbers.Integral) and value >= 0:
+    if isinstance(value, numbers.Integral) and int(value) >= 0:
         return budget(int(value))
     if callable(value):
-        return where(value)
-    raise TypeError(f"sweep: recompute must be True, False, a predicate (index, name) -> bool, a byte budget "
-                    f"(an int >= 0) or an eae_func.remat policy, got {value!r}")
+        return where(typing.cast(Callable[[int, str], bool], value))
+    raise TypeError(
+        f"sweep: recompute must be True, False, a predicate (index, name) -> bool, a byte budget "
+        f"(an int >= 0) or an eae_func.remat policy, got {value!r}"
+    )
 
 
 class Plan:

@@ -68,19 +68,37 @@ class Range:
 
     def forward(self, buffers: tuple, mb: Microbatch, h: Any = None) -> F.Tape:
         """The forward of microbatch ``mb`` from ``h`` (``None``: ``mb.x``, the chain's input)."""
-        return F.forward(self.chain, self.lo, self.hi, self.params, buffers, mb.x if h is None else h,
-                         self.at(mb), self.device, self.meter)
+        return F.forward(
+            self.chain,
+            self.lo,
+            self.hi,
+            self.params,
+            buffers,
+            mb.x if h is None else h,
+            self.at(mb),
+            self.device,
+            self.meter,
+        )
 
-    def backward(self, tape: F.Tape, buffers: tuple, mb: Microbatch, pass_state: Any, received: Any = None,
-                 updater: Updater | None = None) -> Piece:
+    def backward(
+        self,
+        tape: F.Tape,
+        buffers: tuple,
+        mb: Microbatch,
+        pass_state: Any,
+        received: Any = None,
+        updater: Updater | None = None,
+    ) -> Piece:
         """The reverse fold of ``tape`` from the loss (the range ends the chain) or from the
         ``received`` costate p_hi; ``buffers`` are those the forward ran with."""
         chain, lo, hi, opts = self.chain, self.lo, self.hi, self.at(mb)
         stats: dict = {}
         if hi == len(chain):
+            assert mb.scale is not None, "the range that computes the loss weighs its microbatches"
             stats["loss"] = {"forward_s": 0.0, "pass_s": 0.0} if opts.timers else {}
-            loss, carry = F.boundary_condition(chain, tape.take_output(), mb.loss_args, opts, pass_state, mb.scale,
-                                               stats["loss"])
+            loss, carry = F.boundary_condition(
+                chain, tape.take_output(), mb.loss_args, opts, pass_state, mb.scale, stats["loss"]
+            )
             head, loss = (F.traced(carry.adj, opts),), loss * mb.scale
         else:
             adj = AdjointState(received, hi, F.boundary_name(chain, hi), fold_in(opts.key, hi))
@@ -89,11 +107,18 @@ class Range:
         problem = self.problem(tape, buffers, mb) if opts.physical else None
         carry, outs = F.reverse(F.make_step(chain, self.params, opts, self.device, problem, updater), carry, tape)
         trace = head + tuple(o.record for o in reversed(outs))
-        stats.update({chain.stages[i].name: merge_counters(tape.stats[chain.stages[i].name], o.stats)
-                      for i, o in zip(range(lo, hi), outs)})
+        stats.update(
+            {chain.names[i]: merge_counters(tape.stats[chain.names[i]], o.stats) for i, o in zip(range(lo, hi), outs)}
+        )
         stats["boundaries"] = {a.index: dict(a.meta) for a in trace}
-        return Piece(loss, tuple(o.grads for o in outs), trace, tuple(tape.buffers[i] for i in range(lo, hi)),
-                     carry.pass_state, stats)
+        return Piece(
+            loss,
+            tuple(o.grads for o in outs),
+            trace,
+            tuple(tape.buffers[i] for i in range(lo, hi)),
+            carry.pass_state,
+            stats,
+        )
 
     def run(self, buffers: tuple, mb: Microbatch, pass_state: Any, updater: Updater | None = None) -> Piece:
         """Forward and backward of the whole chain on microbatch ``mb``."""
@@ -120,13 +145,29 @@ class Range:
             return rounding.store(out, B.Layout.of(out))[1]
 
         def exact_trace(probed: Chain) -> tuple:
-            exact = Options(key=opts.key, boundary_dtype=opts.boundary_dtype, offload=opts.offload,
-                            autocast=opts.autocast, timers=False).bind(probed)
+            exact = Options(
+                key=opts.key,
+                boundary_dtype=opts.boundary_dtype,
+                offload=opts.offload,
+                autocast=opts.autocast,
+                timers=False,
+            ).bind(probed)
             piece = Microbatch(mb.x, mb.loss_args, 1.0, opts.key)
             return Range(probed, 0, len(probed), self.params, exact, device).run(buffers, piece, None).trace
 
         whole = self.lo == 0 and self.hi == len(chain)
-        return Problem(chain, self.params, buffers, mb.x if whole else None, mb.loss_args if whole else None,
-                       opts.physical, opts.key, mb.scale if mb.scale is not None else 1.0,
-                       exact_trace if whole else None, self.meter, call, feed,
-                       frozenset(i for i, state in rng.items() if state is not None))
+        return Problem(
+            chain,
+            self.params,
+            buffers,
+            mb.x if whole else None,
+            mb.loss_args if whole else None,
+            opts.physical,
+            opts.key,
+            mb.scale if mb.scale is not None else 1.0,
+            exact_trace if whole else None,
+            self.meter,
+            call,
+            feed,
+            frozenset(i for i, state in rng.items() if state is not None),
+        )

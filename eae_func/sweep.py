@@ -57,9 +57,17 @@ class SweepResult:
     update_state: Any = None
 
 
-def sweep(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_args: Any, loss: Callable | None = None,
-          split_at: Sequence[str] | None = None, pass_state: Any = None, buffers: Sequence | None = None,
-          **options: Unpack[SweepOptions]) -> SweepResult:
+def sweep(
+    chain: Chain | nn.Module,
+    params: Sequence | Mapping,
+    x: Any,
+    *loss_args: Any,
+    loss: Callable | None = None,
+    split_at: Sequence[str] | None = None,
+    pass_state: Any = None,
+    buffers: Sequence | None = None,
+    **options: Unpack[SweepOptions],
+) -> SweepResult:
     """Loss, parameter gradients and the costate trace of ``chain`` at ``params`` on ``x``.
 
     chain:          a ``Chain``, or a model (``nn.Module``) with ``loss=``: an ``nn.Sequential`` /
@@ -112,8 +120,17 @@ def sweep(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_ar
     return run(chain, params, x, loss_args, loss, split_at, pass_state, buffers, make("sweep", options))
 
 
-def run(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, loss_args: tuple, loss: Callable | None,
-        split_at: Sequence[str] | None, pass_state: Any, buffers: Sequence | None, opts: Options) -> SweepResult:
+def run(
+    chain: Chain | nn.Module,
+    params: Sequence | Mapping,
+    x: Any,
+    loss_args: tuple,
+    loss: Callable | None,
+    split_at: Sequence[str] | None,
+    pass_state: Any,
+    buffers: Sequence | None,
+    opts: Options,
+) -> SweepResult:
     """``sweep`` with its options made."""
     if not isinstance(chain, Chain):
         return _on_model(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
@@ -129,25 +146,36 @@ def run(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, loss_args:
     updater = Updater(opts.update, chain, params, groups) if opts.update is not None else None  # checked first
     pieces = M.split(x, loss_args, opts.microbatches, opts.reduction, opts.key)
     whole = Range(chain, 0, len(chain), params, opts, device, meter)
-    losses, grads, traces, all_stats = [], [], [], []
+    losses: list[torch.Tensor] = []
+    grads, traces, all_stats = [], [], []
     for j, mb in enumerate(pieces):
         last = j == len(pieces) - 1
         if updater is not None and last and grads:  # the last fold updates, the earlier folds' gradients added
             updater.carry = M.sum_grads(grads)
         piece = whole.run(buffers, mb, state, updater if last else None)
         buffers, state = piece.buffers, piece.pass_state
+        assert piece.loss is not None  # the range ends the chain
         losses.append(piece.loss)
         grads.append(piece.grads)
         traces.append(piece.trace)
         all_stats.append(piece.stats)
-    loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+    total = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
     stats = MappingProxyType(metered(M.sum_stats(all_stats), chain, meter))
     if updater is not None:
-        pure = opts.update.fn is not None
-        return SweepResult(loss, None, M.join_adjoints(traces), buffers, state, stats,
-                           tuple(updater.params) if pure else params, tuple(updater.state) if pure else None)
-    return SweepResult(loss, tie_grads(params, M.sum_grads(grads), groups), M.join_adjoints(traces), buffers, state,
-                       stats, params)
+        pure = updater.spec.fn is not None
+        return SweepResult(
+            total,
+            None,
+            M.join_adjoints(traces),
+            buffers,
+            state,
+            stats,
+            tuple(updater.params) if pure else params,
+            tuple(updater.state) if pure else None,
+        )
+    return SweepResult(
+        total, tie_grads(params, M.sum_grads(grads), groups), M.join_adjoints(traces), buffers, state, stats, params
+    )
 
 
 def metered(stats: dict, chain: Chain, meter: Meter) -> dict:
@@ -160,7 +188,7 @@ def metered(stats: dict, chain: Chain, meter: Meter) -> dict:
 _CAPTURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def chain_of(model: nn.Module | Sequence, loss: Callable, split_at: Sequence[str] | None, x: Any) -> tuple:
+def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Sequence[str] | None, x: Any) -> tuple:
     """``(chain, qualified)`` for a model: ``qualified[i]`` maps stage i's parameter and buffer
     names to the model's own (canonical: a tied tensor has one name). A captured chain is kept
     per model, cut, mode and input layout, so a training loop captures once."""
@@ -170,8 +198,12 @@ def chain_of(model: nn.Module | Sequence, loss: Callable, split_at: Sequence[str
         chain, _ = from_module(model, loss)
         prefixes = [n for n, _ in model.named_children()] if isinstance(model, nn.Module) else [None] * len(chain)
     else:
-        layout = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
-                       for t in optree.tree_leaves(x, namespace=NAMESPACE))
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"sweep: split_at cuts a model's own forward, got a {type(model).__name__}")
+        layout = tuple(
+            (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
+            for t in optree.tree_leaves(x, namespace=NAMESPACE)
+        )
         cache = _CAPTURED.setdefault(model, {})
         cache_key = (tuple(split_at), model.training, layout)
         if cache_key not in cache:
@@ -180,53 +212,92 @@ def chain_of(model: nn.Module | Sequence, loss: Callable, split_at: Sequence[str
         prefixes = [None] * len(chain)
     names = {}
     if isinstance(model, nn.Module):
-        names = {**canonical_names(model.named_parameters(remove_duplicate=False)),
-                 **canonical_names(model.named_buffers(remove_duplicate=False))}
+        names = {
+            **canonical_names(model.named_parameters(remove_duplicate=False)),
+            **canonical_names(model.named_buffers(remove_duplicate=False)),
+        }
     qualified = []
     for s, prefix in zip(chain.stages, prefixes):
-        own = [n for n, _ in s.module.named_parameters()] + [n for n, _ in s.module.named_buffers()] \
-            if s.module is not None else []
+        own = (
+            [n for n, _ in s.module.named_parameters()] + [n for n, _ in s.module.named_buffers()]
+            if s.module is not None
+            else []
+        )
         qualified.append({n: names.get(n if prefix is None else f"{prefix}.{n}") for n in own})
     return chain, qualified
 
 
-def _on_model(model: nn.Module | Sequence, params: Sequence | Mapping, x: Any, loss_args: tuple,
-              loss: Callable | None, split_at: Sequence[str] | None, pass_state: Any, buffers: Sequence | None,
-              opts: Options) -> SweepResult:
+def _on_model(
+    model: nn.Module | Sequence,
+    params: Sequence | Mapping,
+    x: Any,
+    loss_args: tuple,
+    loss: Callable | None,
+    split_at: Sequence[str] | None,
+    pass_state: Any,
+    buffers: Sequence | None,
+    opts: Options,
+) -> SweepResult:
     """``sweep`` of a model: its chain, params per stage from a flat dict, results back in its structure."""
     example = x
     if split_at is not None and opts.microbatches != 1:  # the graph is captured for one piece's shapes
         pieces = M.split(x, (), opts.microbatches, opts.reduction, 0)
         layouts = {tuple(tuple(t.shape) for t in optree.tree_leaves(mb.x, namespace=NAMESPACE)) for mb in pieces}
         if len(layouts) > 1:
-            raise ValueError(f"sweep: a model cut with split_at is captured for one input shape; microbatches="
-                             f"{opts.microbatches} cuts the batch into pieces of different sizes "
-                             f"{sorted(layouts)}")
+            raise ValueError(
+                f"sweep: a model cut with split_at is captured for one input shape; microbatches="
+                f"{opts.microbatches} cuts the batch into pieces of different sizes "
+                f"{sorted(layouts)}"
+            )
         example = pieces[0].x
     chain, qualified = chain_of(model, loss, split_at, example)
     flat = isinstance(params, Mapping)
     if flat:
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"params: a flat {{name: tensor}} dict names a model's own parameters; give the model "
+                f"(an nn.Module), got a {type(model).__name__}"
+            )
         own = {name for name, _ in model.named_parameters()}
         missing = sorted({q for names in qualified for q in names.values() if q in own and q not in params})
         if missing:
-            raise ValueError(f"params: the flat dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''} "
-                             f"(expected the names of dict(model.named_parameters()))")
+            raise ValueError(
+                f"params: the flat dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''} "
+                f"(expected the names of dict(model.named_parameters()))"
+            )
         params = tuple({n: params[q] for n, q in names.items() if q in params} for names in qualified)
     res = run(chain, params, x, loss_args, None, None, pass_state, buffers, opts)
     if not flat:
         return res
 
     def flat_dict(per_stage: tuple) -> dict:
-        return {q: t for stage, names in zip(per_stage, qualified) for n, t in stage.items()
-                for q in [names[n]] if q is not None}
+        return {
+            q: t
+            for stage, names in zip(per_stage, qualified)
+            for n, t in stage.items()
+            for q in [names[n]]
+            if q is not None
+        }
 
-    return dataclasses.replace(res, grads=None if res.grads is None else flat_dict(res.grads),
-                               buffers=flat_dict(res.buffers), params=flat_dict(res.params))
+    return dataclasses.replace(
+        res,
+        grads=None if res.grads is None else flat_dict(res.grads),
+        buffers=flat_dict(res.buffers),
+        params=flat_dict(res.params),
+    )
 
 
-def value_and_grad(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_args: Any,
-                   loss: Callable | None = None, split_at: Sequence[str] | None = None, pass_state: Any = None,
-                   buffers: Sequence | None = None, **options: Unpack[SweepOptions]) -> tuple[torch.Tensor, Any]:
+def value_and_grad(
+    chain: Chain | nn.Module,
+    params: Sequence | Mapping,
+    x: Any,
+    *loss_args: Any,
+    loss: Callable | None = None,
+    split_at: Sequence[str] | None = None,
+    pass_state: Any = None,
+    buffers: Sequence | None = None,
+    **options: Unpack[SweepOptions],
+) -> tuple[torch.Tensor, Any]:
     """``(loss, grads)`` of ``chain`` (or a model with ``loss=``) at ``params``: ``sweep``'s loss and
     grads, with every option of ``sweep``; by default without keeping the costates of the trace
     or timing the stages (``keep_costates=False``, ``timers=False``)."""
@@ -235,9 +306,17 @@ def value_and_grad(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any,
     return res.loss, res.grads
 
 
-def grad(chain: Chain | nn.Module, params: Sequence | Mapping, x: Any, *loss_args: Any, loss: Callable | None = None,
-         split_at: Sequence[str] | None = None, pass_state: Any = None, buffers: Sequence | None = None,
-         **options: Unpack[SweepOptions]) -> Any:
+def grad(
+    chain: Chain | nn.Module,
+    params: Sequence | Mapping,
+    x: Any,
+    *loss_args: Any,
+    loss: Callable | None = None,
+    split_at: Sequence[str] | None = None,
+    pass_state: Any = None,
+    buffers: Sequence | None = None,
+    **options: Unpack[SweepOptions],
+) -> Any:
     """Parameter gradients of ``chain`` (or a model with ``loss=``) at ``params``, in the structure
     of ``params``; options as ``value_and_grad``."""
     opts = make("grad", options, keep_costates=False, timers=False)

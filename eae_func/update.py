@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-import optree
 import torch
-
-from .tree import NAMESPACE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,17 +37,19 @@ class Fused:
     max_norm: float | None = None
 
 
-def fused(update: Any, state: Sequence | None = None, *, max_norm: float | None = None,
-          per: str = "stage") -> Fused:
+def fused(update: Any, state: Sequence | None = None, *, max_norm: float | None = None, per: str = "stage") -> Fused:
     """An update to fuse into the fold: a ``torch.optim`` optimizer (or one per stage), or a pure
     ``fn(params_l, grads_l, state_l) -> (params_l, state_l)`` with ``state`` (one entry per stage).
     ``max_norm`` with ``per="stage"`` clips each stage's gradients by their norm."""
     if per != "stage":
-        raise ValueError(f"fused: per={per!r}: clipping by the global norm needs every stage's gradient before the "
-                         "first update, which a fused update cannot wait for; clip per stage (per='stage'), or run "
-                         "the sweep unfused, then torch.nn.utils.clip_grad_norm_ and optimizer.step()")
-    if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real)
-                                 or not max_norm > 0):
+        raise ValueError(
+            f"fused: per={per!r}: clipping by the global norm needs every stage's gradient before the "
+            "first update, which a fused update cannot wait for; clip per stage (per='stage'), or run "
+            "the sweep unfused, then torch.nn.utils.clip_grad_norm_ and optimizer.step()"
+        )
+    if max_norm is not None and (
+        isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0
+    ):
         raise ValueError(f"fused: max_norm must be a number > 0 or None, got {max_norm!r}")
     if isinstance(update, torch.optim.Optimizer):
         return Fused(optimizers=(update,), max_norm=max_norm)
@@ -59,8 +59,10 @@ def fused(update: Any, state: Sequence | None = None, *, max_norm: float | None 
         if state is None:
             raise TypeError("fused: a pure update fn(params_l, grads_l, state_l) needs state= (one entry per stage)")
         return Fused(fn=update, state=tuple(state), max_norm=max_norm)
-    raise TypeError(f"fused: expected a torch.optim.Optimizer, a list of them (one per stage) or a function "
-                    f"fn(params_l, grads_l, state_l) -> (params_l, state_l), got {type(update).__name__}")
+    raise TypeError(
+        f"fused: expected a torch.optim.Optimizer, a list of them (one per stage) or a function "
+        f"fn(params_l, grads_l, state_l) -> (params_l, state_l), got {type(update).__name__}"
+    )
 
 
 class Updater:
@@ -72,10 +74,12 @@ class Updater:
         self.spec, self.chain, self.carry = spec, chain, None
         for i, p in enumerate(params):
             if not isinstance(p, dict) or not all(isinstance(t, torch.Tensor) for t in p.values()):
-                raise TypeError(f"fused: the params of {chain.where(i)} must be a dict of tensors (as from_module "
-                                f"gives) to be updated in the fold, got {type(p).__name__}")
+                raise TypeError(
+                    f"fused: the params of {chain.where(i)} must be a dict of tensors (as from_module "
+                    f"gives) to be updated in the fold, got {type(p).__name__}"
+                )
         self.params = [dict(p) for p in params]
-        self.state = list(spec.state) if spec.fn is not None else None
+        self.state: list = list(spec.state) if spec.state is not None else []
         self.owner, self.members, self.pending = {}, {}, {}
         for g, group in enumerate(groups):
             group = sorted((stage, path[0]) for stage, path in group)  # (stage, name): params are flat dicts
@@ -86,10 +90,12 @@ class Updater:
             raise ValueError(f"fused: state has {len(self.state)} entries, the chain has {len(chain)} stages")
         if spec.optimizers:
             if len(spec.optimizers) not in (1, len(chain)):
-                raise ValueError(f"fused: expected one optimizer or one per stage ({len(chain)}), got "
-                                 f"{len(spec.optimizers)}")
-            by_storage = [{p.data_ptr(): p for group in o.param_groups for p in group["params"]}
-                          for o in spec.optimizers]
+                raise ValueError(
+                    f"fused: expected one optimizer or one per stage ({len(chain)}), got {len(spec.optimizers)}"
+                )
+            by_storage = [
+                {p.data_ptr(): p for group in o.param_groups for p in group["params"]} for o in spec.optimizers
+            ]
             self.targets = {}  # (stage, name) -> the optimizer's parameter, every one found before any step
             for i, stage in enumerate(self.params):
                 for name, t in stage.items():
@@ -97,20 +103,25 @@ class Updater:
                         continue  # a tied use: due at its owner
                     p = by_storage[i if len(by_storage) > 1 else 0].get(t.data_ptr())
                     if p is None:
-                        raise ValueError(f"fused: parameter {name!r} of {chain.where(i)} is not among the "
-                                         f"optimizer's parameters (give one optimizer over every trainable "
-                                         f"parameter, or one per stage)")
+                        raise ValueError(
+                            f"fused: parameter {name!r} of {chain.where(i)} is not among the "
+                            f"optimizer's parameters (give one optimizer over every trainable "
+                            f"parameter, or one per stage)"
+                        )
                     self.targets[i, name] = p
-            stale = [p for o in spec.optimizers for group in o.param_groups for p in group["params"]
-                     if p.grad is not None]
+            stale = [
+                p for o in spec.optimizers for group in o.param_groups for p in group["params"] if p.grad is not None
+            ]
             if stale:
-                raise ValueError(f"fused: {len(stale)} of the optimizer's parameters already have .grad set; each "
-                                 "fused step would apply them again: call optimizer.zero_grad(set_to_none=True) first")
+                raise ValueError(
+                    f"fused: {len(stale)} of the optimizer's parameters already have .grad set; each "
+                    "fused step would apply them again: call optimizer.zero_grad(set_to_none=True) first"
+                )
 
     def apply(self, i: int, grads: dict) -> None:
         """Update the parameters due at stage i from its gradients (plus earlier microbatches')."""
         if self.carry is not None:
-            grads = optree.tree_map(torch.add, self.carry[i], grads, namespace=NAMESPACE)
+            grads = {n: self.carry[i][n] + g for n, g in grads.items()}
         due = {}
         for name, g in grads.items():
             key = (i, name)

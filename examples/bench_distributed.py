@@ -49,12 +49,15 @@ def worker(codec: str, schedule: str, args) -> dict:
     forward = sum(s[n]["forward_s"] for s in stats for n in stage_names) / per_mb
     backward = sum(s[n]["recompute_s"] + s[n]["vjp_s"] + s[n]["pass_s"] for s in stats for n in stage_names)
     backward += sum(s["loss"]["forward_s"] + s["loss"]["pass_s"] for s in stats if "loss" in s)
-    return {"step_s": statistics.median(t for t, _ in steps),
-            "bubble": statistics.mean(s["schedule"]["bubble"] for s in stats),
-            "ideal": stats[0]["schedule"]["ideal_bubble"],
-            "costate_bytes": stats[-1]["wire"]["costate_bytes_sent"],
-            "bytes": stats[-1]["wire"]["bytes_sent"],
-            "forward_s": forward, "backward_s": backward / per_mb}
+    return {
+        "step_s": statistics.median(t for t, _ in steps),
+        "bubble": statistics.mean(s["schedule"]["bubble"] for s in stats),
+        "ideal": stats[0]["schedule"]["ideal_bubble"],
+        "costate_bytes": stats[-1]["wire"]["costate_bytes_sent"],
+        "bytes": stats[-1]["wire"]["bytes_sent"],
+        "forward_s": forward,
+        "backward_s": backward / per_mb,
+    }
 
 
 def main(argv=None):
@@ -73,10 +76,14 @@ def main(argv=None):
     if args.quick:
         args.ranks, args.depth, args.width, args.batch, args.seq, args.steps, args.warmup = "2", 2, 32, 4, 16, 1, 0
 
-    print(f"transformer_lm(vocab 256, width {args.width}, depth {args.depth}), batch {args.batch} x {args.seq} "
-          f"tokens, {args.microbatches} microbatches, gloo, one CPU thread per process\n")
-    print("| ranks | schedule | costates | step (ms) | costate bytes / step | all bytes / step "
-          "| costate bytes vs float32 | bubble measured | bubble simulated | bubble ideal |")
+    print(
+        f"transformer_lm(vocab 256, width {args.width}, depth {args.depth}), batch {args.batch} x {args.seq} "
+        f"tokens, {args.microbatches} microbatches, gloo, one CPU thread per process\n"
+    )
+    print(
+        "| ranks | schedule | costates | step (ms) | costate bytes / step | all bytes / step "
+        "| costate bytes vs float32 | bubble measured | bubble simulated | bubble ideal |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for p in (int(r) for r in args.ranks.split(",")):
         for schedule in args.schedules.split(","):
@@ -87,10 +94,13 @@ def main(argv=None):
                 sim = D.schedule.simulate(ops, [r["forward_s"] for r in ranks], [r["backward_s"] for r in ranks])
                 costate = sum(r["costate_bytes"] for r in ranks)
                 base = costate if base is None else base
-                print(f"| {p} | {schedule} | {codec} | {1000 * max(r['step_s'] for r in ranks):.0f} "
-                      f"| {costate:,} | {sum(r['bytes'] for r in ranks):,} | {costate / base:.3f} "
-                      f"| {statistics.mean(r['bubble'] for r in ranks):.2f} | {sim['bubble']:.2f} "
-                      f"| {ranks[0]['ideal']:.2f} |", flush=True)
+                print(
+                    f"| {p} | {schedule} | {codec} | {1000 * max(r['step_s'] for r in ranks):.0f} "
+                    f"| {costate:,} | {sum(r['bytes'] for r in ranks):,} | {costate / base:.3f} "
+                    f"| {statistics.mean(r['bubble'] for r in ranks):.2f} | {sim['bubble']:.2f} "
+                    f"| {ranks[0]['ideal']:.2f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -83,8 +83,11 @@ def measure(chain, params, x, y, physical, estimator) -> dict:
     res = ef.sweep(chain, params, x, y, estimator=estimator, physical=physical, key=0)
     wall = time.perf_counter() - start
     names = [chain.names[i] for i in physical]
-    return {"res": res, "wall": wall,
-            "queries": sum(res.stats[k].get("queries", 0) + res.stats[k].get("param_queries", 0) for k in names)}
+    return {
+        "res": res,
+        "wall": wall,
+        "queries": sum(res.stats[k].get("queries", 0) + res.stats[k].get("param_queries", 0) for k in names),
+    }
 
 
 def accuracy_table(label, model, x, y, physical, ns, chunk, eps) -> dict:
@@ -103,8 +106,10 @@ def accuracy_table(label, model, x, y, physical, ns, chunk, eps) -> dict:
             cos_p = [cosine(m["res"].adjoints[L - i].value, exact.adjoints[L - i].value) for i in physical]
             cos_g = cosine(flat_grads(m["res"].grads), flat_grads(exact.grads))
             curves.setdefault(name, []).append(sum(cos_p) / len(cos_p))
-            print(f"| {name} | {n} | {' / '.join(f'{c:.3f}' for c in cos_p)} | {cos_g:.3f} | "
-                  f"{m['queries']} | {1e3 * m['wall']:.1f} |")
+            print(
+                f"| {name} | {n} | {' / '.join(f'{c:.3f}' for c in cos_p)} | {cos_g:.3f} | "
+                f"{m['queries']} | {1e3 * m['wall']:.1f} |"
+            )
     return curves
 
 
@@ -118,8 +123,10 @@ def speedup_table(label, model, x, y, physical, n, eps, repeats) -> None:
         return min(measure(chain, params, x, y, physical, estimator)["wall"] for _ in range(repeats))
 
     plain = best(E.exact())  # the exact sweep: every physical stage differentiated
-    print(f"\n### {label}: batched probes vs a Python loop over probes (chunk=1), n = {n}; "
-          f"plain sweep {1e3 * plain:.1f} ms\n")
+    print(
+        f"\n### {label}: batched probes vs a Python loop over probes (chunk=1), n = {n}; "
+        f"plain sweep {1e3 * plain:.1f} ms\n"
+    )
     print("| estimator | batched sweep (ms) | loop sweep (ms) | speed-up, sweep | speed-up, estimator alone |")
     print("|---|---:|---:|---:|---:|")
     for name, make in ESTIMATORS.items():
@@ -131,6 +138,7 @@ def speedup_table(label, model, x, y, physical, n, eps, repeats) -> None:
 def plot(curves: dict, ns: list, path: pathlib.Path) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

@@ -45,7 +45,7 @@ import sys
 import time
 
 METHODS = ("autograd", "hf-checkpoint", "eae_func")
-MB = 2 ** 20
+MB = 2**20
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
@@ -83,8 +83,9 @@ def worker(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=spec["layers"], n_embd=256, n_head=8, vocab_size=256,
-                                     n_positions=256, use_cache=False)
+    config = transformers.GPT2Config(
+        n_layer=spec["layers"], n_embd=256, n_head=8, vocab_size=256, n_positions=256, use_cache=False
+    )
     model = transformers.GPT2LMHeadModel(config).train()
     params = dict(model.named_parameters())
     ids = torch.randint(0, config.vocab_size, (spec["batch"], spec["seq"]), generator=torch.Generator().manual_seed(1))
@@ -122,13 +123,24 @@ def worker(spec: dict) -> dict:
         del grads  # the previous step's gradients are not alive during the next step
     for p in params.values():
         p.grad = None
-    return {"peak_bytes": peak_rss(reset) - setup_rss, "warm_bytes": warm_peak - setup_rss, "setup_bytes": setup_rss,
-            "reset": reset, "times": times, "loss": loss, "grad_norm": gnorm}
+    return {
+        "peak_bytes": peak_rss(reset) - setup_rss,
+        "warm_bytes": warm_peak - setup_rss,
+        "setup_bytes": setup_rss,
+        "reset": reset,
+        "times": times,
+        "loss": loss,
+        "grad_norm": gnorm,
+    }
 
 
 def run_worker(spec: dict) -> dict:
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(spec)],
-                          env={**os.environ, **MMAP_ENV}, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(spec)],
+        env={**os.environ, **MMAP_ENV},
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         return {"error": proc.stderr.strip()[-3000:] or f"exit status {proc.returncode}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -165,39 +177,60 @@ def main(argv=None) -> None:
     import transformers
 
     print("# Hugging Face GPT-2: one gradient step\n")
-    print(f"Command: `{shlex.join([os.path.basename(sys.executable), *(sys.argv if argv is None else ['bench_hf.py', *argv])])}`\n")
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, cpu, {args.threads} threads; "
-          f"GPT-2 {args.layers} layers, n_embd 256, 8 heads, vocab 256, batch {args.batch}, seq {args.seq}, fp32, "
-          f"train mode (dropout 0.1); 1 warm-up + {args.steps} timed steps per process, "
-          f"MALLOC_MMAP_THRESHOLD_=65536\n", flush=True)
+    print(
+        f"Command: `{shlex.join([os.path.basename(sys.executable), *(sys.argv if argv is None else ['bench_hf.py', *argv])])}`\n"
+    )
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, cpu, {args.threads} threads; "
+        f"GPT-2 {args.layers} layers, n_embd 256, 8 heads, vocab 256, batch {args.batch}, seq {args.seq}, fp32, "
+        f"train mode (dropout 0.1); 1 warm-up + {args.steps} timed steps per process, "
+        f"MALLOC_MMAP_THRESHOLD_=65536\n",
+        flush=True,
+    )
     t0 = time.perf_counter()
     results = {}
     for m in args.methods:
         print(f"  running {m}", file=sys.stderr, flush=True)
-        spec = dict(method=m, layers=args.layers, batch=args.batch, seq=args.seq, steps=args.steps, threads=args.threads)
+        spec = dict(
+            method=m, layers=args.layers, batch=args.batch, seq=args.seq, steps=args.steps, threads=args.threads
+        )
         results[m] = run_worker(spec)
     ok = {m: r for m, r in results.items() if "error" not in r}
     ref = ok.get("autograd")
     ref_mem, ref_s = (ref["peak_bytes"], statistics.median(ref["times"])) if ref else (None, None)
-    print("| method | peak MB above setup | warm-up peak MB above setup | median step s | peak / autograd "
-          "| step / autograd |")
+    print(
+        "| method | peak MB above setup | warm-up peak MB above setup | median step s | peak / autograd "
+        "| step / autograd |"
+    )
     print("|---|---|---|---|---|---|")
     for m, r in results.items():
         if "error" in r:
             print(f"| {m} | failed | failed | failed | - | - |")
             continue
         med = statistics.median(r["times"])
-        print(f"| {m} | {r['peak_bytes'] / MB:.1f} | {r['warm_bytes'] / MB:.1f} | {med:.3f} "
-              f"| {fmt_ratio(r['peak_bytes'], ref_mem)} | {fmt_ratio(med, ref_s)} |")
+        print(
+            f"| {m} | {r['peak_bytes'] / MB:.1f} | {r['warm_bytes'] / MB:.1f} | {med:.3f} "
+            f"| {fmt_ratio(r['peak_bytes'], ref_mem)} | {fmt_ratio(med, ref_s)} |"
+        )
     print()
     for m, r in ok.items():
-        rel = (f" (rel. diff vs autograd: loss {abs(r['loss'] - ref['loss']) / abs(ref['loss']):.1e}, "
-               f"grad norm {abs(r['grad_norm'] - ref['grad_norm']) / ref['grad_norm']:.1e})") if ref and m != "autograd" else ""
-        print(f"{m}: loss {r['loss']:.7f}, grad norm {r['grad_norm']:.7f}{rel}; "
-              f"step times {', '.join(f'{t:.3f}' for t in r['times'])} s; RSS after setup {r['setup_bytes'] / MB:.0f} MB")
+        rel = (
+            (
+                f" (rel. diff vs autograd: loss {abs(r['loss'] - ref['loss']) / abs(ref['loss']):.1e}, "
+                f"grad norm {abs(r['grad_norm'] - ref['grad_norm']) / ref['grad_norm']:.1e})"
+            )
+            if ref and m != "autograd"
+            else ""
+        )
+        print(
+            f"{m}: loss {r['loss']:.7f}, grad norm {r['grad_norm']:.7f}{rel}; "
+            f"step times {', '.join(f'{t:.3f}' for t in r['times'])} s; RSS after setup {r['setup_bytes'] / MB:.0f} MB"
+        )
     if not all(r["reset"] for r in ok.values()):
-        print("WARNING: could not reset the RSS high-water mark (/proc/self/clear_refs): peaks are ru_maxrss "
-              "and include import transients.")
+        print(
+            "WARNING: could not reset the RSS high-water mark (/proc/self/clear_refs): peaks are ru_maxrss "
+            "and include import transients."
+        )
     for m, r in results.items():
         if "error" in r:
             print(f"\n{m} FAILED:\n```\n{r['error']}\n```")

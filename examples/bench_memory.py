@@ -99,13 +99,14 @@ import weakref
 
 METHODS = ("autograd", "checkpoint", "eae-runtime", "eae_func")
 DIM, HEADS, KV_HEADS, FFN = 256, 8, 4, 1024
-MB = 2 ** 20
+MB = 2**20
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 # ---------------------------------------------------------------------------
 # Shared pieces (parent and workers)
 # ---------------------------------------------------------------------------
+
 
 def usable_cores() -> int:
     try:
@@ -176,6 +177,7 @@ def make_step(method: str, blocks: list, x, target):
 
         return step
     if method == "baseline":
+
         def step():
             with torch.no_grad():
                 h = x
@@ -200,8 +202,9 @@ class LiveBytes:
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                          if isinstance(t, torch.Tensor)}
+                inputs = {
+                    t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                }
                 for t in tree_leaves(out):
                     if isinstance(t, torch.Tensor):
                         counter._add(t.untyped_storage(), inputs)
@@ -234,6 +237,7 @@ class LiveBytes:
 # Worker: one (method, depth, allocator) per process
 # ---------------------------------------------------------------------------
 
+
 def _status_kb(field: str) -> int:
     with open("/proc/self/status") as f:
         return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
@@ -254,6 +258,7 @@ def peak_rss() -> int:
         return _status_kb("VmHWM") * 1024
     except OSError:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
 
 def worker(spec: dict) -> dict:
     import eae_runtime  # noqa: F401
@@ -330,6 +335,7 @@ def interleaved_times(spec: dict, blocks: list, x, target, sync) -> dict:
 # Parent: correctness check, floor, scheduling, tables
 # ---------------------------------------------------------------------------
 
+
 def check_gradients(threads: int) -> str:
     """Max abs difference of eae_func's and eae-runtime's gradients from autograd's, small size."""
     import torch
@@ -343,8 +349,10 @@ def check_gradients(threads: int) -> str:
     for method in ("eae-runtime", "eae_func"):
         loss, grads = make_step(method, blocks, x, target)()
         diff = max(float((g - r).abs().max()) for g, r in zip(grads, ref))
-        parts.append(f"{method}: max |grad - autograd| = {diff:.2e} (max |grad| {scale:.2e}), "
-                     f"|loss diff| = {abs(float(loss) - float(ref_loss)):.1e}")
+        parts.append(
+            f"{method}: max |grad - autograd| = {diff:.2e} (max |grad| {scale:.2e}), "
+            f"|loss diff| = {abs(float(loss) - float(ref_loss)):.1e}"
+        )
     return "; ".join(parts)
 
 
@@ -384,8 +392,12 @@ def eae_floor(depth: int, batch: int, seq: int, threads: int) -> dict:
 def run_worker(spec: dict, env_extra: dict, drop: tuple = ()) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(env_extra)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(spec)],
-                          env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"worker {spec} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -442,9 +454,11 @@ def main(argv=None) -> None:
     methods = ["baseline", *args.methods]
 
     print("# EAE memory/time benchmark\n")
-    print(f"torch {torch.__version__}, device {args.device}, {args.threads} threads, "
-          f"Block(dim={DIM}, heads={HEADS}/{KV_HEADS}, ffn={FFN}), batch {args.batch}, seq {args.seq}, fp32, "
-          f"{args.warmup} warm-up + {args.steps} timed steps per process\n")
+    print(
+        f"torch {torch.__version__}, device {args.device}, {args.threads} threads, "
+        f"Block(dim={DIM}, heads={HEADS}/{KV_HEADS}, ffn={FFN}), batch {args.batch}, seq {args.seq}, fp32, "
+        f"{args.warmup} warm-up + {args.steps} timed steps per process\n"
+    )
     t0 = time.perf_counter()
     if not args.load:
         print(f"Gradient check (3 blocks, batch 2, seq 32): {check_gradients(args.threads)}\n", flush=True)
@@ -460,9 +474,18 @@ def main(argv=None) -> None:
     if not args.load:
         results: dict = {}
     for depth, method, alloc in jobs:
-        spec = dict(method=method, methods=args.methods, depth=depth, batch=args.batch, seq=args.seq, device=args.device,
-                    threads=args.threads, steps=args.steps, warmup=args.warmup,
-                    live=(alloc != "mmap" and method not in ("baseline", "interleaved") and not args.no_live))
+        spec = dict(
+            method=method,
+            methods=args.methods,
+            depth=depth,
+            batch=args.batch,
+            seq=args.seq,
+            device=args.device,
+            threads=args.threads,
+            steps=args.steps,
+            warmup=args.warmup,
+            live=(alloc != "mmap" and method not in ("baseline", "interleaved") and not args.no_live),
+        )
         drop = () if alloc == "mmap" else tuple(MMAP_ENV)
         label = f"depth {depth} {method:<11} {alloc:<7}"
         if bar is None:
@@ -491,58 +514,86 @@ def main(argv=None) -> None:
 
         print(f"## depth {depth}\n")
         if cuda:
-            print("| method | peak MB above baseline (cuda max_memory_allocated) | live MB "
-                  "| median step s (interleaved) | median step s (own process) "
-                  "| peak / eae-runtime | peak / autograd | step / eae-runtime | step / autograd |")
+            print(
+                "| method | peak MB above baseline (cuda max_memory_allocated) | live MB "
+                "| median step s (interleaved) | median step s (own process) "
+                "| peak / eae-runtime | peak / autograd | step / eae-runtime | step / autograd |"
+            )
             print("|---|---|---|---|---|---|---|---|---|")
         else:
-            print("| method | peak MB above baseline (mmap threshold) | peak MB above baseline (default allocator) "
-                  "| live MB | median step s (interleaved) | median step s (own process) | peak / eae-runtime "
-                  "| peak / autograd | step / eae-runtime | step / autograd |")
+            print(
+                "| method | peak MB above baseline (mmap threshold) | peak MB above baseline (default allocator) "
+                "| live MB | median step s (interleaved) | median step s (own process) | peak / eae-runtime "
+                "| peak / autograd | step / eae-runtime | step / autograd |"
+            )
             print("|---|---|---|---|---|---|---|---|---|---|")
         for m in args.methods:
             cells = [m, f"{above[m, mem_alloc] / MB:.1f}"]
             if not cuda:
                 cells.append(f"{above[m, 'default'] / MB:.1f}")
-            cells += [f"{live[m] / MB:.1f}" if live[m] is not None else "-", f"{step_s[m]:.3f}", f"{own_s[m]:.3f}",
-                      fmt_ratio(above[m, mem_alloc], ref_m or 0), fmt_ratio(above[m, mem_alloc], auto_m or 0),
-                      fmt_ratio(step_s[m], ref_s or 0), fmt_ratio(step_s[m], auto_s or 0)]
+            cells += [
+                f"{live[m] / MB:.1f}" if live[m] is not None else "-",
+                f"{step_s[m]:.3f}",
+                f"{own_s[m]:.3f}",
+                fmt_ratio(above[m, mem_alloc], ref_m or 0),
+                fmt_ratio(above[m, mem_alloc], auto_m or 0),
+                fmt_ratio(step_s[m], ref_s or 0),
+                fmt_ratio(step_s[m], auto_s or 0),
+            ]
             print("| " + " | ".join(cells) + " |")
         print()
-        base_line = ", ".join(f"{a}: {base[a] / MB:.1f} MB above its {results[depth, 'baseline', a]['setup_bytes'] / MB:.0f} MB after setup" for a in allocators)
+        base_line = ", ".join(
+            f"{a}: {base[a] / MB:.1f} MB above its {results[depth, 'baseline', a]['setup_bytes'] / MB:.0f} MB after setup"
+            for a in allocators
+        )
         if not all(r.get("reset", True) for r in results.values()):
-            print("WARNING: could not reset the RSS high-water mark (/proc/self/clear_refs); "
-                  "peaks include import transients and may be meaningless.")
-        print(f"Forward-only baseline peak: {base_line}; baseline forward "
-              f"{statistics.median(results[depth, 'baseline', time_alloc]['times']):.3f} s.")
-        sanity = ", ".join(f"{m} {results[depth, m, time_alloc]['loss']:.6f}/"
-                           f"{results[depth, m, time_alloc]['grad_norm']:.6f}" for m in args.methods)
+            print(
+                "WARNING: could not reset the RSS high-water mark (/proc/self/clear_refs); "
+                "peaks include import transients and may be meaningless."
+            )
+        print(
+            f"Forward-only baseline peak: {base_line}; baseline forward "
+            f"{statistics.median(results[depth, 'baseline', time_alloc]['times']):.3f} s."
+        )
+        sanity = ", ".join(
+            f"{m} {results[depth, m, time_alloc]['loss']:.6f}/{results[depth, m, time_alloc]['grad_norm']:.6f}"
+            for m in args.methods
+        )
         print(f"Loss / grad norm (first step): {sanity}.")
         inter = results[depth, "interleaved", time_alloc]["times"]
-        spread = ", ".join(f"{m} {min(inter[m]):.3f}-{max(inter[m]):.3f} "
-                           f"(own process {min(results[depth, m, time_alloc]['times']):.3f}-"
-                           f"{max(results[depth, m, time_alloc]['times']):.3f})" for m in args.methods)
+        spread = ", ".join(
+            f"{m} {min(inter[m]):.3f}-{max(inter[m]):.3f} "
+            f"(own process {min(results[depth, m, time_alloc]['times']):.3f}-"
+            f"{max(results[depth, m, time_alloc]['times']):.3f})"
+            for m in args.methods
+        )
         print(f"Step time range, interleaved (s): {spread}.")
 
         if "eae_func" in args.methods and not cuda and live.get("eae_func"):
             fl = eae_floor(depth, args.batch, args.seq, args.threads)
             comparable = fl["floor"] - fl["forward_transient"]
             measured = above["eae_func", "mmap"]
-            print(f"EAE floor: L*G + T + 2A = {fl['floor'] / MB:.1f} MB (G {fl['G'] / MB:.2f} MB grads/block, "
-                  f"T {fl['T'] / MB:.2f} MB tape/block, A {fl['A'] / MB:.2f} MB/boundary); "
-                  f"eae_func live {live['eae_func'] / MB:.1f} MB = {live['eae_func'] / fl['floor']:.2f}x floor; "
-                  f"above baseline the floor is {comparable / MB:.1f} MB (minus the no-grad forward's "
-                  f"{fl['forward_transient'] / MB:.1f} MB transient), eae_func's mmap peak "
-                  f"{measured / MB:.1f} MB = {fmt_ratio(measured, comparable)} it.")
+            print(
+                f"EAE floor: L*G + T + 2A = {fl['floor'] / MB:.1f} MB (G {fl['G'] / MB:.2f} MB grads/block, "
+                f"T {fl['T'] / MB:.2f} MB tape/block, A {fl['A'] / MB:.2f} MB/boundary); "
+                f"eae_func live {live['eae_func'] / MB:.1f} MB = {live['eae_func'] / fl['floor']:.2f}x floor; "
+                f"above baseline the floor is {comparable / MB:.1f} MB (minus the no-grad forward's "
+                f"{fl['forward_transient'] / MB:.1f} MB transient), eae_func's mmap peak "
+                f"{measured / MB:.1f} MB = {fmt_ratio(measured, comparable)} it."
+            )
         if {"eae_func", "eae-runtime", "autograd", "checkpoint"} <= set(args.methods):
             ef_m, ck_m = above["eae_func", mem_alloc], above["checkpoint", mem_alloc]
             checks = [
                 (f"peak <= 0.9x eae-runtime ({fmt_ratio(ef_m, ref_m)})", ef_m <= 0.9 * ref_m),
                 (f"peak < checkpoint ({ef_m / MB:.1f} vs {ck_m / MB:.1f} MB)", ef_m < ck_m),
-                (f"step <= 1.05x eae-runtime ({fmt_ratio(step_s['eae_func'], ref_s)})",
-                 step_s["eae_func"] <= 1.05 * ref_s),
-                (f"step <= 1.4x autograd ({fmt_ratio(step_s['eae_func'], auto_s)})",
-                 step_s["eae_func"] <= 1.4 * auto_s),
+                (
+                    f"step <= 1.05x eae-runtime ({fmt_ratio(step_s['eae_func'], ref_s)})",
+                    step_s["eae_func"] <= 1.05 * ref_s,
+                ),
+                (
+                    f"step <= 1.4x autograd ({fmt_ratio(step_s['eae_func'], auto_s)})",
+                    step_s["eae_func"] <= 1.4 * auto_s,
+                ),
             ]
             line = "; ".join(f"{'MET' if ok else 'MISSED'} {text}" for text, ok in checks)
             print(f"\n**Targets, depth {depth}:** {line}")

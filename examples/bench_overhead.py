@@ -56,9 +56,12 @@ def methods(model: nn.Module, x: torch.Tensor, loss_fn, *loss_args) -> dict:
             h = checkpoint(stage, h, use_reentrant=False)
         loss_fn(h, *loss_args).backward()
 
-    return {"autograd": autograd, "checkpoint": checkpointed,
-            "eae_func": lambda: ef.value_and_grad(chain, params, x, *loss_args),
-            "eae_func + int8, clip": lambda: ef.value_and_grad(chain, params, x, *loss_args, passes=passes)}
+    return {
+        "autograd": autograd,
+        "checkpoint": checkpointed,
+        "eae_func": lambda: ef.value_and_grad(chain, params, x, *loss_args),
+        "eae_func + int8, clip": lambda: ef.value_and_grad(chain, params, x, *loss_args, passes=passes),
+    }
 
 
 def interleaved(steps: dict, reps: int) -> dict:
@@ -118,8 +121,10 @@ def main() -> None:
         model, x = tiny(depth)
         med = interleaved(methods(model, x, lambda out: out.square().mean()), args.reps)
         for name, t in med.items():
-            print(f"| {depth} | {name} | {t / depth * 1e6:.0f} | {t / med['autograd']:.2f}x | "
-                  f"{t / med['checkpoint']:.2f}x |")
+            print(
+                f"| {depth} | {name} | {t / depth * 1e6:.0f} | {t / med['autograd']:.2f}x | "
+                f"{t / med['checkpoint']:.2f}x |"
+            )
 
     torch.manual_seed(0)
     width, depth, seq, batch = (32, 2, 16, 2) if args.quick else (128, 4, 64, 8)
@@ -138,8 +143,10 @@ def main() -> None:
     steps = methods(model, x, lambda out: out.square().mean())
     rounds = 3 if args.quick else 10
     (ours, top), (theirs, _) = profile(steps["eae_func"], rounds), profile(steps["checkpoint"], rounds)
-    print(f"\nWhere the time goes ({depth} tiny stages; cProfile's own time in us per stage, which inflates "
-          f"Python calls):\n")
+    print(
+        f"\nWhere the time goes ({depth} tiny stages; cProfile's own time in us per stage, which inflates "
+        f"Python calls):\n"
+    )
     print("| own time in | eae_func | checkpoint |\n|---|---|---|")
     for name in ours:
         print(f"| {name} | {ours[name] / depth * 1e6:.0f} | {theirs[name] / depth * 1e6:.0f} |")

@@ -77,15 +77,19 @@ def main() -> None:
                 fractions.append(pass_s / wall)
 
     base, with_passes = statistics.median(walls["none"]), statistics.median(walls["int8 + clip(1.0)"])
-    print(f"{args.depth} blocks, dim {args.dim}, heads {args.heads}/{args.kv_heads}, ffn {args.ffn}, "
-          f"seq {args.seq}, batch {args.batch}, fp32, {torch.get_num_threads()} threads, "
-          f"median of {args.steps} steps\n")
+    print(
+        f"{args.depth} blocks, dim {args.dim}, heads {args.heads}/{args.kv_heads}, ffn {args.ffn}, "
+        f"seq {args.seq}, batch {args.batch}, fp32, {torch.get_num_threads()} threads, "
+        f"median of {args.steps} steps\n"
+    )
     print("| passes | step (s) | pass time (ms) | pass fraction of step | step / step without passes |")
     print("|---|---|---|---|---|")
     print(f"| none | {base:.3f} | 0 | 0 | 1.000 |")
     pass_ms = statistics.median(f * w for f, w in zip(fractions, walls["int8 + clip(1.0)"])) * 1e3
-    print(f"| int8 + clip(1.0) | {with_passes:.3f} | {pass_ms:.1f} | "
-          f"{100 * statistics.median(fractions):.2f}% | {with_passes / base:.3f} |")
+    print(
+        f"| int8 + clip(1.0) | {with_passes:.3f} | {pass_ms:.1f} | "
+        f"{100 * statistics.median(fractions):.2f}% | {with_passes / base:.3f} |"
+    )
 
 
 if __name__ == "__main__":

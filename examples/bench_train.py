@@ -59,7 +59,7 @@ HERE = pathlib.Path(__file__).parent
 METHODS = ("autograd", "checkpoint", "checkpoint+hooks", "eae-runtime", "eae_func", "eae_func fused")
 BLOCKS = ("block", "llama")
 DIM, HEADS, KV_HEADS, FFN = 256, 8, 4, 1024
-MB = 2 ** 20
+MB = 2**20
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
@@ -75,8 +75,14 @@ def make_blocks(kind: str, depth: int):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    config = LlamaConfig(hidden_size=DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                         intermediate_size=FFN, vocab_size=256, max_position_embeddings=4096)
+    config = LlamaConfig(
+        hidden_size=DIM,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        intermediate_size=FFN,
+        vocab_size=256,
+        max_position_embeddings=4096,
+    )
     config._attn_implementation = "sdpa"
 
     class Llama(nn.Module):
@@ -117,6 +123,7 @@ def make_step(method: str, blocks: list, x, target):
             opt.step()
             opt.zero_grad(set_to_none=True)  # every method ends its step with no gradients left
             return loss.detach()
+
         return step
     if method == "checkpoint+hooks":
         per_param = {p: torch.optim.AdamW([p], lr=1e-3) for p in params}
@@ -136,6 +143,7 @@ def make_step(method: str, blocks: list, x, target):
             del h
             loss.backward()
             return loss.detach()
+
         return step
     if method == "eae-runtime":
         from eae_runtime import EAERuntime, RuntimeConfig
@@ -150,6 +158,7 @@ def make_step(method: str, blocks: list, x, target):
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
+
         return step
     import eae_func as ef
 
@@ -157,6 +166,7 @@ def make_step(method: str, blocks: list, x, target):
     chain, stage_params = ef.from_module(model, loss=loss_fn)
     opt = torch.optim.AdamW(params, lr=1e-3)
     if method == "eae_func":
+
         def step():
             loss, grads = ef.value_and_grad(chain, stage_params, x, target)
             ef.write_grads(model, grads)
@@ -164,10 +174,13 @@ def make_step(method: str, blocks: list, x, target):
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
+
         return step
     if method == "eae_func fused":
+
         def step():
             return ef.sweep(chain, stage_params, x, target, update=opt, keep_costates=False).loss
+
         return step
     raise ValueError(f"unknown method {method!r}")
 
@@ -245,8 +258,9 @@ def floor(kind: str, depth: int, batch: int, seq: int) -> dict:
 
 def run(spec: dict, env: dict | None = None) -> dict:
     environ = {**os.environ, **(env or {})}
-    done = subprocess.run([sys.executable, __file__, "--_worker", json.dumps(spec)], capture_output=True, text=True,
-                          env=environ)
+    done = subprocess.run(
+        [sys.executable, __file__, "--_worker", json.dumps(spec)], capture_output=True, text=True, env=environ
+    )
     if done.returncode:
         raise RuntimeError(f"{spec}:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -271,9 +285,11 @@ def curve(depth: int, batch: int, seq: int, threads: int, steps: int) -> None:
         budget = kept * per_block + per_block // 2 if kept else 0
         runs[("eae_func", kept)] = lambda b=budget: ef.value_and_grad(chain, params, x, target, recompute=b)
     for segments in range(1, depth + 1):
+
         def ckpt(s=segments):
             model.zero_grad(set_to_none=True)
             loss_fn(checkpoint_sequential(model, s, x, use_reentrant=False), target).backward()
+
         runs[("checkpoint_sequential", segments)] = ckpt
     peaks, times = {}, {k: [] for k in runs}
     for key, fn in runs.items():
@@ -294,15 +310,24 @@ def curve(depth: int, batch: int, seq: int, threads: int, steps: int) -> None:
         label = f"{setting} graphs kept" if method == "eae_func" else f"{setting} segments"
         print(f"| {method} | {label} | {peak:.1f} | {statistics.median(times[method, setting]):.3f} |")
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for method, marker in (("eae_func", "o"), ("checkpoint_sequential", "s")):
         keys = sorted((k for k in peaks if k[0] == method), key=peaks.get)
-        ax.plot([peaks[k] for k in keys], [statistics.median(times[k]) for k in keys], marker=marker,
-                label=f"{method} ({'recompute= byte budget' if method == 'eae_func' else '1..L segments'})")
-    ax.set(xlabel="live peak MB (gradient step)", ylabel="step s (median)",
-           title=f"remat: time against memory, {depth} blocks")
+        ax.plot(
+            [peaks[k] for k in keys],
+            [statistics.median(times[k]) for k in keys],
+            marker=marker,
+            label=f"{method} ({'recompute= byte budget' if method == 'eae_func' else '1..L segments'})",
+        )
+    ax.set(
+        xlabel="live peak MB (gradient step)",
+        ylabel="step s (median)",
+        title=f"remat: time against memory, {depth} blocks",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(HERE / "bench_train_curve.png", dpi=120)
@@ -312,8 +337,13 @@ def curve(depth: int, batch: int, seq: int, threads: int, steps: int) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--depths", type=int, nargs="+", default=[12])
-    parser.add_argument("--blocks", nargs="*", default=list(BLOCKS), choices=BLOCKS,
-                        help="block kinds for the tables (none: only --curve)")
+    parser.add_argument(
+        "--blocks",
+        nargs="*",
+        default=list(BLOCKS),
+        choices=BLOCKS,
+        help="block kinds for the tables (none: only --curve)",
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
@@ -328,35 +358,55 @@ def main(argv=None) -> None:
         return
     if args.quick:
         args.depths, args.batch, args.seq, args.steps = [2], 2, 32, 1
-    print(f"# Training step: forward + gradients + AdamW, batch {args.batch}, seq {args.seq}, width {DIM}, "
-          f"{args.threads} threads, {args.steps} timed steps after {args.warmup} warm-up\n")
+    print(
+        f"# Training step: forward + gradients + AdamW, batch {args.batch}, seq {args.seq}, width {DIM}, "
+        f"{args.threads} threads, {args.steps} timed steps after {args.warmup} warm-up\n"
+    )
     for kind in args.blocks:
         for depth in args.depths:
-            spec = dict(kind=kind, depth=depth, batch=args.batch, seq=args.seq, threads=args.threads,
-                        steps=args.steps, warmup=args.warmup)
+            spec = dict(
+                kind=kind,
+                depth=depth,
+                batch=args.batch,
+                seq=args.seq,
+                threads=args.threads,
+                steps=args.steps,
+                warmup=args.warmup,
+            )
             res = {m: run({**spec, "method": m}, MMAP_ENV) for m in METHODS}
             times = run({**spec, "method": "interleaved"})["times"]
             fl = floor(kind, depth, args.batch, args.seq)
             step = {m: statistics.median(times[m]) for m in METHODS}
-            print(f"### {kind}, depth {depth}: floor {fl['floor'] / MB:.1f} MB, fused floor "
-                  f"{fl['fused_floor'] / MB:.1f} MB (G {fl['G'] / MB:.1f}, A {fl['A'] / MB:.1f}, T {fl['T'] / MB:.1f}, "
-                  f"local backward B {fl['B'] / MB:.1f} MB)\n")
-            print("| method | peak MB above params + optimizer state | live MB | step s | peak / eae-runtime | "
-                  "step / checkpoint | loss |")
+            print(
+                f"### {kind}, depth {depth}: floor {fl['floor'] / MB:.1f} MB, fused floor "
+                f"{fl['fused_floor'] / MB:.1f} MB (G {fl['G'] / MB:.1f}, A {fl['A'] / MB:.1f}, T {fl['T'] / MB:.1f}, "
+                f"local backward B {fl['B'] / MB:.1f} MB)\n"
+            )
+            print(
+                "| method | peak MB above params + optimizer state | live MB | step s | peak / eae-runtime | "
+                "step / checkpoint | loss |"
+            )
             print("|---|---|---|---|---|---|---|")
             for m in METHODS:
                 r = res[m]
-                print(f"| {m} | {r['peak'] / MB:.1f} | {r['live'] / MB:.1f} | {step[m]:.3f} | "
-                      f"{r['peak'] / res['eae-runtime']['peak']:.2f}x | {step[m] / step['checkpoint']:.2f}x | "
-                      f"{r['loss']:.6f} |")
+                print(
+                    f"| {m} | {r['peak'] / MB:.1f} | {r['live'] / MB:.1f} | {step[m]:.3f} | "
+                    f"{r['peak'] / res['eae-runtime']['peak']:.2f}x | {step[m] / step['checkpoint']:.2f}x | "
+                    f"{r['loss']:.6f} |"
+                )
             fused, hooks = res["eae_func fused"], res["checkpoint+hooks"]
-            print(f"\nunfused: live {res['eae_func']['live'] / fl['floor']:.2f}x its floor, peak "
-                  f"{res['eae_func']['peak'] / res['checkpoint']['peak']:.2f}x checkpoint's; step "
-                  f"{step['eae_func'] / step['checkpoint']:.2f}x checkpoint's")
-            print(f"fused: live {fused['live'] / fl['fused_floor']:.2f}x its floor; peak "
-                  f"{fused['peak'] / res['eae-runtime']['peak']:.2f}x eae-runtime+AdamW's, "
-                  f"{fused['peak'] / hooks['peak']:.2f}x checkpoint+hooks'; step "
-                  f"{step['eae_func fused'] / step['checkpoint']:.2f}x checkpoint+AdamW's\n", flush=True)
+            print(
+                f"\nunfused: live {res['eae_func']['live'] / fl['floor']:.2f}x its floor, peak "
+                f"{res['eae_func']['peak'] / res['checkpoint']['peak']:.2f}x checkpoint's; step "
+                f"{step['eae_func'] / step['checkpoint']:.2f}x checkpoint's"
+            )
+            print(
+                f"fused: live {fused['live'] / fl['fused_floor']:.2f}x its floor; peak "
+                f"{fused['peak'] / res['eae-runtime']['peak']:.2f}x eae-runtime+AdamW's, "
+                f"{fused['peak'] / hooks['peak']:.2f}x checkpoint+hooks'; step "
+                f"{step['eae_func fused'] / step['checkpoint']:.2f}x checkpoint+AdamW's\n",
+                flush=True,
+            )
     if args.curve:
         curve(args.depths[0], args.batch, args.seq, args.threads, max(args.steps, 2))
 

@@ -90,10 +90,12 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def sleeping_pass(cycles: int):
     """Identity on the costate that first keeps the GPU busy (a wider window for any missing wait)."""
+
     def sleep(adj):
         if torch.cuda.is_available() and adj.tensors() and adj.tensors()[0].is_cuda:
             torch.cuda._sleep(cycles)
         return adj
+
     return sleep
 
 
@@ -103,8 +105,10 @@ def check_gradients(device, depth, dim, batch, seq) -> None:
     x, target = torch.randn(batch, seq, dim, device=device), torch.randn(batch, seq, dim, device=device)
     chain, params = ef.from_module(net, loss=mse)
     reference = torch.cat([g.flatten() for g in autograd_grads(net, x, target, seed=1)])
-    cases = {"offload": (dict(offload=True), 1e-4), "offload + bf16 boundaries": (
-        dict(offload=True, boundary_dtype=torch.bfloat16), 5e-2)}
+    cases = {
+        "offload": (dict(offload=True), 1e-4),
+        "offload + bf16 boundaries": (dict(offload=True, boundary_dtype=torch.bfloat16), 5e-2),
+    }
     for name, (options, tol) in cases.items():
         for label, passes in (("", None), (", a sleeping pass", sleeping_pass(1_000_000))):
             torch.manual_seed(1)
@@ -141,8 +145,11 @@ def check_physical_under_autocast(device, dim, batch, seq) -> None:
         probed = ef.sweep(chain, params, x, target, estimator=E.zbp(E.Probes(4, batch_dims=2)), **options)
         ok = all(torch.isfinite(g).all() for stage in probed.grads for g in stage.values())
         err = relative(flat(exact.grads[2:]), flat(probed.grads[2:]))  # downstream of the physical block: exact
-        report("(c) autocast + estimator on a physical stage", ok and err < 1e-6,
-               f"finite estimates, downstream gradients equal to the exact estimator's ({err:.1e})")
+        report(
+            "(c) autocast + estimator on a physical stage",
+            ok and err < 1e-6,
+            f"finite estimates, downstream gradients equal to the exact estimator's ({err:.1e})",
+        )
     except Exception as e:  # noqa: BLE001 - a check reports, never stops the run
         report("(c) autocast + estimator on a physical stage", False, f"{type(e).__name__}: {e}")
 
@@ -165,13 +172,17 @@ def check_syncs(device, dim, batch, seq) -> None:
     x, target = torch.randn(batch, seq, dim, device=device), torch.randn(batch, seq, dim, device=device)
     chain, params = ef.from_module(net, loss=mse)
     ef.sweep(chain, params, x, target)  # warm-up: first-call allocations and lazy inits
-    for name, options, expect_none in (("no passes", {}, True), ("offload", dict(offload=True), True),
-                                       ("check_finite + clip", dict(passes=ef.compose(P.check_finite(),
-                                                                                      P.clip_by_global_norm(1.0))),
-                                        False)):
+    for name, options, expect_none in (
+        ("no passes", {}, True),
+        ("offload", dict(offload=True), True),
+        ("check_finite + clip", dict(passes=ef.compose(P.check_finite(), P.clip_by_global_norm(1.0))), False),
+    ):
         n = count_syncs(lambda options=options: ef.sweep(chain, params, x, target, **options))
-        report(f"(d) host syncs, {name}", n == 0 or not expect_none,
-               f"{n} synchronizing calls{' (expected none)' if expect_none else ' (counted, one per boundary expected)'}")
+        report(
+            f"(d) host syncs, {name}",
+            n == 0 or not expect_none,
+            f"{n} synchronizing calls{' (expected none)' if expect_none else ' (counted, one per boundary expected)'}",
+        )
 
 
 def check_memory(device, depth, dim, batch, seq) -> None:
@@ -202,11 +213,14 @@ def check_memory(device, depth, dim, batch, seq) -> None:
         torch.cuda.reset_peak_memory_stats()
         step()
         torch.cuda.synchronize()
-        peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+        peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
         net.zero_grad(set_to_none=True)
     detail = ", ".join(f"{k} {v:.1f} MB" for k, v in peaks.items())
-    report("(e) peak memory of one step", peaks["eae_func"] < peaks["autograd"],
-           f"{detail}; eae_func / checkpoint {peaks['eae_func'] / peaks['checkpoint']:.2f}x")
+    report(
+        "(e) peak memory of one step",
+        peaks["eae_func"] < peaks["autograd"],
+        f"{detail}; eae_func / checkpoint {peaks['eae_func'] / peaks['checkpoint']:.2f}x",
+    )
 
 
 def main(argv=None) -> int:
@@ -229,8 +243,10 @@ def main(argv=None) -> int:
         check_memory(device, 12, 256, 8, 256)
     failed = [name for name, ok, _ in RESULTS if not ok]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
-    print(f"\n{len(RESULTS) - len(failed)} of {len(RESULTS)} checks passed on {where} in "
-          f"{time.perf_counter() - start:.0f} s" + (f"; failed: {failed}" if failed else ""))
+    print(
+        f"\n{len(RESULTS) - len(failed)} of {len(RESULTS)} checks passed on {where} in "
+        f"{time.perf_counter() - start:.0f} s" + (f"; failed: {failed}" if failed else "")
+    )
     return 1 if failed else 0
 
 

@@ -30,8 +30,13 @@ from eae_func.models import lm_loss, transformer_lm
 
 from text_data import batches, split_tokens, stdlib_docstrings
 
-CODECS = {"none": lambda: None, "int8": D.codecs.int8, "fp8": D.codecs.fp8,
-          "bf16": lambda: D.codecs.cast(torch.bfloat16), "topk": lambda: D.codecs.topk(0.1)}
+CODECS = {
+    "none": lambda: None,
+    "int8": D.codecs.int8,
+    "fp8": D.codecs.fp8,
+    "bf16": lambda: D.codecs.cast(torch.bfloat16),
+    "topk": lambda: D.codecs.topk(0.1),
+}
 
 
 def single_process_error(chain, params, x, y, pipe, res, args) -> float:
@@ -41,8 +46,9 @@ def single_process_error(chain, params, x, y, pipe, res, args) -> float:
     if codec is not None:
         passes = ef.compose(passes, P.only(codec.as_pass(), indices=[lo for lo, _ in pipe.ranges[1:]]))
     ref = ef.sweep(chain, params, x, y, passes=passes, microbatches=args.microbatches, key=0)
-    return max((res.grads[i - pipe.lo][n] - ref.grads[i][n]).abs().max().item()
-               for i in pipe.stages for n in ref.grads[i])
+    return max(
+        (res.grads[i - pipe.lo][n] - ref.grads[i][n]).abs().max().item() for i in pipe.stages for n in ref.grads[i]
+    )
 
 
 def main(argv=None):
@@ -69,14 +75,22 @@ def main(argv=None):
     torch.manual_seed(0)
     model = transformer_lm(256, args.width, args.depth, n_heads=4, n_kv_heads=2).to(device)
     chain, params = ef.from_module(model, loss=lm_loss)
-    pipe = D.Pipeline(chain, params=params, ranks=mesh.pipeline_ranks, schedule=args.schedule,
-                      costate_codec=CODECS[args.codec](), timeout=args.timeout)
-    mine = list(model)[pipe.lo:pipe.hi]
+    pipe = D.Pipeline(
+        chain,
+        params=params,
+        ranks=mesh.pipeline_ranks,
+        schedule=args.schedule,
+        costate_codec=CODECS[args.codec](),
+        timeout=args.timeout,
+    )
+    mine = list(model)[pipe.lo : pipe.hi]
     opt = torch.optim.AdamW([p for m in mine for p in m.parameters()], lr=args.lr, weight_decay=0.1)
     if rank == 0:
-        print(f"{world} processes on {dist.get_backend()}: pipeline of {mesh.pp} x {mesh.dp} replicas, "
-              f"stage ranges {pipe.ranges}, schedule {args.schedule}, {args.microbatches} microbatches, "
-              f"costates {args.codec}, gradients {args.grad_codec}")
+        print(
+            f"{world} processes on {dist.get_backend()}: pipeline of {mesh.pp} x {mesh.dp} replicas, "
+            f"stage ranges {pipe.ranges}, schedule {args.schedule}, {args.microbatches} microbatches, "
+            f"costates {args.codec}, gradients {args.grad_codec}"
+        )
 
     train_data, _ = split_tokens(stdlib_docstrings(args.corpus_bytes))
     stream = batches(train_data, args.batch * mesh.dp, args.seq, seed=0)
@@ -88,8 +102,9 @@ def main(argv=None):
         res = pipe.sweep(params, x, y, passes=P.clip_by_global_norm(1.0), microbatches=args.microbatches, key=step)
         grads, dp_stats = res.grads, {"bytes_sent": 0}
         if mesh.dp > 1:
-            grads, dp_stats = D.average_gradients(grads, mesh.data_group, codec=CODECS[args.grad_codec](),
-                                                  timeout=args.timeout)
+            grads, dp_stats = D.average_gradients(
+                grads, mesh.data_group, codec=CODECS[args.grad_codec](), timeout=args.timeout
+            )
         if step == 0 and args.check and mesh.dp == 1:
             err = torch.tensor(single_process_error(chain, params, x, y, pipe, res, args))
             dist.all_reduce(err, op=dist.ReduceOp.MAX)
@@ -99,11 +114,14 @@ def main(argv=None):
         opt.step()
         if last and mesh.replica == 0 and (step % 5 == 0 or step == args.steps - 1):
             wire, sched = res.stats["wire"], res.stats["schedule"]
-            print(f"step {step:3d}  loss {res.loss.item():.4f}  bytes sent: costates "
-                  f"{wire['costate_bytes_sent']:,}, data parallel {dp_stats['bytes_sent']:,}; activations received "
-                  f"{wire['activation_bytes_received']:,}  "
-                  f"bubble {sched['bubble']:.2f} "
-                  f"(ideal {sched['ideal_bubble']:.2f})  {time.perf_counter() - start:.1f} s", flush=True)
+            print(
+                f"step {step:3d}  loss {res.loss.item():.4f}  bytes sent: costates "
+                f"{wire['costate_bytes_sent']:,}, data parallel {dp_stats['bytes_sent']:,}; activations received "
+                f"{wire['activation_bytes_received']:,}  "
+                f"bubble {sched['bubble']:.2f} "
+                f"(ideal {sched['ideal_bubble']:.2f})  {time.perf_counter() - start:.1f} s",
+                flush=True,
+            )
     check_tied_copies(pipe, mine, chain)
     dist.destroy_process_group()
 
@@ -122,8 +140,9 @@ def check_tied_copies(pipe, mine, chain) -> None:
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     if dist.get_rank() == first:
-        print(f"tied embedding / head copies differ by at most {(weight - other).abs().max().item():.2e} "
-              f"after training")
+        print(
+            f"tied embedding / head copies differ by at most {(weight - other).abs().max().item():.2e} after training"
+        )
 
 
 if __name__ == "__main__":

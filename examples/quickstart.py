@@ -29,8 +29,12 @@ def main(steps: int = 40, depth: int = 4, dim: int = 64):
     x, y = next(stream)
     grads = ef.grad(chain, params, x, y)
     lm_loss(model(x), y).backward()
-    ef_grads = {id(p): g for stage, gs in zip(chain.stages, grads)
-                for name, g in gs.items() for p in [dict(stage.module.named_parameters())[name]]}
+    ef_grads = {
+        id(p): g
+        for stage, gs in zip(chain.stages, grads)
+        for name, g in gs.items()
+        for p in [dict(stage.module.named_parameters())[name]]
+    }
     diff = max((ef_grads[id(p)] - p.grad).abs().max().item() for p in model.parameters())
     print(f"max |EAE grad - autograd grad| = {diff:.2e}")
 

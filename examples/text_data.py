@@ -46,5 +46,5 @@ def batches(data: torch.Tensor, batch: int, seq: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     while True:
         starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
-        window = torch.stack([data[s:s + seq + 1] for s in starts.tolist()])
+        window = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
         yield window[:, :-1], window[:, 1:]

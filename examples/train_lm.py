@@ -29,8 +29,13 @@ from eae_func.models import lm_loss, transformer_lm
 from text_data import batches, split_tokens, stdlib_docstrings
 
 PASSES = {
-    "stats": P.stats, "int8": P.int8, "clip": lambda: P.clip_by_global_norm(1.0), "fp16": lambda: P.cast(torch.float16),
-    "bf16": lambda: P.cast(torch.bfloat16), "fp8": P.fp8, "topk": lambda: P.topk(0.25),
+    "stats": P.stats,
+    "int8": P.int8,
+    "clip": lambda: P.clip_by_global_norm(1.0),
+    "fp16": lambda: P.cast(torch.float16),
+    "bf16": lambda: P.cast(torch.bfloat16),
+    "fp8": P.fp8,
+    "topk": lambda: P.topk(0.25),
 }
 HERE = pathlib.Path(__file__).parent
 
@@ -42,8 +47,10 @@ def cosine_schedule(warmup: int, total: int):
 def evaluate(model: torch.nn.Module, data: torch.Tensor, args) -> float:
     model.eval()
     with torch.no_grad():
-        losses = [lm_loss(model(x.to(args.device)), y.to(args.device)).item()
-                  for _, (x, y) in zip(range(args.eval_batches), batches(data, args.batch, args.seq, seed=1))]
+        losses = [
+            lm_loss(model(x.to(args.device)), y.to(args.device)).item()
+            for _, (x, y) in zip(range(args.eval_batches), batches(data, args.batch, args.seq, seed=1))
+        ]
     model.train()
     return sum(losses) / len(losses)
 
@@ -62,8 +69,9 @@ def train(model: torch.nn.Module, data: torch.Tensor, args, use_eae: bool):
     for step in bar:
         x, y = (t.to(args.device) for t in next(stream))
         if use_eae:
-            res = ef.sweep(chain, params, x, y, passes=pipeline, pass_state=pass_state, key=step,
-                           microbatches=args.accumulate)
+            res = ef.sweep(
+                chain, params, x, y, passes=pipeline, pass_state=pass_state, key=step, microbatches=args.accumulate
+            )
             pass_state, loss = res.pass_state, res.loss
             ef.write_back(model, res)
             norms.append([a.value.norm().item() for a in res.adjoints if a.value is not None])
@@ -84,6 +92,7 @@ def train(model: torch.nn.Module, data: torch.Tensor, args, use_eae: bool):
 
 def plot(eae_losses, ref_losses, norms, names, path_loss, path_norms):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -132,8 +141,9 @@ def main(argv=None):
     rel = max(abs(a - b) / abs(b) for a, b in zip(eae_losses, ref_losses))
     print(f"EAE      train {eae_losses[-1]:.4f}  valid {evaluate(model, valid_data, args):.4f}")
     print(f"autograd train {ref_losses[-1]:.4f}  valid {evaluate(reference, valid_data, args):.4f}")
-    print(f"max |loss_EAE - loss_autograd| over {args.steps} steps: {gap:.2e} (relative {rel:.2e}), "
-          f"passes: {args.passes}")
+    print(
+        f"max |loss_EAE - loss_autograd| over {args.steps} steps: {gap:.2e} (relative {rel:.2e}), passes: {args.passes}"
+    )
     if not args.no_plots:
         names = [f"p{i}" for i in range(len(norms[0]), 0, -1)]
         plot(eae_losses, ref_losses, norms, names, HERE / "train_lm_loss.png", HERE / "train_lm_costates.png")

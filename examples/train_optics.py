@@ -72,18 +72,28 @@ def twin(distance: float):
         field = torch.polar(torch.ones_like(phase), phase) * checker.to(h.dtype)
         out = torch.fft.ifft2(torch.fft.fft2(field) * torch.polar(torch.ones_like(chirp), chirp).to(field.dtype))
         return (out.abs() ** 2).reshape(-1, 8, 2, 8, 2).sum((2, 4)).reshape(-1, 64) / 4
+
     return optics
 
 
 def network(optics_stage):
-    return ef.Chain([ef.stage(lambda p, h: h @ p["w"] + p["b"], name="encoder"), optics_stage,
-                     ef.stage(lambda p, h: (h - 1) @ p["w"] + p["b"], name="readout")], loss=F.cross_entropy)
+    return ef.Chain(
+        [
+            ef.stage(lambda p, h: h @ p["w"] + p["b"], name="encoder"),
+            optics_stage,
+            ef.stage(lambda p, h: (h - 1) @ p["w"] + p["b"], name="readout"),
+        ],
+        loss=F.cross_entropy,
+    )
 
 
 def init_params():
     g = torch.Generator().manual_seed(0)
-    return ({"w": torch.randn(64, 64, generator=g) * 0.3, "b": torch.zeros(64)}, {},
-            {"w": torch.randn(64, 10, generator=g) / 8, "b": torch.zeros(10)})
+    return (
+        {"w": torch.randn(64, 64, generator=g) * 0.3, "b": torch.zeros(64)},
+        {},
+        {"w": torch.randn(64, 10, generator=g) / 8, "b": torch.zeros(10)},
+    )
 
 
 def predict(chain, params, x) -> torch.Tensor:
@@ -115,17 +125,20 @@ def cosines(hardware, exact_chain, mismatched, params, x, y, ns, eps) -> dict:
     """Cosine of each method's costate at the optics' input (boundary 1) to the exact one."""
     exact = ef.sweep(exact_chain, params, x, y).adjoints[-2].value
     cos = lambda v: F.cosine_similarity(v.flatten(), exact.flatten(), dim=0).item()  # noqa: E731
-    out = {"twin (PAT)": [cos(ef.sweep(hardware, params, x, y, estimator=E.twin(mismatched)).adjoints[-2].value)]
-           * len(ns)}
+    out = {
+        "twin (PAT)": [cos(ef.sweep(hardware, params, x, y, estimator=E.twin(mismatched)).adjoints[-2].value)] * len(ns)
+    }
     for name, make in fd_estimators(eps).items():
         out[name] = [cos(ef.sweep(hardware, params, x, y, estimator=make(n), key=1).adjoints[-2].value) for n in ns]
     return out
 
 
 def fd_estimators(eps: float) -> dict:
-    return {"zbp": lambda n: E.zbp(E.Probes(n, "rademacher"), method="fd", eps=eps),
-            "np": lambda n: E.node_perturbation(E.Probes(n, "rademacher"), form="fd", eps=eps),
-            "direct": lambda n: E.direct(E.Probes(n, "rademacher"), form="fd", eps=eps)}
+    return {
+        "zbp": lambda n: E.zbp(E.Probes(n, "rademacher"), method="fd", eps=eps),
+        "np": lambda n: E.node_perturbation(E.Probes(n, "rademacher"), form="fd", eps=eps),
+        "direct": lambda n: E.direct(E.Probes(n, "rademacher"), form="fd", eps=eps),
+    }
 
 
 def main(argv=None):
@@ -147,7 +160,7 @@ def main(argv=None):
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     y = torch.tensor(digits.target)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    train_idx, test_idx = perm[:args.train], perm[args.train:]
+    train_idx, test_idx = perm[: args.train], perm[args.train :]
     if args.quick:
         test_idx = test_idx[:64]
 
@@ -161,13 +174,18 @@ def main(argv=None):
         params = init_params()
         h = x[train_idx[:64]] @ params[0]["w"] + params[0]["b"]  # the optics' input
         noise = E.suggest_eps(hardware.stages[1], {}, h, repeats=8)
-        print(f"digits: {len(train_idx)} train / {len(test_idx)} test; optics {GRID}x{GRID}, twin distance off by "
-              f"{args.mismatch:.0%}; measured detector noise {noise.noise:.2g} (set {args.noise:g}), gain "
-              f"{noise.gain:.2g}: eps = {noise.eps:.2g}; {args.probes} probes, {args.epochs} epochs, "
-              f"{args.workers} simulator processes\n")
-        methods = {"exact through twin": (in_silico, None), "twin (PAT)": (hardware, E.twin(nominal)),
-                   **{name: (hardware, make(args.probes)) for name, make in fd_estimators(noise.eps).items()},
-                   "frozen (readout only)": (hardware, E.frozen())}
+        print(
+            f"digits: {len(train_idx)} train / {len(test_idx)} test; optics {GRID}x{GRID}, twin distance off by "
+            f"{args.mismatch:.0%}; measured detector noise {noise.noise:.2g} (set {args.noise:g}), gain "
+            f"{noise.gain:.2g}: eps = {noise.eps:.2g}; {args.probes} probes, {args.epochs} epochs, "
+            f"{args.workers} simulator processes\n"
+        )
+        methods = {
+            "exact through twin": (in_silico, None),
+            "twin (PAT)": (hardware, E.twin(nominal)),
+            **{name: (hardware, make(args.probes)) for name, make in fd_estimators(noise.eps).items()},
+            "frozen (readout only)": (hardware, E.frozen()),
+        }
         print("| method | test accuracy | rows simulated / step | wall s |")
         print("|---|---|---|---|")
         for name, (chain, estimator) in methods.items():
@@ -177,20 +195,29 @@ def main(argv=None):
             print(f"| {name} | {acc:.3f} | {rows:.0f} | {wall:.1f} |", flush=True)
 
         ns = (2, 8) if args.quick else (8, 32, 128)
-        curves = cosines(hardware, exact_copy, nominal, init_params(), x[train_idx[:64]], y[train_idx[:64]], ns,
-                         noise.eps)
-    print("\ncosine of the costate at the optics' input to the exact one, by n:",
-          {k: [round(c, 2) for c in v] for k, v in curves.items()})
+        curves = cosines(
+            hardware, exact_copy, nominal, init_params(), x[train_idx[:64]], y[train_idx[:64]], ns, noise.eps
+        )
+    print(
+        "\ncosine of the costate at the optics' input to the exact one, by n:",
+        {k: [round(c, 2) for c in v] for k, v in curves.items()},
+    )
     if not args.quick:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for name, values in curves.items():
             ax.plot(ns, values, marker="o", label=name, linestyle="--" if name.startswith("twin") else "-")
         ax.plot(ns, [(n / (n + 64)) ** 0.5 for n in ns], color="gray", linestyle=":", label="theory √(n/(n+d)), d=64")
-        ax.set(xscale="log", xlabel="probes n", ylabel="cosine to the exact costate",
-               title="costate at the optics' input (one physical stage:\nzbp, np and direct coincide)")
+        ax.set(
+            xscale="log",
+            xlabel="probes n",
+            ylabel="cosine to the exact costate",
+            title="costate at the optics' input (one physical stage:\nzbp, np and direct coincide)",
+        )
         ax.legend(loc="lower right", fontsize=8)
         fig.tight_layout()
         fig.savefig(HERE / "train_optics_cosine.png", dpi=120)

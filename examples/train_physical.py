@@ -32,11 +32,12 @@ HERE = pathlib.Path(__file__).parent
 
 def medium(width: int, noise: float, seed: int):
     """A black box: ``tanh(h M) + noise``, M fixed and random; only ever run forward."""
-    m = torch.randn(width, width, generator=torch.Generator().manual_seed(seed)) * (1.5 / width ** 0.5)
+    m = torch.randn(width, width, generator=torch.Generator().manual_seed(seed)) * (1.5 / width**0.5)
 
     def physical(params, h):
         out = torch.tanh(h @ m)
         return out + noise * torch.randn(out.shape) if noise else out
+
     return physical
 
 
@@ -45,16 +46,18 @@ def linear(params, h):
 
 
 def network(width: int, noise: float):
-    stages = [ef.stage(lambda p, h: torch.relu(linear(p, h)), name="encoder"),
-              ef.stage(medium(width, noise, 1), name="medium1", physical=True),
-              ef.stage(medium(width, noise, 2), name="medium2", physical=True),
-              ef.stage(linear, name="readout")]
+    stages = [
+        ef.stage(lambda p, h: torch.relu(linear(p, h)), name="encoder"),
+        ef.stage(medium(width, noise, 1), name="medium1", physical=True),
+        ef.stage(medium(width, noise, 2), name="medium2", physical=True),
+        ef.stage(linear, name="readout"),
+    ]
     return ef.Chain(stages, loss=F.cross_entropy)
 
 
 def init_params(width: int):
     g = torch.Generator().manual_seed(0)
-    layer = lambda i, o: {"w": torch.randn(i, o, generator=g) / i ** 0.5, "b": torch.zeros(o)}  # noqa: E731
+    layer = lambda i, o: {"w": torch.randn(i, o, generator=g) / i**0.5, "b": torch.zeros(o)}  # noqa: E731
     return (layer(64, width), {}, {}, layer(width, 10))
 
 
@@ -110,8 +113,10 @@ def main(argv=None):
         "direct (fd)": (E.direct(probes, form="fd", eps=args.eps), False),
     }
     rows = []
-    print(f"digits: {len(train_idx)} train / {len(test_idx)} test, medium width {args.width}, noise {args.noise}, "
-          f"{args.probes} probes, {args.epochs} epochs\n")
+    print(
+        f"digits: {len(train_idx)} train / {len(test_idx)} test, medium width {args.width}, noise {args.noise}, "
+        f"{args.probes} probes, {args.epochs} epochs\n"
+    )
     print("| estimator | test accuracy | queries / sample / epoch | wall s |")
     print("|---|---|---|---|")
     for name, (est, simulated) in estimators.items():
@@ -121,13 +126,19 @@ def main(argv=None):
         print(f"| {name} | {acc:.3f} | {queries:.0f} | {wall:.1f} |", flush=True)
     if not args.no_plot:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for name, acc, q in rows:
             ax.scatter(max(q, 1), acc, label=name)
-        ax.set(xscale="log", xlabel="black-box queries per sample per epoch (exact: 1)", ylabel="test accuracy",
-               title="Digits through a physical medium")
+        ax.set(
+            xscale="log",
+            xlabel="black-box queries per sample per epoch (exact: 1)",
+            ylabel="test accuracy",
+            title="Digits through a physical medium",
+        )
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(HERE / "train_physical.png", dpi=80)

@@ -4,8 +4,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("ci", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-                          derandomize=True)
+settings.register_profile(
+    "ci", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
 settings.register_profile("dev", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

@@ -14,8 +14,7 @@ def mlp(depth: int, width: int = 6) -> nn.Sequential:
 
 
 def convnet(depth: int, channels: int = 3) -> nn.Sequential:
-    return nn.Sequential(*[nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.GELU())
-                           for _ in range(depth)])
+    return nn.Sequential(*[nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.GELU()) for _ in range(depth)])
 
 
 def transformer(depth: int, dim: int = 16) -> nn.Sequential:
@@ -48,5 +47,10 @@ def assert_grads_match(chain, grads, reference: dict, rtol: float, atol: float) 
         by_name = dict(stage.module.named_parameters())
         assert set(stage_grads) == set(by_name)
         for name, g in stage_grads.items():
-            torch.testing.assert_close(g, reference[by_name[name]], rtol=rtol, atol=atol,
-                                       msg=lambda m, stage=stage, name=name: f"{stage.name}.{name}: {m}")
+            torch.testing.assert_close(
+                g,
+                reference[by_name[name]],
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m, stage=stage, name=name: f"{stage.name}.{name}: {m}",
+            )

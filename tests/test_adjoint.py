@@ -45,6 +45,7 @@ def test_record_is_a_pytree_for_optree_and_torch_func():
 def scale_by(c):
     def scale(adj):
         return adj.applied(f"scale{c}", adj.value * c)
+
     return scale
 
 
@@ -54,12 +55,18 @@ def shift_by(c):
 
 def counter(c):
     """Stateful: adds c * (number of calls so far) and counts."""
-    return P.Pass(init=lambda: torch.zeros(()),
-                  update=lambda adj, n, ctx: (adj.applied(f"count{c}", adj.value + c * n), n + 1), name=f"count{c}")
+    return P.Pass(
+        init=lambda: torch.zeros(()),
+        update=lambda adj, n, ctx: (adj.applied(f"count{c}", adj.value + c * n), n + 1),
+        name=f"count{c}",
+    )
 
 
-pass_strategy = st.builds(lambda kind, c: {"scale": scale_by, "shift": shift_by, "count": counter}[kind](c),
-                          st.sampled_from(["scale", "shift", "count"]), st.integers(-3, 3))
+pass_strategy = st.builds(
+    lambda kind, c: {"scale": scale_by, "shift": shift_by, "count": counter}[kind](c),
+    st.sampled_from(["scale", "shift", "count"]),
+    st.integers(-3, 3),
+)
 
 
 def run(p, adj, steps=3):

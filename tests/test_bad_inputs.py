@@ -38,49 +38,84 @@ def wrong_shape_at(l):
 CASES = {
     "params: one entry short": (lambda c, p, x, y, i: ((p[:-1], x, y), {}), r"params: expected a tuple with one entry"),
     "params: a list, not a tuple": (lambda c, p, x, y, i: ((list(p), x, y), {}), None),
-    "params: a missing name": (lambda c, p, x, y, i: ((replace_stage(p, i, {"0.weight": p[i]["0.weight"]}), x, y), {}),
-                               r"params of stage {i} \(.*missing \['0.bias'\]"),
-    "params: a wrong shape": (lambda c, p, x, y, i: ((replace_stage(p, i, {**p[i], "0.bias": p[i]["0.bias"][:1]}), x, y),
-                                                     {}), r"params of stage {i} \(.*'0.bias' has shape \(1,\)"),
-    "params: a wrong dtype": (lambda c, p, x, y, i: ((replace_stage(p, i, {**p[i], "0.bias": p[i]["0.bias"].double()}),
-                                                      x, y), {}), r"params of stage {i} \(.*torch.float64"),
-    "params: a non-tensor leaf": (lambda c, p, x, y, i: ((replace_stage(p, i, {**p[i], "0.bias": 0.0}), x, y), {}),
-                                  r"params of stage {i} \(.*leaves must be tensors"),
+    "params: a missing name": (
+        lambda c, p, x, y, i: ((replace_stage(p, i, {"0.weight": p[i]["0.weight"]}), x, y), {}),
+        r"params of stage {i} \(.*missing \['0.bias'\]",
+    ),
+    "params: a wrong shape": (
+        lambda c, p, x, y, i: ((replace_stage(p, i, {**p[i], "0.bias": p[i]["0.bias"][:1]}), x, y), {}),
+        r"params of stage {i} \(.*'0.bias' has shape \(1,\)",
+    ),
+    "params: a wrong dtype": (
+        lambda c, p, x, y, i: ((replace_stage(p, i, {**p[i], "0.bias": p[i]["0.bias"].double()}), x, y), {}),
+        r"params of stage {i} \(.*torch.float64",
+    ),
+    "params: a non-tensor leaf": (
+        lambda c, p, x, y, i: ((replace_stage(p, i, {**p[i], "0.bias": 0.0}), x, y), {}),
+        r"params of stage {i} \(.*leaves must be tensors",
+    ),
     "x: a float": (lambda c, p, x, y, i: ((p, 1.5, y), {}), r"input of stage 0 \(.*found a leaf of type float"),
     "x: None": (lambda c, p, x, y, i: ((p, None, y), {}), r"input of stage 0 \(.*got NoneType"),
     "x: the wrong width": (lambda c, p, x, y, i: ((p, x[:, :-1], y), {}), r"in the forward of stage 0 \("),
     "x: float64 into float32 stages": (lambda c, p, x, y, i: ((p, x.double(), y), {}), r"in the forward of stage 0"),
     "loss arg: the wrong batch": (lambda c, p, x, y, i: ((p, x, y[:-1]), {}), r"in the loss"),
-    "boundary_dtype: an int dtype": (lambda c, p, x, y, i: ((p, x, y), {"boundary_dtype": torch.int8}),
-                                     r"boundary_dtype must be a floating torch.dtype"),
-    "boundary_dtype: a string": (lambda c, p, x, y, i: ((p, x, y), {"boundary_dtype": "bfloat16"}),
-                                 r"boundary_dtype must be a floating torch.dtype"),
-    "autocast: an int dtype": (lambda c, p, x, y, i: ((p, x, y), {"autocast": torch.int32}),
-                               r"autocast must be a floating torch.dtype"),
+    "boundary_dtype: an int dtype": (
+        lambda c, p, x, y, i: ((p, x, y), {"boundary_dtype": torch.int8}),
+        r"boundary_dtype must be a floating torch.dtype",
+    ),
+    "boundary_dtype: a string": (
+        lambda c, p, x, y, i: ((p, x, y), {"boundary_dtype": "bfloat16"}),
+        r"boundary_dtype must be a floating torch.dtype",
+    ),
+    "autocast: an int dtype": (
+        lambda c, p, x, y, i: ((p, x, y), {"autocast": torch.int32}),
+        r"autocast must be a floating torch.dtype",
+    ),
     "key: a float": (lambda c, p, x, y, i: ((p, x, y), {"key": 1.7}), r"key must be an int seed"),
     "microbatches: zero": (lambda c, p, x, y, i: ((p, x, y), {"microbatches": 0}), r"microbatches must be a positive"),
-    "microbatches: more than the rows": (lambda c, p, x, y, i: ((p, x, y), {"microbatches": 5}),
-                                         r"microbatches=5 is more than the 4 rows"),
-    "microbatches: True": (lambda c, p, x, y, i: ((p, x, y), {"microbatches": True}), r"microbatches must be a positive"),
-    "reduction: unknown": (lambda c, p, x, y, i: ((p, x, y), {"reduction": "max"}), r"reduction must be 'mean' or 'sum'"),
+    "microbatches: more than the rows": (
+        lambda c, p, x, y, i: ((p, x, y), {"microbatches": 5}),
+        r"microbatches=5 is more than the 4 rows",
+    ),
+    "microbatches: True": (
+        lambda c, p, x, y, i: ((p, x, y), {"microbatches": True}),
+        r"microbatches must be a positive",
+    ),
+    "reduction: unknown": (
+        lambda c, p, x, y, i: ((p, x, y), {"reduction": "max"}),
+        r"reduction must be 'mean' or 'sum'",
+    ),
     "buffers: one short": (lambda c, p, x, y, i: ((p, x, y), {"buffers": c.buffers()[:-1]}), r"buffers: expected"),
-    "pass: returns a tensor": (lambda c, p, x, y, i: ((p, x, y), {"passes": lambda a: a.value}),
-                               r"at boundary \d+ \(output of stage .*returned a Tensor"),
-    "pass: a wrong shape at boundary i": (lambda c, p, x, y, i: ((p, x, y), {"passes": wrong_shape_at(i)}),
-                                          r"boundary {i}.*costate shape \(4, \d+\) differs"),
+    "pass: returns a tensor": (
+        lambda c, p, x, y, i: ((p, x, y), {"passes": lambda a: a.value}),
+        r"at boundary \d+ \(output of stage .*returned a Tensor",
+    ),
+    "pass: a wrong shape at boundary i": (
+        lambda c, p, x, y, i: ((p, x, y), {"passes": wrong_shape_at(i)}),
+        r"boundary {i}.*costate shape \(4, \d+\) differs",
+    ),
     "pass: not a pass": (lambda c, p, x, y, i: ((p, x, y), {"passes": "int8"}), r"compose: expected a pass"),
-    "pass_state: the wrong structure": (lambda c, p, x, y, i: ((p, x, y), {"passes": ef.compose(P.int8(), P.stats()),
-                                                                          "pass_state": (None,)}),
-                                        r"compose: expected a pass state tuple of 2 entries"),
-    "physical: a missing stage": (lambda c, p, x, y, i: ((p, x, y), {"estimator": E.exact(), "physical": ["nope"]}),
-                                  r"no stage named 'nope'"),
-    "physical: an index out of range": (lambda c, p, x, y, i: ((p, x, y), {"estimator": E.exact(), "physical": [99]}),
-                                        r"no stage 99"),
-    "estimator: not an estimator": (lambda c, p, x, y, i: ((p, x, y), {"estimator": "zbp"}),
-                                    r"estimator must have prepare"),
+    "pass_state: the wrong structure": (
+        lambda c, p, x, y, i: ((p, x, y), {"passes": ef.compose(P.int8(), P.stats()), "pass_state": (None,)}),
+        r"compose: expected a pass state tuple of 2 entries",
+    ),
+    "physical: a missing stage": (
+        lambda c, p, x, y, i: ((p, x, y), {"estimator": E.exact(), "physical": ["nope"]}),
+        r"no stage named 'nope'",
+    ),
+    "physical: an index out of range": (
+        lambda c, p, x, y, i: ((p, x, y), {"estimator": E.exact(), "physical": [99]}),
+        r"no stage 99",
+    ),
+    "estimator: not an estimator": (
+        lambda c, p, x, y, i: ((p, x, y), {"estimator": "zbp"}),
+        r"estimator must have prepare",
+    ),
     "passes: None is identity()": (lambda c, p, x, y, i: ((p, x, y), {"passes": ef.identity()}), None),
-    "physical without estimator": (lambda c, p, x, y, i: ((p, x, y), {"physical": [i]}),
-                                   r"stage {i} .* is physical \(run forward only\) but no estimator"),
+    "physical without estimator": (
+        lambda c, p, x, y, i: ((p, x, y), {"physical": [i]}),
+        r"stage {i} .* is physical \(run forward only\) but no estimator",
+    ),
     "budget: zero rows": (lambda c, p, x, y, i: ((p, x, y), {"budget": 0}), r"budget must be None or an int >= 1"),
 }
 
@@ -94,8 +129,13 @@ def _snapshot(*trees):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@given(depth=st.integers(1, 4), width=st.integers(2, 5), seed=st.integers(0, 2**16), pick=st.integers(0, 100),
-       entry=st.sampled_from(["sweep", "grad"]))
+@given(
+    depth=st.integers(1, 4),
+    width=st.integers(2, 5),
+    seed=st.integers(0, 2**16),
+    pick=st.integers(0, 100),
+    entry=st.sampled_from(["sweep", "grad"]),
+)
 def test_bad_input_is_named_or_harmless(case, depth, width, seed, pick, entry):
     chain, params, x, y = problem(depth, width, seed)
     i = pick % depth
@@ -115,8 +155,9 @@ def test_bad_input_is_named_or_harmless(case, depth, width, seed, pick, entry):
         assert names is None, f"{case}: silently accepted"
         ref = ef.sweep(chain, params, x, y, key=kwargs.get("key", 0))
         assert torch.equal(loss, ref.loss)
-        for g, r in zip(optree.tree_leaves(grads, namespace=NAMESPACE),
-                        optree.tree_leaves(ref.grads, namespace=NAMESPACE)):
+        for g, r in zip(
+            optree.tree_leaves(grads, namespace=NAMESPACE), optree.tree_leaves(ref.grads, namespace=NAMESPACE)
+        ):
             assert torch.equal(g, r), case
     assert all(torch.equal(t, c) for t, c in before), f"{case}: a caller's tensor was modified"
 
@@ -133,8 +174,10 @@ def test_bad_chain_definitions_are_refused_at_construction():
 
 def test_stages_that_return_no_floats_or_write_into_their_input_are_named():
     x = torch.randn(3, 4)
-    ids = ef.Chain([ef.stage(lambda p, h: (h @ p["w"]).long(), name="ids"), ef.stage(lambda p, h: h.float(), name="f")],
-                   loss=lambda out: out.sum())
+    ids = ef.Chain(
+        [ef.stage(lambda p, h: (h @ p["w"]).long(), name="ids"), ef.stage(lambda p, h: h.float(), name="f")],
+        loss=lambda out: out.sum(),
+    )
     with pytest.raises(TypeError, match=r"output of stage 0 \('ids'\): only integer tensors"):
         ef.sweep(ids, ({"w": torch.ones(4, 4)}, {}), x)
     nothing = ef.Chain([ef.stage(lambda p, h: None, name="void")], loss=lambda out: out.sum())

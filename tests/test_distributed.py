@@ -35,8 +35,10 @@ def _batch(n, t=10, seed=1):
 def _max_error(pipe, res, ref):
     """Largest |grad difference| over this rank's stages (tied weights included)."""
     assert tuple(res.stages) == tuple(pipe.stages)
-    return max(((res.grads[i - pipe.lo][n] - ref.grads[i][n]).abs().max().item()
-                for i in pipe.stages for n in ref.grads[i]), default=0.0)
+    return max(
+        ((res.grads[i - pipe.lo][n] - ref.grads[i][n]).abs().max().item() for i in pipe.stages for n in ref.grads[i]),
+        default=0.0,
+    )
 
 
 def _trace_error(res, ref):
@@ -45,8 +47,10 @@ def _trace_error(res, ref):
     by_index = {a.index: a for a in ref.adjoints}
     same = all((a.stage, a.history) == (by_index[a.index].stage, by_index[a.index].history) for a in res.adjoints)
     same = same and all((a.value is None) == (by_index[a.index].value is None) for a in res.adjoints)
-    err = max(((a.value - by_index[a.index].value).abs().max().item() for a in res.adjoints
-               if a.value is not None), default=0.0)
+    err = max(
+        ((a.value - by_index[a.index].value).abs().max().item() for a in res.adjoints if a.value is not None),
+        default=0.0,
+    )
     return err, same, [a.index for a in res.adjoints]
 
 
@@ -58,9 +62,15 @@ def _compare(chain, params, x, y, *, schedule, microbatches, passes=None, codec=
     ref_passes = passes if codec is None else ef.compose(passes or ef.identity(), P.only(codec.as_pass(), indices=cuts))
     ref = ef.sweep(chain, params, x, y, passes=ref_passes, microbatches=microbatches, key=key)
     trace_err, trace_same, indices = _trace_error(res, ref)
-    return {"grad_err": _max_error(pipe, res, ref), "loss_err": abs(res.loss.item() - ref.loss.item()),
-            "trace_err": trace_err, "trace_same": trace_same, "indices": indices,
-            "state": (res.pass_state, ref.pass_state), "stats": {k: res.stats[k] for k in ("wire", "schedule")}}
+    return {
+        "grad_err": _max_error(pipe, res, ref),
+        "loss_err": abs(res.loss.item() - ref.loss.item()),
+        "trace_err": trace_err,
+        "trace_same": trace_same,
+        "indices": indices,
+        "state": (res.pass_state, ref.pass_state),
+        "stats": {k: res.stats[k] for k in ("wire", "schedule")},
+    }
 
 
 def _state_error(state, ref_state):
@@ -72,14 +82,16 @@ def _state_error(state, ref_state):
 
 # ----------------------------------------------------------------------------- one engine
 
+
 def _mlp_with_a_physical_stage(depth=6, width=8):
     """Pure-function stages ``tanh(h W + b)``; stage 3 is physical (a fixed medium times its own gain)."""
     g = torch.Generator().manual_seed(0)
-    medium = torch.randn(width, width, generator=g) / width ** 0.5
+    medium = torch.randn(width, width, generator=g) / width**0.5
     stages = [ef.stage(lambda p, h: torch.tanh(h @ p["w"] + p["b"]), name=f"layer{i}") for i in range(depth)]
     stages[3] = ef.stage(lambda p, h: torch.tanh(p["gain"] * h @ medium), name="medium", physical=True)
-    params = tuple({"w": torch.randn(width, width, generator=g) / width ** 0.5, "b": torch.zeros(width)}
-                   for _ in range(depth))
+    params = tuple(
+        {"w": torch.randn(width, width, generator=g) / width**0.5, "b": torch.zeros(width)} for _ in range(depth)
+    )
     params = params[:3] + ({"gain": torch.ones(())},) + params[4:]
     chain = ef.Chain(stages, loss=lambda out, y: torch.nn.functional.mse_loss(out, y))
     return chain, params, torch.randn(6, width, generator=g), torch.randn(6, width, generator=g)
@@ -96,31 +108,45 @@ def engine_checks(ranks, seed, configs=3):
     (else the exact estimator), bf16 autocast);
     every rank's grads, trace and pass state against one single-process ``ef.sweep``."""
     import random
+
     rng = random.Random(seed)
     chain, params, x, y = _mlp_with_a_physical_stage()
     out = {}
     for c in range(configs):
         ranges = _random_split(rng, len(chain), ranks)
         use = [True] * 4 if c == 0 else [rng.random() < 0.5 for _ in range(4)]
-        options = {"boundary_dtype": torch.bfloat16 if use[0] else None,
-                   "passes": ef.compose(P.error_feedback(P.topk(0.5)), P.int8(stochastic=True)) if use[1] else None,
-                   "estimator": E.zbp(E.Probes(4), method=rng.choice(["jvp", "fd"])) if use[2] else E.exact(),
-                   "autocast": torch.bfloat16 if use[3] else None,
-                   "microbatches": rng.choice([1, 2, 3]), "key": rng.randrange(100)}
+        options = {
+            "boundary_dtype": torch.bfloat16 if use[0] else None,
+            "passes": ef.compose(P.error_feedback(P.topk(0.5)), P.int8(stochastic=True)) if use[1] else None,
+            "estimator": E.zbp(E.Probes(4), method=rng.choice(["jvp", "fd"])) if use[2] else E.exact(),
+            "autocast": torch.bfloat16 if use[3] else None,
+            "microbatches": rng.choice([1, 2, 3]),
+            "key": rng.randrange(100),
+        }
         pipe = D.Pipeline(chain, ranges, schedule=rng.choice(["gpipe", "1f1b"]), timeout=60)
         res = pipe.sweep(params, x, y, **options)
         ref = ef.sweep(chain, params, x, y, **options)
         by_index = {a.index: a for a in ref.adjoints}
-        grad_err = max(((res.grads[i - pipe.lo][n] - ref.grads[i][n]).abs().max().item()
-                        for i in pipe.stages for n in ref.grads[i]), default=0.0)
+        grad_err = max(
+            (
+                (res.grads[i - pipe.lo][n] - ref.grads[i][n]).abs().max().item()
+                for i in pipe.stages
+                for n in ref.grads[i]
+            ),
+            default=0.0,
+        )
         trace_err = max((a.value - by_index[a.index].value).abs().max().item() for a in res.adjoints)
         state_err = 0.0
         if use[1]:
             mine, theirs = res.pass_state[0]["residuals"], ref.pass_state[0]["residuals"]
             state_err = max((mine[l] - theirs[l]).abs().max().item() for l in mine)
-        out[f"{ranges} {options}"] = {"grad_err": grad_err, "loss_err": abs(res.loss.item() - ref.loss.item()),
-                                      "trace_err": trace_err, "state_err": state_err,
-                                      "histories": all(a.history == by_index[a.index].history for a in res.adjoints)}
+        out[f"{ranges} {options}"] = {
+            "grad_err": grad_err,
+            "loss_err": abs(res.loss.item() - ref.loss.item()),
+            "trace_err": trace_err,
+            "state_err": state_err,
+            "histories": all(a.history == by_index[a.index].history for a in res.adjoints),
+        }
     return out
 
 
@@ -139,13 +165,21 @@ def two_rank_checks():
     out["plain gpipe m=1"] = _compare(chain, params, x, y, schedule="gpipe", microbatches=1)
     out["plain 1f1b m=3"] = _compare(chain, params, x, y, schedule="1f1b", microbatches=3)
     random_passes = ef.compose(P.clip_by_global_norm(0.05), P.int8(stochastic=True), P.randk(0.5))
-    out["random passes 1f1b m=2"] = _compare(chain, params, x, y, schedule="1f1b", microbatches=2,
-                                             passes=random_passes)
+    out["random passes 1f1b m=2"] = _compare(chain, params, x, y, schedule="1f1b", microbatches=2, passes=random_passes)
     for codec in (D.codecs.int8(), D.codecs.fp8(), D.codecs.cast(torch.bfloat16), D.codecs.topk(0.3)):
         out[f"codec {codec.name}"] = _compare(chain, params, x, y, schedule="gpipe", microbatches=2, codec=codec)
     feedback = P.error_feedback(P.topk(0.3))  # one residual per boundary: needs equal microbatches
-    r = _compare(chain, params, x[:6], y[:6], schedule="1f1b", microbatches=3, passes=feedback, codec=D.codecs.int8(),
-                 ranges=[(0, 2), (2, 5)])
+    r = _compare(
+        chain,
+        params,
+        x[:6],
+        y[:6],
+        schedule="1f1b",
+        microbatches=3,
+        passes=feedback,
+        codec=D.codecs.int8(),
+        ranges=[(0, 2), (2, 5)],
+    )
     r["state_err"], r["state_keys"] = _state_error(*r.pop("state"))
     out["error feedback + int8 wire"] = r
     # Bytes on the wire: float32 vs int8 costates on a wider boundary (8 x 16 x 32).
@@ -213,7 +247,8 @@ def four_rank_checks():
     x, y = _batch(8)
     out = {}
     out["pipeline 4, 1f1b m=4, clip + int8 wire"] = _compare(
-        chain, params, x, y, schedule="1f1b", microbatches=4, passes=P.clip_by_global_norm(0.05), codec=D.codecs.int8())
+        chain, params, x, y, schedule="1f1b", microbatches=4, passes=P.clip_by_global_norm(0.05), codec=D.codecs.int8()
+    )
     out["pipeline 4, gpipe m=2"] = _compare(chain, params, x, y, schedule="gpipe", microbatches=2)
     # 2 x 2 mesh: replica d runs rows 4d..4d+3 through a 2-rank pipeline; averaged gradients
     # equal the full batch's (mean loss, equal halves).
@@ -223,17 +258,24 @@ def four_rank_checks():
     res = pipe.sweep(params, x[rows], y[rows], microbatches=2)
     ref = ef.sweep(chain, params, x, y)
     grads, stats = D.average_gradients(res.grads, m.data_group)
-    out["mesh raw"] = {"grad_err": max((grads[i - pipe.lo][n] - ref.grads[i][n]).abs().max().item()
-                                       for i in pipe.stages for n in ref.grads[i]), "bytes": stats["bytes_sent"]}
+    out["mesh raw"] = {
+        "grad_err": max(
+            (grads[i - pipe.lo][n] - ref.grads[i][n]).abs().max().item() for i in pipe.stages for n in ref.grads[i]
+        ),
+        "bytes": stats["bytes_sent"],
+    }
     int8_grads, int8_stats = D.average_gradients(res.grads, m.data_group, codec=D.codecs.int8())
     largest = torch.tensor(max(g.abs().max().item() for s in res.grads for g in s.values()))
     dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=m.data_group)  # the largest int8 scale * 127
     bound = largest.item() / 127
-    out["mesh int8"] = {"grad_err": max((int8_grads[i][n] - grads[i][n]).abs().max().item()
-                                        for i in range(len(grads)) for n in grads[i]),
-                        "bound": bound, "bytes": int8_stats["bytes_sent"],
-                        "checksum": [sum(g.double().sum().item() * (k + 1) for k, g in enumerate(s.values()))
-                                     for s in int8_grads]}
+    out["mesh int8"] = {
+        "grad_err": max(
+            (int8_grads[i][n] - grads[i][n]).abs().max().item() for i in range(len(grads)) for n in grads[i]
+        ),
+        "bound": bound,
+        "bytes": int8_stats["bytes_sent"],
+        "checksum": [sum(g.double().sum().item() * (k + 1) for k, g in enumerate(s.values())) for s in int8_grads],
+    }
     out["engine"] = engine_checks(4, seed=4)
     return dist.get_rank(), m.replica, m.stage_rank, out
 
@@ -295,8 +337,7 @@ def _sweep_with_fault(kind, dying_rank):
     if kind == "die":
         fault = P.tap(lambda adj: os._exit(3) if rank == dying_rank else None)  # in its first backward
     elif kind == "shape":
-        fault = P.only(lambda adj: adj.replace(value=adj.value[:, :-1]) if rank == dying_rank else adj,
-                       indices=pipe.lo)
+        fault = P.only(lambda adj: adj.replace(value=adj.value[:, :-1]) if rank == dying_rank else adj, indices=pipe.lo)
     start = time.monotonic()
     try:
         if kind == "codec":
@@ -349,11 +390,17 @@ def test_a_costate_of_the_wrong_shape_fails_both_neighbours():
         assert "an earlier step of this pipeline failed" in o.value[3], o.value[3]
 
 
-@pytest.mark.parametrize("kind, rank_0_says, rank_1_says", [
-    ("codec", "costate_codec: raw here, int8 on rank 1", "costate_codec: int8 here, raw on rank 0"),
-    ("ranges", "ranges: [[0, 3], [3, 5]] here, [[0, 2], [2, 5]] on rank 1",
-     "ranges: [[0, 2], [2, 5]] here, [[0, 3], [3, 5]] on rank 0"),
-])
+@pytest.mark.parametrize(
+    "kind, rank_0_says, rank_1_says",
+    [
+        ("codec", "costate_codec: raw here, int8 on rank 1", "costate_codec: int8 here, raw on rank 0"),
+        (
+            "ranges",
+            "ranges: [[0, 3], [3, 5]] here, [[0, 2], [2, 5]] on rank 1",
+            "ranges: [[0, 2], [2, 5]] here, [[0, 3], [3, 5]] on rank 0",
+        ),
+    ],
+)
 def test_ranks_disagreeing_on_the_plan_fail_before_the_first_step(kind, rank_0_says, rank_1_says):
     outcomes = D.spawn(_sweep_with_fault, 2, kind, 1, timeout=60)
     messages = {o.rank: o.value[1] for o in outcomes}

@@ -29,8 +29,13 @@ def _randn(shape, magnitude, seed, zero):
     return torch.zeros(shape) if zero else t
 
 
-tensors = st.builds(_randn, st.lists(st.integers(1, 7), min_size=1, max_size=3).map(tuple),
-                    st.floats(-3, 3).map(lambda e: 10.0 ** e), st.integers(0, 2**31 - 1), st.booleans())
+tensors = st.builds(
+    _randn,
+    st.lists(st.integers(1, 7), min_size=1, max_size=3).map(tuple),
+    st.floats(-3, 3).map(lambda e: 10.0**e),
+    st.integers(0, 2**31 - 1),
+    st.booleans(),
+)
 
 
 @pytest.mark.parametrize("codec, pass_", CODECS_AND_PASSES, ids=lambda c: getattr(c, "name", ""))
@@ -50,10 +55,19 @@ def test_codec_layout_is_what_the_receiver_allocates(codec, t):
     """The payload's shapes and dtypes follow from (shape, dtype, arg) alone, and its size is
     n entries of the stated width (+ a float32 scale; top-k: k int32 indices and k values)."""
     enc = codec.encode(t)
-    assert [(tuple(p.shape), p.dtype) for p in enc.payload] == [(tuple(s), d) for s, d in codec.layout(enc.shape, enc.dtype, enc.arg)]
+    assert [(tuple(p.shape), p.dtype) for p in enc.payload] == [
+        (tuple(s), d) for s, d in codec.layout(enc.shape, enc.dtype, enc.arg)
+    ]
     n = t.numel()
-    expected = {"raw": 4 * n, "int8": n + 4, "cast(float16)": 2 * n, "cast(bfloat16)": 2 * n,
-                "fp8(float8_e4m3fn)": n + 4, "fp8(float8_e5m2)": n + 4, "topk(0.2)": 8 * math.ceil(0.2 * n - 1e-9)}
+    expected = {
+        "raw": 4 * n,
+        "int8": n + 4,
+        "cast(float16)": 2 * n,
+        "cast(bfloat16)": 2 * n,
+        "fp8(float8_e4m3fn)": n + 4,
+        "fp8(float8_e5m2)": n + 4,
+        "topk(0.2)": 8 * math.ceil(0.2 * n - 1e-9),
+    }
     assert enc.nbytes == expected[codec.name]
 
 
@@ -113,8 +127,10 @@ def test_1f1b_bounds_the_microbatches_in_flight():
 
 
 def test_simulate_detects_a_deadlock():
-    bad = ((S.Op("recv_costate", 0), S.Op("forward", 0), S.Op("send_activation", 0), S.Op("backward", 0)),
-           (S.Op("recv_activation", 0), S.Op("forward", 0), S.Op("backward", 0), S.Op("send_costate", 0)))
+    bad = (
+        (S.Op("recv_costate", 0), S.Op("forward", 0), S.Op("send_activation", 0), S.Op("backward", 0)),
+        (S.Op("recv_activation", 0), S.Op("forward", 0), S.Op("backward", 0), S.Op("send_costate", 0)),
+    )
     with pytest.raises(RuntimeError, match="deadlocks"):
         S.simulate(bad)
 
@@ -135,6 +151,8 @@ def test_balance_is_optimal_and_contiguous(sizes, parts):
     assert [lo for lo, _ in ranges] == [0] + [hi for _, hi in ranges[:-1]] and ranges[-1][1] == len(sizes)
     assert all(hi > lo for lo, hi in ranges)
     load = max(sum(sizes[lo:hi]) for lo, hi in ranges)
-    best = min(max(sum(sizes[a:b]) for a, b in zip((0,) + cuts, cuts + (len(sizes),)))
-               for cuts in itertools.combinations(range(1, len(sizes)), parts - 1))
+    best = min(
+        max(sum(sizes[a:b]) for a, b in zip((0,) + cuts, cuts + (len(sizes),)))
+        for cuts in itertools.combinations(range(1, len(sizes)), parts - 1)
+    )
     assert load == best

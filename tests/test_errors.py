@@ -44,21 +44,29 @@ def test_loss_that_is_not_a_scalar():
 def test_costate_whose_shape_differs_from_the_stage_output():
     _, chain, params, x, y = small()
     squash = lambda a: a.replace(value=a.value[:, :1]) if a.index == 2 else a  # noqa: E731
-    with pytest.raises(ValueError, match=r"stage 1 \('Tanh_1'\) at boundary 2: costate shape \(5, 1\) differs "
-                                         r"from the stage output shape \(5, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"stage 1 \('Tanh_1'\) at boundary 2: costate shape \(5, 1\) differs "
+        r"from the stage output shape \(5, 4\)",
+    ):
         ef.sweep(chain, params, x, y, passes=squash)
 
 
 def test_pass_that_returns_something_else():
     _, chain, params, x, y = small()
-    with pytest.raises(TypeError, match=r"at boundary 3 \(output of stage 'Linear_2'\) returned a Tensor, "
-                                        r"expected an AdjointState"):
+    with pytest.raises(
+        TypeError,
+        match=r"at boundary 3 \(output of stage 'Linear_2'\) returned a Tensor, "
+        r"expected an AdjointState",
+    ):
         ef.sweep(chain, params, x, y, passes=lambda a: a.value)
 
 
 def test_non_tensor_boundary_leaf():
-    chain = ef.Chain([ef.stage(lambda p, h: h * 2, name="double"), ef.stage(lambda p, h: h.tolist(), name="lister")],
-                     loss=lambda out: torch.tensor(0.0))
+    chain = ef.Chain(
+        [ef.stage(lambda p, h: h * 2, name="double"), ef.stage(lambda p, h: h.tolist(), name="lister")],
+        loss=lambda out: torch.tensor(0.0),
+    )
     with pytest.raises(TypeError, match=r"output of stage 1 \('lister'\).*leaf of type float"):
         ef.sweep(chain, ({}, {}), torch.randn(2))
 
@@ -79,19 +87,28 @@ def test_a_failing_sweep_leaves_pass_state_and_inputs_alone():
     state = torch.zeros(())
     res = ef.sweep(chain, params, x, y, passes=counter, pass_state=state)
     assert res.pass_state == 4 and state == 0
-    at_input = Pass(init=counter.init,
-                    update=lambda a, s, ctx: (a if a.index > 0 else a.replace(value=a.value[:1]), s + 1))
+    at_input = Pass(
+        init=counter.init, update=lambda a, s, ctx: (a if a.index > 0 else a.replace(value=a.value[:1]), s + 1)
+    )
     with pytest.raises(ValueError, match=r"costate at boundary 0 \(the chain's input\): costate shape \(1, 3\)"):
         ef.sweep(chain, params, x, y, passes=at_input, pass_state=state)  # boundary 0 is checked like every other
-    broken = Pass(init=counter.init,
-                  update=lambda a, s, ctx: (a.replace(value=a.value[:1]) if a.index == 1 else a, s + 1))
+    broken = Pass(
+        init=counter.init, update=lambda a, s, ctx: (a.replace(value=a.value[:1]) if a.index == 1 else a, s + 1)
+    )
     with pytest.raises(ValueError, match="costate shape"):
         ef.sweep(chain, params, x, y, passes=broken, pass_state=state)
     assert state == 0
 
 
-@pytest.mark.parametrize("option", [{"boundary_dtype": torch.int8}, {"boundary_dtype": int},
-                                    {"boundary_dtype": "bfloat16"}, {"autocast": torch.int32}])
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"boundary_dtype": torch.int8},
+        {"boundary_dtype": int},
+        {"boundary_dtype": "bfloat16"},
+        {"autocast": torch.int32},
+    ],
+)
 def test_non_floating_dtypes_are_refused_before_anything_runs(option):
     _, chain, params, x, y = small()
     name = next(iter(option))

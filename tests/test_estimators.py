@@ -15,8 +15,10 @@ from eae_func import estimators as E
 from helpers import transformer
 
 # torch's forward-AD decompositions script themselves on first use (a torch-internal deprecation)
-pytestmark = [pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning"),
-              pytest.mark.usefixtures("one_thread")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 D, BATCH = 4, 5
 F64 = torch.float64
@@ -49,6 +51,7 @@ ALL_ESTIMATORS = [
 
 # ---- probes ----
 
+
 @pytest.mark.parametrize("kind", ["gaussian", "rademacher", "sphere", "orthogonal"])
 @pytest.mark.parametrize("antithetic", [False, True])
 def test_probe_draws_do_not_depend_on_the_chunk_size(kind, antithetic):
@@ -69,12 +72,12 @@ def test_probe_kinds_have_their_geometry():
         return next(E.Probes(n, kind, antithetic=antithetic).chunks(seed, batch, d, F64, "cpu"))
 
     assert set(draw("rademacher").unique().tolist()) == {-1.0, 1.0}
-    torch.testing.assert_close(draw("sphere").norm(dim=-1), torch.full((14, 3), d ** 0.5, dtype=F64))
+    torch.testing.assert_close(draw("sphere").norm(dim=-1), torch.full((14, 3), d**0.5, dtype=F64))
     u = draw("orthogonal")  # blocks of d directions per batch position, the last block partial
-    for block in (u[:d], u[d:2 * d], u[2 * d:]):
+    for block in (u[:d], u[d : 2 * d], u[2 * d :]):
         gram = torch.einsum("ibk,jbk->bij", block, block)
         torch.testing.assert_close(gram, d * torch.eye(len(block), dtype=F64).expand_as(gram))
-    assert not torch.allclose(u[:d], u[d:2 * d])  # independent blocks
+    assert not torch.allclose(u[:d], u[d : 2 * d])  # independent blocks
     assert not torch.allclose(u[:, 0], u[:, 1])  # independent per batch position
     pairs = draw("gaussian", antithetic=True)
     torch.testing.assert_close(pairs[1::2], -pairs[0::2])
@@ -85,14 +88,17 @@ def test_probe_kinds_have_their_geometry():
 def test_estimate_does_not_depend_on_the_chunk_size(name, make):
     model, x, y = mlp_problem()
     chain, params = ef.from_module(model, loss=F.mse_loss)
-    runs = [ef.sweep(chain, params, x, y, estimator=make(E.Probes(12, "sphere", chunk=c)), physical=[1, 3], key=5)
-            for c in (None, 1, 5)]
+    runs = [
+        ef.sweep(chain, params, x, y, estimator=make(E.Probes(12, "sphere", chunk=c)), physical=[1, 3], key=5)
+        for c in (None, 1, 5)
+    ]
     for res in runs[1:]:
         assert_trees_close(costates(res, chain, [0, 1, 3]), costates(runs[0], chain, [0, 1, 3]), rtol=1e-9, atol=1e-12)
         assert_trees_close(res.grads, runs[0].grads, rtol=1e-9, atol=1e-12)
 
 
 # ---- exactness of the forms ----
+
 
 def test_exact_estimator_equals_no_estimator():
     model, x, y = mlp_problem()
@@ -110,8 +116,9 @@ def test_jvp_form_equals_oracle_and_fd_converges_like_eps_squared(estimator, phy
     chain, params = ef.from_module(model, loss=F.mse_loss)
 
     def run(form, eps=1e-3):
-        res = ef.sweep(chain, params, x, y, estimator=estimator(E.Probes(8), form=form, eps=eps),
-                       physical=physical, key=7)
+        res = ef.sweep(
+            chain, params, x, y, estimator=estimator(E.Probes(8), form=form, eps=eps), physical=physical, key=7
+        )
         return torch.cat([c.flatten() for c in costates(res, chain, physical).values()]), res.grads
 
     oracle, oracle_grads = run("oracle")
@@ -165,8 +172,13 @@ def test_fd_probes_a_scalar_parameter_of_a_physical_stage():
     projection, so the estimate equals the central difference."""
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(5, D, generator=g, dtype=F64), torch.randn(5, D, generator=g, dtype=F64)
-    chain = ef.Chain([ef.stage(lambda p, h: torch.tanh(p["gain"] * h), name="gain", physical=True),
-                      ef.stage(lambda p, h: h @ p["w"], name="out")], loss=F.mse_loss)
+    chain = ef.Chain(
+        [
+            ef.stage(lambda p, h: torch.tanh(p["gain"] * h), name="gain", physical=True),
+            ef.stage(lambda p, h: h @ p["w"], name="out"),
+        ],
+        loss=F.mse_loss,
+    )
     params = ({"gain": torch.tensor(0.7, dtype=F64)}, {"w": torch.randn(D, D, generator=g, dtype=F64)})
     exact = ef.sweep(chain, params, x, y, estimator=E.exact()).grads[0]["gain"]
     probed = ef.sweep(chain, params, x, y, estimator=E.zbp(E.Probes(3, "rademacher"), method="fd")).grads[0]["gain"]
@@ -174,6 +186,7 @@ def test_fd_probes_a_scalar_parameter_of_a_physical_stage():
 
 
 # ---- the black box contract ----
+
 
 def numpy_stage(params, h):
     """A physical stage that leaves torch: tanh(h W + b) computed by numpy."""
@@ -189,14 +202,16 @@ def test_fd_forms_work_on_a_stage_computed_by_numpy():
     model, x, y = mlp_problem(depth=2)
     torch.manual_seed(1)
     black_box = {"w": torch.randn(D, D, dtype=F64) / 2, "b": torch.randn(D, dtype=F64) / 2}
-    digital = [ef.stage(lambda p, h, m=m: torch.func.functional_call(m, p, (h,)), name=f"mlp{k}")
-               for k, m in enumerate(model)]
+    digital = [
+        ef.stage(lambda p, h, m=m: torch.func.functional_call(m, p, (h,)), name=f"mlp{k}") for k, m in enumerate(model)
+    ]
     params = (dict(model[0].named_parameters()), black_box, dict(model[1].named_parameters()))
     params = tuple({k: v.detach() for k, v in p.items()} for p in params)
-    for fd, reference in [(E.zbp(E.Probes(16), method="fd", eps=1e-4), E.zbp(E.Probes(16), method="jvp")),
-                          (E.node_perturbation(E.Probes(16), form="fd", eps=1e-4),
-                           E.node_perturbation(E.Probes(16), form="oracle")),
-                          (E.direct(E.Probes(16), form="fd", eps=1e-4), E.direct(E.Probes(16), form="oracle"))]:
+    for fd, reference in [
+        (E.zbp(E.Probes(16), method="fd", eps=1e-4), E.zbp(E.Probes(16), method="jvp")),
+        (E.node_perturbation(E.Probes(16), form="fd", eps=1e-4), E.node_perturbation(E.Probes(16), form="oracle")),
+        (E.direct(E.Probes(16), form="fd", eps=1e-4), E.direct(E.Probes(16), form="oracle")),
+    ]:
         box = ef.Chain([digital[0], ef.stage(numpy_stage, name="box", physical=True), digital[1]], loss=F.mse_loss)
         twin = ef.Chain([digital[0], ef.stage(torch_twin, name="box"), digital[1]], loss=F.mse_loss)
         res = ef.sweep(box, params, x, y, estimator=fd, key=2)  # physical read from the stage
@@ -208,6 +223,7 @@ def test_fd_forms_work_on_a_stage_computed_by_numpy():
 
 
 # ---- transformer blocks, mixed chains, microbatches ----
+
 
 def test_transformer_blocks_take_forward_mode_through_attention():
     """Forward AD through the fused SDPA CPU kernel is not implemented; the estimators select the math backend."""
@@ -245,10 +261,26 @@ def test_microbatches_scale_the_model_level_scalars():
     model, x, y = mlp_problem(batch=6)
     chain, params = ef.from_module(model, loss=F.mse_loss)
     for form in ("jvp", "fd"):
-        whole = ef.sweep(chain, params, x, y, estimator=E.node_perturbation(E.Probes(5), form="oracle"),
-                         physical=[1], microbatches=2, key=9)
-        res = ef.sweep(chain, params, x, y, estimator=E.node_perturbation(E.Probes(5), form=form, eps=1e-5),
-                       physical=[1], microbatches=2, key=9)
+        whole = ef.sweep(
+            chain,
+            params,
+            x,
+            y,
+            estimator=E.node_perturbation(E.Probes(5), form="oracle"),
+            physical=[1],
+            microbatches=2,
+            key=9,
+        )
+        res = ef.sweep(
+            chain,
+            params,
+            x,
+            y,
+            estimator=E.node_perturbation(E.Probes(5), form=form, eps=1e-5),
+            physical=[1],
+            microbatches=2,
+            key=9,
+        )
         torch.testing.assert_close(res.adjoints[-1].value, whole.adjoints[-1].value, rtol=1e-6, atol=1e-10)
 
 
@@ -260,17 +292,20 @@ def test_with_two_batch_dims_jvp_and_fd_take_their_scalar_per_sample(form):
     x, y = torch.randn(3, 2, D, dtype=F64), torch.randn(3, 2, D, dtype=F64)
     probes = E.Probes(6, batch_dims=2)
     oracle = ef.sweep(chain, params, x, y, estimator=E.node_perturbation(probes), physical=[1, 2], key=1)
-    res = ef.sweep(chain, params, x, y, estimator=E.node_perturbation(probes, form=form, eps=1e-5),
-                   physical=[1, 2], key=1)
+    res = ef.sweep(
+        chain, params, x, y, estimator=E.node_perturbation(probes, form=form, eps=1e-5), physical=[1, 2], key=1
+    )
     torch.testing.assert_close(res.adjoints[-1].value, oracle.adjoints[-1].value, rtol=1e-6, atol=1e-10)
     # direct's per-sample scalar is the np scalar of a single stage
     single = ef.sweep(chain, params, x, y, estimator=E.node_perturbation(probes), physical=[2], key=1)
     res = ef.sweep(chain, params, x, y, estimator=E.direct(probes, form=form, eps=1e-5), physical=[2], key=1)
-    torch.testing.assert_close(res.adjoints[len(chain) - 2].value, single.adjoints[len(chain) - 2].value,
-                               rtol=1e-6, atol=1e-10)
+    torch.testing.assert_close(
+        res.adjoints[len(chain) - 2].value, single.adjoints[len(chain) - 2].value, rtol=1e-6, atol=1e-10
+    )
 
 
 # ---- cost ----
+
 
 def test_queries_follow_the_design_formulas():
     model, x, y = mlp_problem()
@@ -300,6 +335,7 @@ def test_queries_follow_the_design_formulas():
 
 
 # ---- errors ----
+
 
 def test_bad_arguments_say_what_was_expected():
     with pytest.raises(ValueError, match="unknown kind 'normal'"):
@@ -340,8 +376,10 @@ def test_a_noisy_black_box_sees_fresh_noise_in_every_query_and_the_seed_reproduc
         draws.append(noise[:2].clone())  # the first two rows of each call
         return torch.tanh(h) + 1e-3 * noise
 
-    chain = ef.Chain([ef.stage(lambda p, h: h @ p["w"], name="in"), ef.stage(noisy, name="box", physical=True)],
-                     loss=lambda out: out.square().mean())
+    chain = ef.Chain(
+        [ef.stage(lambda p, h: h @ p["w"], name="in"), ef.stage(noisy, name="box", physical=True)],
+        loss=lambda out: out.square().mean(),
+    )
     params = ({"w": torch.randn(8, 8, dtype=F64)}, {})
     x = torch.randn(16, 8, dtype=F64)  # 128 entries: torch draws them in the same order as a bigger call's first ones
     estimator = E.zbp(E.Probes(4, "rademacher"), method="fd", eps=1e-2)

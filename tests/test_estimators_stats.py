@@ -18,8 +18,10 @@ from torch import nn
 import eae_func as ef
 from eae_func import estimators as E
 
-pytestmark = [pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning"),
-              pytest.mark.usefixtures("one_thread")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 F64 = torch.float64
 
@@ -35,8 +37,14 @@ def setup(width: int = 4, batch: int = 128, depth: int = 4, seed: int = 0):
 
 def estimates(chain, params, x, y, estimator, physical, keys: int, stage: int) -> torch.Tensor:
     """``(keys, B, d)``: the estimated input costate of ``stage`` for keys 0..keys-1."""
-    return torch.stack([ef.sweep(chain, params, x, y, estimator=estimator, physical=physical, key=k)
-                        .adjoints[len(chain) - stage].value for k in range(keys)])
+    return torch.stack(
+        [
+            ef.sweep(chain, params, x, y, estimator=estimator, physical=physical, key=k)
+            .adjoints[len(chain) - stage]
+            .value
+            for k in range(keys)
+        ]
+    )
 
 
 def projection_variance(kind: str, g: torch.Tensor, n: int, others: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,9 +77,13 @@ def relative_error(samples: torch.Tensor, g: torch.Tensor) -> float:
 
 
 KEYS = 100
-MAKE = {"zbp-jvp": lambda p: E.zbp(p, method="jvp"), "zbp-fd": lambda p: E.zbp(p, method="fd", eps=1e-5),
-        "direct-oracle": lambda p: E.direct(p, form="oracle"), "direct-jvp": lambda p: E.direct(p, form="jvp"),
-        "direct-fd": lambda p: E.direct(p, form="fd", eps=1e-5)}
+MAKE = {
+    "zbp-jvp": lambda p: E.zbp(p, method="jvp"),
+    "zbp-fd": lambda p: E.zbp(p, method="fd", eps=1e-5),
+    "direct-oracle": lambda p: E.direct(p, form="oracle"),
+    "direct-jvp": lambda p: E.direct(p, form="jvp"),
+    "direct-fd": lambda p: E.direct(p, form="fd", eps=1e-5),
+}
 SINGLE = [(name, kind) for name in ("zbp-jvp", "direct-oracle") for kind in ("gaussian", "rademacher", "sphere")]
 SINGLE += [("zbp-fd", "rademacher"), ("direct-jvp", "sphere"), ("direct-fd", "gaussian")]
 

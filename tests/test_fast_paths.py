@@ -28,8 +28,10 @@ from helpers import mlp, mse
 def modules():
     return {
         "mlp": (lambda: nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)), (5, 6)),
-        "conv+batchnorm": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.GELU()),
-                           (2, 3, 5, 5)),
+        "conv+batchnorm": (
+            lambda: nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.GELU()),
+            (2, 3, 5, 5),
+        ),
         "transformer block": (lambda: Block(16, n_heads=4, n_kv_heads=2, ffn_hidden=24), (2, 7, 16)),
         "weight_norm (a parametrization)": (lambda: nn.Sequential(weight_norm(nn.Linear(6, 6)), nn.Tanh()), (5, 6)),
     }

@@ -17,7 +17,8 @@ def test_without_a_gpu_the_check_says_skipped_and_exits_0():
 
 
 def test_the_checks_pass_on_the_cpu_with_small_shapes():
-    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick"], capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick"], capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("PASS") == 7 and "FAIL" not in done.stdout

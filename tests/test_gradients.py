@@ -13,8 +13,12 @@ from helpers import assert_grads_match, autograd_grads, build, mse
 TOL = {torch.float64: dict(rtol=1e-9, atol=1e-11), torch.float32: dict(rtol=1e-4, atol=1e-6)}
 
 
-@given(kind=st.sampled_from(["mlp", "conv", "transformer"]), depth=st.integers(1, 8),
-       dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 2**16))
+@given(
+    kind=st.sampled_from(["mlp", "conv", "transformer"]),
+    depth=st.integers(1, 8),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**16),
+)
 def test_gradients_equal_autograd(kind, depth, dtype, seed):
     model, x, target = build(kind, depth, dtype, seed)
     chain, params = ef.from_module(model, loss=mse)
@@ -43,15 +47,22 @@ def test_grads_keep_the_tree_of_params_and_costates_mirror_boundaries(kind, dept
 def test_pure_function_chain_with_pytree_boundaries(depth, seed):
     """Stages ``fn(params, (h, memory))`` with a tuple boundary: costates mirror it, grads match autograd."""
     g = torch.Generator().manual_seed(seed)
-    params = tuple({"w": torch.randn(4, 4, generator=g, dtype=torch.float64),
-                    "u": torch.randn(4, 4, generator=g, dtype=torch.float64)} for _ in range(depth))
+    params = tuple(
+        {
+            "w": torch.randn(4, 4, generator=g, dtype=torch.float64),
+            "u": torch.randn(4, 4, generator=g, dtype=torch.float64),
+        }
+        for _ in range(depth)
+    )
 
     def cross(p, state):
         h, memory = state
         return torch.tanh(h @ p["w"] + memory @ p["u"]), memory
 
-    chain = ef.Chain([ef.stage(cross, name=f"cross{i}") for i in range(depth)],
-                     loss=lambda state: state[0].square().sum() + state[1].sin().sum())
+    chain = ef.Chain(
+        [ef.stage(cross, name=f"cross{i}") for i in range(depth)],
+        loss=lambda state: state[0].square().sum() + state[1].sin().sum(),
+    )
     h = torch.randn(3, 4, generator=g, dtype=torch.float64)
     memory = torch.randn(3, 4, generator=g, dtype=torch.float64)
     res = ef.sweep(chain, params, (h, memory))

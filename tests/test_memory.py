@@ -22,8 +22,14 @@ WIDTH, INNER, BATCH = 16, 256, 1024
 
 def chain_of(depth):
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, INNER), nn.Tanh(), nn.Linear(INNER, INNER), nn.Tanh(),
-                                          nn.Linear(INNER, WIDTH)) for _ in range(depth)])
+    model = nn.Sequential(
+        *[
+            nn.Sequential(
+                nn.Linear(WIDTH, INNER), nn.Tanh(), nn.Linear(INNER, INNER), nn.Tanh(), nn.Linear(INNER, WIDTH)
+            )
+            for _ in range(depth)
+        ]
+    )
     return model, torch.randn(BATCH, WIDTH)
 
 
@@ -53,7 +59,6 @@ def test_live_bytes_do_not_grow_with_depth():
     assert e16 < 2 * stage_tape
 
 
-
 @pytest.mark.parametrize("recompute", [True, False])
 def test_no_tape_entry_or_closure_outlives_its_step(recompute):
     """When the passes run at boundary l, the stage inputs x_j of every stage j > l (and so the
@@ -64,6 +69,7 @@ def test_no_tape_entry_or_closure_outlives_its_step(recompute):
         def fn(p, h):
             first_inputs.setdefault(i, weakref.ref(h))  # the forward's call (the recompute sees the same x_i)
             return torch.tanh(h @ p["w"])
+
         return fn
 
     chain = ef.Chain([ef.stage(layer(i), name=f"layer{i}") for i in range(depth)], loss=lambda h: h.square().sum())

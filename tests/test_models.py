@@ -21,15 +21,23 @@ def next_token_loss(out, ids):
 
 
 def gpt2():
-    config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
-                                     attn_implementation="eager")
+    config = transformers.GPT2Config(
+        n_layer=3, n_embd=32, n_head=4, vocab_size=64, n_positions=32, attn_implementation="eager"
+    )
     return transformers.GPT2LMHeadModel(config), ["transformer.h.*"]
 
 
 def llama():
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=64, attention_dropout=0.1,
-                                      tie_word_embeddings=True)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        attention_dropout=0.1,
+        tie_word_embeddings=True,
+    )
     return transformers.LlamaForCausalLM(config), ["model.layers.*"]
 
 
@@ -57,8 +65,14 @@ def test_hugging_face_models_cut_per_layer_give_autograds_gradients(build, dtype
     assert_relative(grads, params, tol)
     # keyword inputs (input_ids, attention_mask) take the same path
     torch.manual_seed(1)
-    again = ef.grad(model, params, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, ids,
-                    loss=next_token_loss, split_at=split_at)
+    again = ef.grad(
+        model,
+        params,
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+        ids,
+        loss=next_token_loss,
+        split_at=split_at,
+    )
     assert_relative(again, params, tol)
 
 
@@ -67,8 +81,13 @@ def test_the_cut_has_one_stage_per_layer_and_carries_the_mask_across():
     model, split_at = gpt2()
     ids = torch.randint(0, 64, (2, 8))
     chain, params = ef.from_module(model.train(), loss=next_token_loss, split_at=split_at, example=ids)
-    assert chain.names == ("transformer.wte+transformer.wpe+transformer.drop", "transformer.h.0", "transformer.h.1",
-                           "transformer.h.2", "transformer.ln_f+lm_head")
+    assert chain.names == (
+        "transformer.wte+transformer.wpe+transformer.drop",
+        "transformer.h.0",
+        "transformer.h.1",
+        "transformer.h.2",
+        "transformer.ln_f+lm_head",
+    )
     assert chain.ties == (((0, "transformer.wte.weight"), (4, "transformer.wte.weight")),)
     res = ef.sweep(chain, params, ids, ids)
     boundary_1 = res.adjoints[-2].value  # the costate of what crosses the first cut: the stream and the mask
@@ -115,8 +134,11 @@ def test_a_skip_connection_crossing_two_cuts_and_batchnorm_statistics():
 
 
 def convnet():
-    return nn.Sequential(*[nn.Sequential(nn.Conv2d(c_in, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
-                           for c_in in (3, 4, 4)], nn.Flatten(), nn.Linear(4 * 5 * 5, 3))
+    return nn.Sequential(
+        *[nn.Sequential(nn.Conv2d(c_in, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()) for c_in in (3, 4, 4)],
+        nn.Flatten(),
+        nn.Linear(4 * 5 * 5, 3),
+    )
 
 
 def test_training_with_write_back_keeps_batchnorm_statistics_like_autograd():
@@ -146,11 +168,15 @@ def test_nothing_is_dropped_silently():
     with pytest.raises(ValueError, match="give example="):
         ef.from_module(UNet(), loss=F.mse_loss, split_at=["mid"])
     blocks = [nn.Linear(4, 4) for _ in range(3)]
-    closures = ef.Chain([ef.stage(lambda p, h, b=b: b(h), name=f"block{i}") for i, b in enumerate(blocks)],
-                        loss=lambda out: out.sum())
+    closures = ef.Chain(
+        [ef.stage(lambda p, h, b=b: b(h), name=f"block{i}") for i, b in enumerate(blocks)], loss=lambda out: out.sum()
+    )
     for recompute in (True, False):  # False: the forward builds the local graph, the check walks it
-        with pytest.raises(ValueError, match=r"stage 0 \('block0'\): its output depends on a tensor that requires "
-                                             r"grad but is not among its params \(shapes \[.*\(4, 4\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"stage 0 \('block0'\): its output depends on a tensor that requires "
+            r"grad but is not among its params \(shapes \[.*\(4, 4\)",
+        ):
             ef.sweep(closures, ({}, {}, {}), torch.randn(2, 4), recompute=recompute)
 
 

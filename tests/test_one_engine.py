@@ -38,9 +38,21 @@ def _chain():
     return model, chain, params, torch.randn(6, 4), torch.randn(6, 3)
 
 
-EVERY_OPTION = dict(passes=P.scale(1.0), key=3, boundary_dtype=None, offload=False, autocast=None, microbatches=2,
-                    reduction="mean", estimator=None, physical=None, budget=None, recompute=remat.budget(1 << 10),
-                    keep_costates=True, timers=True)
+EVERY_OPTION = dict(
+    passes=P.scale(1.0),
+    key=3,
+    boundary_dtype=None,
+    offload=False,
+    autocast=None,
+    microbatches=2,
+    reduction="mean",
+    estimator=None,
+    physical=None,
+    budget=None,
+    recompute=remat.budget(1 << 10),
+    keep_costates=True,
+    timers=True,
+)
 
 
 def test_grad_value_and_grad_and_sweep_accept_every_option():
@@ -64,11 +76,17 @@ def test_an_unknown_option_is_named_with_the_options_there_are(entry):
 
 
 def test_options_are_checked_once_when_made():
-    for bad, match in ((dict(key=1.5), "key must be an int"), (dict(microbatches=0), "microbatches"),
-                       (dict(reduction="max"), "reduction"), (dict(budget=0), "budget"),
-                       (dict(recompute=-1), "recompute"), (dict(boundary_dtype=torch.int8), "boundary_dtype"),
-                       (dict(estimator=object()), "estimator"), (dict(physical="box"), "physical"),
-                       (dict(update=3), "fused")):
+    for bad, match in (
+        (dict(key=1.5), "key must be an int"),
+        (dict(microbatches=0), "microbatches"),
+        (dict(reduction="max"), "reduction"),
+        (dict(budget=0), "budget"),
+        (dict(recompute=-1), "recompute"),
+        (dict(boundary_dtype=torch.int8), "boundary_dtype"),
+        (dict(estimator=object()), "estimator"),
+        (dict(physical="box"), "physical"),
+        (dict(update=3), "fused"),
+    ):
         with pytest.raises((TypeError, ValueError), match=match):
             Options(**bad)
     opts = Options(recompute=True, update=None)
@@ -110,12 +128,18 @@ def _dropout_before_a_physical_stage(train: bool):
     """Pure stages with dropout before a physical (simulated) stage of width 8."""
     g = torch.Generator().manual_seed(0)
     drop = torch.nn.Dropout(0.5).train(train)
-    stages = [ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="in"),
-              ef.stage(lambda p, h: drop(h), name="dropout"),
-              ef.stage(lambda p, h: torch.sin(h @ p["m"]), name="medium", physical=True),
-              ef.stage(lambda p, h: h @ p["w"], name="out")]
-    params = ({"w": torch.randn(5, 8, generator=g, dtype=F64)}, {}, {"m": torch.randn(8, 8, generator=g, dtype=F64)},
-              {"w": torch.randn(8, 3, generator=g, dtype=F64)})
+    stages = [
+        ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="in"),
+        ef.stage(lambda p, h: drop(h), name="dropout"),
+        ef.stage(lambda p, h: torch.sin(h @ p["m"]), name="medium", physical=True),
+        ef.stage(lambda p, h: h @ p["w"], name="out"),
+    ]
+    params = (
+        {"w": torch.randn(5, 8, generator=g, dtype=F64)},
+        {},
+        {"m": torch.randn(8, 8, generator=g, dtype=F64)},
+        {"w": torch.randn(8, 3, generator=g, dtype=F64)},
+    )
     chain = ef.Chain(stages, loss=F.mse_loss)
     return chain, params, torch.randn(6, 5, generator=g, dtype=F64), torch.randn(6, 3, generator=g, dtype=F64)
 
@@ -154,10 +178,12 @@ def _shared_tensor_chain():
     """Four stages; stages 0 and 3 use one tensor object, not declared in ``chain.ties``."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(6, 6, generator=g, dtype=F64)
-    stages = [ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="a"),
-              ef.stage(lambda p, h: torch.tanh(h @ p["v"]), name="b"),
-              ef.stage(lambda p, h: torch.sin(h), name="c"),
-              ef.stage(lambda p, h: h @ p["w"].T, name="d")]
+    stages = [
+        ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="a"),
+        ef.stage(lambda p, h: torch.tanh(h @ p["v"]), name="b"),
+        ef.stage(lambda p, h: torch.sin(h), name="c"),
+        ef.stage(lambda p, h: h @ p["w"].T, name="d"),
+    ]
     params = ({"w": w}, {"v": torch.randn(6, 6, generator=g, dtype=F64)}, {}, {"w": w})
     chain = ef.Chain(stages, loss=F.mse_loss)
     return chain, params, torch.randn(5, 6, generator=g, dtype=F64), torch.randn(5, 6, generator=g, dtype=F64)

@@ -27,8 +27,12 @@ class Rounded(nn.Module):
         return out + (out.to(self.dtype).to(out.dtype) - out).detach()  # rounded value, exact costate
 
 
-@given(kind=st.sampled_from(["mlp", "transformer"]), depth=st.integers(2, 6), seed=st.integers(0, 2**16),
-       dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+@given(
+    kind=st.sampled_from(["mlp", "transformer"]),
+    depth=st.integers(2, 6),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+)
 def test_low_precision_boundaries_differentiate_the_rounded_network(kind, depth, seed, dtype):
     """Documented bound: with ``boundary_dtype`` the gradients are exactly those of the network whose
     boundaries x_1..x_{L-1} are rounded to that dtype (autograd of it, float tolerance)."""
@@ -47,8 +51,9 @@ def test_offload_on_cpu_gives_the_same_gradients():
     chain, params = ef.from_module(model, loss=mse)
     plain = ef.sweep(chain, params, x, target)
     offloaded = ef.sweep(chain, params, x, target, offload=True, boundary_dtype=torch.float32)
-    for a, b in zip(optree.tree_leaves(plain.grads, namespace=NAMESPACE),
-                    optree.tree_leaves(offloaded.grads, namespace=NAMESPACE)):
+    for a, b in zip(
+        optree.tree_leaves(plain.grads, namespace=NAMESPACE), optree.tree_leaves(offloaded.grads, namespace=NAMESPACE)
+    ):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
@@ -88,8 +93,9 @@ def test_microbatches_equal_the_full_batch(k, reduction, seed):
     full = ef.sweep(chain, params, x, y)
     split = ef.sweep(chain, params, x, y, microbatches=k, reduction=reduction)
     torch.testing.assert_close(split.loss, full.loss)
-    for a, b in zip(optree.tree_leaves(split.grads, namespace=NAMESPACE),
-                    optree.tree_leaves(full.grads, namespace=NAMESPACE)):
+    for a, b in zip(
+        optree.tree_leaves(split.grads, namespace=NAMESPACE), optree.tree_leaves(full.grads, namespace=NAMESPACE)
+    ):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     for a, b in zip(split.adjoints, full.adjoints):  # costates are the full batch's, concatenated
         torch.testing.assert_close(a.value, b.value, rtol=1e-10, atol=1e-12)
@@ -136,9 +142,11 @@ def test_value_and_grad_and_grad_agree_with_sweep():
     res = ef.sweep(chain, params, x, target)
     loss, grads = ef.value_and_grad(chain, params, x, target)
     assert torch.equal(loss, res.loss)
-    for a, b, c in zip(optree.tree_leaves(grads, namespace=NAMESPACE),
-                       optree.tree_leaves(res.grads, namespace=NAMESPACE),
-                       optree.tree_leaves(ef.grad(chain, params, x, target), namespace=NAMESPACE)):
+    for a, b, c in zip(
+        optree.tree_leaves(grads, namespace=NAMESPACE),
+        optree.tree_leaves(res.grads, namespace=NAMESPACE),
+        optree.tree_leaves(ef.grad(chain, params, x, target), namespace=NAMESPACE),
+    ):
         assert torch.equal(a, b) and torch.equal(b, c)
 
 
@@ -149,8 +157,9 @@ def test_cuda_offload_prefetch_matches():
     chain, params = ef.from_module(model, loss=mse)
     plain = ef.sweep(chain, params, x, target)
     offloaded = ef.sweep(chain, params, x, target, offload=True)
-    for a, b in zip(optree.tree_leaves(plain.grads, namespace=NAMESPACE),
-                    optree.tree_leaves(offloaded.grads, namespace=NAMESPACE)):
+    for a, b in zip(
+        optree.tree_leaves(plain.grads, namespace=NAMESPACE), optree.tree_leaves(offloaded.grads, namespace=NAMESPACE)
+    ):
         torch.testing.assert_close(a, b)
 
 
@@ -162,8 +171,9 @@ def test_dropping_costates_keeps_grads_history_and_meta():
     dropped = ef.sweep(chain, params, x, target, passes=tag, keep_costates=False, microbatches=2)
     assert all(a.value is None for a in dropped.adjoints)
     assert [a.history for a in dropped.adjoints] == [a.history for a in kept.adjoints]
-    for a, b in zip(optree.tree_leaves(kept.grads, namespace=NAMESPACE),
-                    optree.tree_leaves(dropped.grads, namespace=NAMESPACE)):
+    for a, b in zip(
+        optree.tree_leaves(kept.grads, namespace=NAMESPACE), optree.tree_leaves(dropped.grads, namespace=NAMESPACE)
+    ):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
@@ -178,13 +188,18 @@ def test_every_remat_policy_gives_the_same_gradients(seed, budget_blocks):
     reference = ef.sweep(chain, params, x, target)
     one_block = 16 * 32 * 4  # a block's graph saves tanh's (16, 32) output (which Linear 2 saves too); its input
     # and weights are the stage's own and not counted
-    policies = [(True, set()), (False, {0, 1, 2, 3}), (lambda i, name: i % 2 == 1, {0, 2}),
-                (budget_blocks * one_block, set(range(budget_blocks)))]  # a list: 0 == False as a dict key
+    policies = [
+        (True, set()),
+        (False, {0, 1, 2, 3}),
+        (lambda i, name: i % 2 == 1, {0, 2}),
+        (budget_blocks * one_block, set(range(budget_blocks))),
+    ]  # a list: 0 == False as a dict key
     for policy, kept in policies:
         res = ef.sweep(chain, params, x, target, recompute=policy)
         assert {i for i, s in enumerate(chain.stages) if res.stats[s.name]["recompute_s"] == 0} == kept, policy
-        for got, want in zip(optree.tree_leaves(res.grads, namespace=NAMESPACE),
-                             optree.tree_leaves(reference.grads, namespace=NAMESPACE)):
+        for got, want in zip(
+            optree.tree_leaves(res.grads, namespace=NAMESPACE), optree.tree_leaves(reference.grads, namespace=NAMESPACE)
+        ):
             assert torch.equal(got, want), policy
     with pytest.raises(TypeError, match="recompute must be True, False, a predicate"):
         ef.sweep(chain, params, x, target, recompute=-1)
@@ -234,8 +249,10 @@ def test_stored_boundaries_keep_their_memory_format():
     from eae_func import fold
     from eae_func.options import Options
 
-    chain = ef.Chain([ef.stage(lambda p, h: torch.tanh(h) * 2, name="a"), ef.stage(lambda p, h: h * h, name="b")],
-                     loss=lambda out: out.float().square().mean())
+    chain = ef.Chain(
+        [ef.stage(lambda p, h: torch.tanh(h) * 2, name="a"), ef.stage(lambda p, h: h * h, name="b")],
+        loss=lambda out: out.float().square().mean(),
+    )
     x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
     opts = Options(boundary_dtype=torch.bfloat16).bind(chain)
     tape = fold.forward(chain, 0, 2, ({}, {}), ({}, {}), x, opts, torch.device("cpu"))

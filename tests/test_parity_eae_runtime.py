@@ -27,8 +27,11 @@ from eae_func.adjoint import AdjointState
 
 from helpers import assert_grads_match, build
 
-pytest.importorskip("eae_runtime", reason="eae-runtime 0.1.1, the peer package these tests compare with, "
-                                   "is not installed (pip install eae-runtime==0.1.1)")
+pytest.importorskip(
+    "eae_runtime",
+    reason="eae-runtime 0.1.1, the peer package these tests compare with, "
+    "is not installed (pip install eae-runtime==0.1.1)",
+)
 from eae_runtime import EAERuntime, RuntimeConfig  # noqa: E402
 from eae_runtime import passes as R  # noqa: E402
 from eae_runtime.adjoint import AdjointState as RuntimeAdjoint  # noqa: E402
@@ -39,8 +42,10 @@ COUNTERPARTS = {
     "int8": (R.Int8QuantizationPass, P.int8),
     "fp8_alias": (R.FP8Pass, P.int8),
     "regularization": (lambda: R.RegularizationPass(strength=0.3), lambda: P.scale(0.7)),
-    "int8+clip": (lambda: [R.Int8QuantizationPass(), R.ClipPass(max_norm=1.0)],
-                  lambda: ef.compose(P.int8(), P.clip_by_global_norm(1.0))),
+    "int8+clip": (
+        lambda: [R.Int8QuantizationPass(), R.ClipPass(max_norm=1.0)],
+        lambda: ef.compose(P.int8(), P.clip_by_global_norm(1.0)),
+    ),
 }
 
 
@@ -63,8 +68,10 @@ def test_parameter_gradients_match_eae_runtime(name, kind):
     # vjp and autograd.grad may reassociate sums (transformer: ~1e-7 relative); the MLP is bitwise equal
     assert_grads_match(chain, res.grads, reference, rtol=1e-5, atol=1e-6)
     plain = ef.sweep(chain, params, x, target).grads
-    assert any(not torch.allclose(a, b, rtol=1e-4, atol=1e-5)
-               for a, b in zip(optree.tree_leaves(plain), optree.tree_leaves(res.grads))), "the pass had no effect"
+    assert any(
+        not torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+        for a, b in zip(optree.tree_leaves(plain), optree.tree_leaves(res.grads))
+    ), "the pass had no effect"
 
 
 costates = st.tuples(st.integers(1, 6), st.integers(1, 9), st.floats(1e-4, 1e4), st.integers(0, 2**31 - 1))
@@ -103,7 +110,8 @@ def test_gaussian_noise_has_the_distribution_of_gaussian_noise_pass():
     n, std = 200_000, 0.5
     zero = torch.zeros(n)
     theirs = R.GaussianNoisePass(std=std, generator=torch.Generator().manual_seed(1))(
-        RuntimeAdjoint(tensor=zero, layer_id=1)).tensor
+        RuntimeAdjoint(tensor=zero, layer_id=1)
+    ).tensor
     ours = P.gaussian_noise(std).apply(AdjointState(zero, 1, "block", key=1))[0].value
     for noise in (theirs, ours):
         assert abs(noise.mean().item()) < 6 * std / math.sqrt(n)

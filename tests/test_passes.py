@@ -24,12 +24,13 @@ FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 # ----------------------------------------------------------------------------- strategies
 
+
 def _randn(shape, magnitude, seed):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * magnitude
 
 
 shapes = st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple)
-magnitudes = st.floats(-3, 3).map(lambda e: 10.0 ** e)
+magnitudes = st.floats(-3, 3).map(lambda e: 10.0**e)
 seeds = st.integers(0, 2**31 - 1)
 tensors = st.builds(_randn, shapes, magnitudes, seeds)
 
@@ -78,27 +79,42 @@ def apply1(p, adj):
 
 def counter():
     """A stateful pass that counts visits per boundary and records the count."""
+
     def update(adj, state, ctx):
         count = state.get(adj.index, 0) + 1
         return adj.applied("counter", adj.value, count=count), {**state, adj.index: count}
+
     return P.Pass(dict, update, "counter")
 
 
 def all_passes():
     return {
-        "clip": P.clip_by_global_norm(0.5), "clip_by_value": P.clip_by_value(0.5), "scale": P.scale(-2.0), "gaussian_noise": P.gaussian_noise(0.1),
-        "cast16": P.cast(torch.float16), "castbf16": P.cast(torch.bfloat16),
-        "fp8_e4m3": P.fp8(), "fp8_e5m2": P.fp8(torch.float8_e5m2),
-        "int8": P.int8(), "int8_channel": P.int8("channel"), "int8_stochastic": P.int8(stochastic=True),
-        "topk": P.topk(0.3), "randk": P.randk(0.3),
-        "check_finite": P.check_finite("zero"), "stats": P.stats(), "log": P.log(),
-        "error_feedback": P.error_feedback(P.topk(0.3)), "synthetic": P.synthetic(warmup=0, replace=True),
-        "when": P.when(lambda a: a.index > 0, P.int8()), "only": P.only(P.clip_by_global_norm(0.1), indices=2),
+        "clip": P.clip_by_global_norm(0.5),
+        "clip_by_value": P.clip_by_value(0.5),
+        "scale": P.scale(-2.0),
+        "gaussian_noise": P.gaussian_noise(0.1),
+        "cast16": P.cast(torch.float16),
+        "castbf16": P.cast(torch.bfloat16),
+        "fp8_e4m3": P.fp8(),
+        "fp8_e5m2": P.fp8(torch.float8_e5m2),
+        "int8": P.int8(),
+        "int8_channel": P.int8("channel"),
+        "int8_stochastic": P.int8(stochastic=True),
+        "topk": P.topk(0.3),
+        "randk": P.randk(0.3),
+        "check_finite": P.check_finite("zero"),
+        "stats": P.stats(),
+        "log": P.log(),
+        "error_feedback": P.error_feedback(P.topk(0.3)),
+        "synthetic": P.synthetic(warmup=0, replace=True),
+        "when": P.when(lambda a: a.index > 0, P.int8()),
+        "only": P.only(P.clip_by_global_norm(0.1), indices=2),
         "tap": P.tap(lambda a: None),
     }
 
 
 # ----------------------------------------------------------------------------- clip, scale, noise
+
 
 @given(value=costates(), max_norm=st.floats(1e-2, 1e2))
 def test_clip_bounds_the_global_norm_and_is_identity_below_it(value, max_norm):
@@ -125,7 +141,11 @@ def test_scale_multiplies_every_leaf(value, factor):
 @given(value=costates(), key=seeds)
 def test_gaussian_noise_same_key_same_noise(value, key):
     noise = P.gaussian_noise(0.5)
-    a, b, c = apply1(noise, record(value, key=key)), apply1(noise, record(value, key=key)), apply1(noise, record(value, key=key + 1))
+    a, b, c = (
+        apply1(noise, record(value, key=key)),
+        apply1(noise, record(value, key=key)),
+        apply1(noise, record(value, key=key + 1)),
+    )
     assert all(torch.equal(u, v) for u, v in zip(leaves(a.value), leaves(b.value)))
     assert not all(torch.equal(u, v) for u, v in zip(leaves(a.value), leaves(c.value)))
 
@@ -140,6 +160,7 @@ def test_two_random_passes_at_one_boundary_draw_independent_noise():
 
 
 # ----------------------------------------------------------------------------- precision
+
 
 @given(value=tensors, per=st.sampled_from(["tensor", "channel"]))
 def test_int8_round_trip_error_at_most_half_a_step(value, per):
@@ -162,15 +183,20 @@ def test_int8_per_channel_scales_each_index_of_the_last_dim():
     assert torch.equal(out[:, 2], torch.zeros(2))
 
 
-@pytest.mark.parametrize("p", [P.int8(), P.int8("channel"), P.int8(stochastic=True), P.fp8(),
-                               P.fp8(torch.float8_e5m2), P.cast(torch.float16)])
+@pytest.mark.parametrize(
+    "p",
+    [P.int8(), P.int8("channel"), P.int8(stochastic=True), P.fp8(), P.fp8(torch.float8_e5m2), P.cast(torch.float16)],
+)
 def test_quantisers_leave_zero_costates_zero(p):
     out = apply1(p, record(torch.zeros(4, 5)))
     assert torch.equal(out.value, torch.zeros(4, 5))
 
 
-@given(value=tensors, magnitude=st.floats(-3, 6).map(lambda e: 10.0 ** e),
-       dtype=st.sampled_from([torch.float16, torch.bfloat16]))
+@given(
+    value=tensors,
+    magnitude=st.floats(-3, 6).map(lambda e: 10.0**e),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+)
 def test_cast_round_trip_is_idempotent(value, magnitude, dtype):
     p = P.cast(dtype)
     once = apply1(p, record(value * magnitude))
@@ -203,6 +229,7 @@ def test_fp8_is_a_real_float8_format(value, dtype):
 
 # ----------------------------------------------------------------------------- unbiased randomness
 
+
 def _mean_over_keys(p, value, n_keys):
     return torch.stack([apply1(p, record(value, key=k)).value for k in range(n_keys)]).mean(0)
 
@@ -215,7 +242,9 @@ def test_int8_stochastic_rounding_is_unbiased(seed):
     step = value.abs().max() / 127
     mean = _mean_over_keys(P.int8(stochastic=True), value, n_keys)
     assert ((mean - value).abs() <= 6 * step / (2 * math.sqrt(n_keys)) + 1e-6).all()
-    assert not torch.equal(apply1(P.int8(stochastic=True), record(value, key=0)).value, apply1(P.int8(), record(value)).value)
+    assert not torch.equal(
+        apply1(P.int8(stochastic=True), record(value, key=0)).value, apply1(P.int8(), record(value)).value
+    )
 
 
 @pytest.mark.parametrize("seed,ratio", [(0, 0.25), (1, 0.5)])
@@ -239,11 +268,13 @@ def test_topk_keeps_the_largest_entries(value, ratio):
     assert int(kept.sum()) <= k and torch.equal(out.value[kept], value[kept])
     if k < value.numel():
         assert value.abs()[kept].min() >= value.abs()[~kept].max()
-    assert out.meta["topk_energy"] == pytest.approx(out.value.square().sum().item() / value.square().sum().item(),
-                                                    rel=1e-4)
+    assert out.meta["topk_energy"] == pytest.approx(
+        out.value.square().sum().item() / value.square().sum().item(), rel=1e-4
+    )
 
 
 # ----------------------------------------------------------------------------- guards
+
 
 def test_check_finite_policies():
     value = (torch.tensor([1.0, float("nan")]), None, torch.tensor([float("inf")]))
@@ -268,6 +299,7 @@ def test_check_finite_inside_a_sweep_names_the_stage():
 
 
 # ----------------------------------------------------------------------------- error feedback
+
 
 @given(seed=seeds, ratio=st.floats(0.05, 0.9), steps=st.integers(1, 30))
 def test_error_feedback_residual_bounded_and_sums_track(seed, ratio, steps):
@@ -312,6 +344,7 @@ def test_error_feedback_threads_the_state_of_its_compressor():
 
 # ----------------------------------------------------------------------------- synthetic gradients
 
+
 def test_synthetic_learns_a_linear_costate_and_replaces_after_warmup():
     """p = [x / rms(x), 1] A is realisable by the linear predictor: its error falls to ~0."""
     g = torch.Generator().manual_seed(0)
@@ -339,6 +372,7 @@ def test_synthetic_needs_the_boundary_state():
 
 # ----------------------------------------------------------------------------- observation
 
+
 @given(value=costates())
 def test_stats_records_summary_of_all_leaves(value):
     out = apply1(P.stats(), record(value))
@@ -364,6 +398,7 @@ def test_log_emits_structured_records(caplog):
 
 # ----------------------------------------------------------------------------- combinators
 
+
 def test_when_only_tap():
     seen = []
     a1, a2 = AdjointState(torch.ones(3), 1, "mlp_0"), AdjointState(torch.ones(3), 2, "mlp_1")
@@ -380,36 +415,42 @@ def test_when_only_tap():
     assert out.meta["count"] == 1 and new_state == {2: 1}
 
 
-@pytest.mark.parametrize("make,match", [
-    (lambda: P.clip_by_global_norm(-1), r"clip_by_global_norm: max_norm must be a finite number and > 0, got -1"),
-    (lambda: P.clip_by_global_norm(float("inf")), "clip_by_global_norm: max_norm"),
-    (lambda: P.clip_by_value(0), "clip_by_value: limit must be"),
-    (lambda: P.scale(True), "scale: factor"),
-    (lambda: P.gaussian_noise(-0.1), "gaussian_noise: std must be"),
-    (lambda: P.int8(per="row"), r"int8: per must be 'tensor' or 'channel', got 'row'"),
-    (lambda: P.cast(torch.int8), "cast: dtype must be torch.float16 or torch.bfloat16"),
-    (lambda: P.fp8(torch.float16), "fp8: dtype must be torch.float8_e4m3fn or torch.float8_e5m2"),
-    (lambda: P.topk(0), r"topk: ratio must be a finite number and > 0 and <= 1, got 0"),
-    (lambda: P.randk(1.5), "randk: ratio"),
-    (lambda: P.check_finite("warn"), "check_finite: policy must be one of"),
-    (lambda: P.synthetic(momentum=1.0), r"synthetic: momentum must be in \[0, 1\)"),
-    (lambda: P.synthetic(warmup=-1), "synthetic: warmup"),
-    (lambda: P.only(P.clip_by_global_norm(1)), "only: give the stages"),
-    (lambda: P.log(level="LOUD"), "log: unknown level"),
-])
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: P.clip_by_global_norm(-1), r"clip_by_global_norm: max_norm must be a finite number and > 0, got -1"),
+        (lambda: P.clip_by_global_norm(float("inf")), "clip_by_global_norm: max_norm"),
+        (lambda: P.clip_by_value(0), "clip_by_value: limit must be"),
+        (lambda: P.scale(True), "scale: factor"),
+        (lambda: P.gaussian_noise(-0.1), "gaussian_noise: std must be"),
+        (lambda: P.int8(per="row"), r"int8: per must be 'tensor' or 'channel', got 'row'"),
+        (lambda: P.cast(torch.int8), "cast: dtype must be torch.float16 or torch.bfloat16"),
+        (lambda: P.fp8(torch.float16), "fp8: dtype must be torch.float8_e4m3fn or torch.float8_e5m2"),
+        (lambda: P.topk(0), r"topk: ratio must be a finite number and > 0 and <= 1, got 0"),
+        (lambda: P.randk(1.5), "randk: ratio"),
+        (lambda: P.check_finite("warn"), "check_finite: policy must be one of"),
+        (lambda: P.synthetic(momentum=1.0), r"synthetic: momentum must be in \[0, 1\)"),
+        (lambda: P.synthetic(warmup=-1), "synthetic: warmup"),
+        (lambda: P.only(P.clip_by_global_norm(1)), "only: give the stages"),
+        (lambda: P.log(level="LOUD"), "log: unknown level"),
+    ],
+)
 def test_bad_arguments_name_the_pass(make, match):
     with pytest.raises(ValueError, match=match):
         make()
 
 
-@pytest.mark.parametrize("make,match", [
-    (lambda: P.error_feedback(3), "error_feedback: expected a pass"),
-    (lambda: P.compose(P.int8(), "clip"), "compose: expected a pass"),
-    (lambda: P.int8(stochastic=1), "int8: stochastic must be a bool"),
-    (lambda: P.only(P.clip_by_global_norm(1), indices="1"), "only: indices must be ints"),
-    (lambda: P.tap(3), "tap: expected a callable"),
-    (lambda: P.when(True, P.clip_by_global_norm(1)), "when: predicate must be callable"),
-])
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: P.error_feedback(3), "error_feedback: expected a pass"),
+        (lambda: P.compose(P.int8(), "clip"), "compose: expected a pass"),
+        (lambda: P.int8(stochastic=1), "int8: stochastic must be a bool"),
+        (lambda: P.only(P.clip_by_global_norm(1), indices="1"), "only: indices must be ints"),
+        (lambda: P.tap(3), "tap: expected a callable"),
+        (lambda: P.when(True, P.clip_by_global_norm(1)), "when: predicate must be callable"),
+    ],
+)
 def test_bad_argument_types_name_the_pass(make, match):
     with pytest.raises(TypeError, match=match):
         make()
@@ -443,11 +484,11 @@ def test_compose_is_associative_for_both_kinds(names, value):
             assert x.history == y.history and dict(x.meta).keys() == dict(y.meta).keys()
             assert all(torch.equal(u, v) for u, v in zip(leaves(x.value), leaves(y.value)))
     assert optree.tree_structure(s_left, namespace=NAMESPACE) == optree.tree_structure(s_right, namespace=NAMESPACE)
-    assert all(torch.equal(u, v) if torch.is_tensor(u) else u == v
-               for u, v in zip(leaves(s_left), leaves(s_right)))
+    assert all(torch.equal(u, v) if torch.is_tensor(u) else u == v for u, v in zip(leaves(s_left), leaves(s_right)))
 
 
 # ----------------------------------------------------------------------------- purity and pytrees
+
 
 def _snapshot(tree):
     return [(t, t._version, t.clone()) for t in leaves(tree) if torch.is_tensor(t)]
@@ -468,8 +509,9 @@ def test_passes_leave_input_record_and_state_untouched_and_keep_structure(name, 
     out, _ = run(p, adj, state, ctx)
     assert _untouched(before[0]) and _untouched(before[1]) and _untouched(before[2])
     assert (adj.history, dict(adj.meta)) == before[3:]
-    assert optree.tree_structure(out.value, none_is_leaf=True, namespace=NAMESPACE) == \
-        optree.tree_structure(value, none_is_leaf=True, namespace=NAMESPACE)
+    assert optree.tree_structure(out.value, none_is_leaf=True, namespace=NAMESPACE) == optree.tree_structure(
+        value, none_is_leaf=True, namespace=NAMESPACE
+    )
     for o, v in zip(leaves(out.value), leaves(value)):
         assert o.shape == v.shape and o.dtype == v.dtype
     # plain values, or device values read when used (no host sync in the sweep)
@@ -485,6 +527,7 @@ def test_leafwise_passes_act_on_each_leaf_alone(make, value):
 
 
 # ----------------------------------------------------------------------------- end to end
+
 
 def test_sweep_threads_the_state_of_a_stateful_composite_and_fills_stats():
     model, x, target = build("mlp", 3, torch.float32, 0)
@@ -590,8 +633,9 @@ _TENSOR_METHODS = {name: torch.Tensor.__dict__.get(name) for name in HostReads.M
 
 def _to_cpu(args, kwargs) -> bool:
     """Whether ``Tensor.to(*args, **kwargs)`` names the CPU as the target device."""
-    return any(isinstance(d, (str, torch.device)) and torch.device(d).type == "cpu"
-               for d in (*args, kwargs.get("device")))
+    return any(
+        isinstance(d, (str, torch.device)) and torch.device(d).type == "cpu" for d in (*args, kwargs.get("device"))
+    )
 
 
 def watched(p, reads: HostReads) -> P.Pass:
@@ -625,9 +669,11 @@ def _reads_of(p):
 
 def _reading(name, read):
     """A pass that reads its costate's norm off the device with ``read``: what the detector must catch."""
+
     def update(adj, state, ctx):
         read(torch.linalg.vector_norm(adj.value))
         return adj.applied(name, adj.value), state
+
     return P.Pass(lambda: None, update, name)
 
 
@@ -664,6 +710,7 @@ def test_the_host_read_detector_fires_on_each_kind_of_read(kind):
 
 def test_the_host_read_detector_passes_casts_and_lazy_values_read_afterwards():
     """A cast that names no device is no read, and a lazy value read after the update is not counted."""
+
     def update(adj, state, ctx):
         value = adj.value.to(torch.float64).to(adj.value.dtype)
         return adj.applied("lazy", value, lazy_norm=Lazy.of(torch.linalg.vector_norm(value))), state
@@ -671,7 +718,8 @@ def test_the_host_read_detector_passes_casts_and_lazy_values_read_afterwards():
     reads, res = _reads_of(P.Pass(lambda: None, update, "lazy"))
     for adj in res.adjoints:
         assert float(res.stats["boundaries"][adj.index]["lazy_norm"]) == pytest.approx(
-            torch.linalg.vector_norm(adj.value).item())
+            torch.linalg.vector_norm(adj.value).item()
+        )
     assert reads == []
 
 
@@ -679,12 +727,14 @@ def built_in_passes():
     """Every built-in pass, in each of its modes, as a factory (``check_finite("raise")`` apart)."""
     return {
         **{name: lambda name=name: all_passes()[name] for name in all_passes()},
-        "identity": P.identity, "check_finite_skip": lambda: P.check_finite("skip"),
+        "identity": P.identity,
+        "check_finite_skip": lambda: P.check_finite("skip"),
         "synthetic_learning": lambda: P.synthetic(warmup=1, replace=True),
         "synthetic_observing": lambda: P.synthetic(replace=False),
         "error_feedback_int8": lambda: P.error_feedback(P.int8()),
         "log_enabled": lambda: P.log(_collecting_logger()),
-        "randk_tiny": lambda: P.randk(1e-3), "topk_all": lambda: P.topk(1.0),
+        "randk_tiny": lambda: P.randk(1e-3),
+        "topk_all": lambda: P.topk(1.0),
         "compose": lambda: ef.compose(P.int8(), P.clip_by_global_norm(1e-3), P.stats()),
     }
 
@@ -730,11 +780,21 @@ def test_check_finite_raise_reads_its_count_once_per_boundary_and_nothing_else()
     assert set(reads) == {"Tensor.item", "aten::_local_scalar_dense"}
 
 
-@pytest.mark.parametrize("passes", [
-    lambda: ef.compose(P.int8(), P.clip_by_global_norm(1e-3), P.stats()),
-    lambda: ef.compose(P.error_feedback(P.topk(0.3)), P.fp8(), P.cast(torch.bfloat16), P.clip_by_value(1e-3),
-                       P.check_finite("zero"), P.synthetic(warmup=0)),
-], ids=["int8+clip+stats", "the other measuring passes"])
+@pytest.mark.parametrize(
+    "passes",
+    [
+        lambda: ef.compose(P.int8(), P.clip_by_global_norm(1e-3), P.stats()),
+        lambda: ef.compose(
+            P.error_feedback(P.topk(0.3)),
+            P.fp8(),
+            P.cast(torch.bfloat16),
+            P.clip_by_value(1e-3),
+            P.check_finite("zero"),
+            P.synthetic(warmup=0),
+        ),
+    ],
+    ids=["int8+clip+stats", "the other measuring passes"],
+)
 def test_no_host_sync_inside_the_sweep_meta_is_read_when_used(passes):
     """The passes record their measurements lazily: a sweep (the engine's work and the passes')
     dispatches no scalar read, the passes' updates read nothing at all, and the recorded values

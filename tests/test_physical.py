@@ -23,7 +23,7 @@ class Simulator:
     the rows it is run on and the largest call."""
 
     def __init__(self, seed: int = 0, noise: float = 0.0):
-        self.m = np.random.default_rng(seed).standard_normal((D, D)) / D ** 0.5
+        self.m = np.random.default_rng(seed).standard_normal((D, D)) / D**0.5
         self.noise, self.rows, self.calls, self.largest = noise, 0, 0, 0
         self.lock = threading.Lock()
 
@@ -42,10 +42,19 @@ class Simulator:
 
 def network(box_stage, dtype=F64):
     g = torch.Generator().manual_seed(1)
-    chain = ef.Chain([ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="in"), box_stage,
-                      ef.stage(lambda p, h: h @ p["w"], name="out")], loss=F.mse_loss)
-    params = ({"w": torch.randn(D, D, generator=g, dtype=dtype)}, {"gain": torch.tensor(1.3, dtype=dtype)},
-              {"w": torch.randn(D, D, generator=g, dtype=dtype)})
+    chain = ef.Chain(
+        [
+            ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="in"),
+            box_stage,
+            ef.stage(lambda p, h: h @ p["w"], name="out"),
+        ],
+        loss=F.mse_loss,
+    )
+    params = (
+        {"w": torch.randn(D, D, generator=g, dtype=dtype)},
+        {"gain": torch.tensor(1.3, dtype=dtype)},
+        {"w": torch.randn(D, D, generator=g, dtype=dtype)},
+    )
     x, y = torch.randn(B, D, generator=g, dtype=dtype), torch.randn(B, D, generator=g, dtype=dtype)
     return chain, params, x, y
 
@@ -59,15 +68,21 @@ FD_ESTIMATORS = {
 
 @pytest.mark.parametrize("name", sorted(FD_ESTIMATORS))
 @settings(max_examples=6, deadline=None)
-@given(per_sample=st.booleans(), max_rows=st.sampled_from([None, 1, 4, 7]), workers=st.sampled_from([None, 3]),
-       n=st.integers(1, 5), key=st.integers(0, 1000))
+@given(
+    per_sample=st.booleans(),
+    max_rows=st.sampled_from([None, 1, 4, 7]),
+    workers=st.sampled_from([None, 3]),
+    n=st.integers(1, 5),
+    key=st.integers(0, 1000),
+)
 def test_black_box_equals_the_same_function_in_torch_and_counts_every_row(name, per_sample, max_rows, workers, n, key):
     """A numpy simulator behind ``ef.black_box`` (per sample or in capped calls, on threads) gives the
     estimates of the same function written in torch as a plain physical stage (same key); no call
     exceeds the cap; ``stats`` rows and calls are the rows the simulator ran and the stage's calls."""
     sim = Simulator()
-    box = ef.black_box(sim, name="box", numpy=True, per_sample=per_sample, max_rows=None if per_sample else max_rows,
-                       workers=workers)
+    box = ef.black_box(
+        sim, name="box", numpy=True, per_sample=per_sample, max_rows=None if per_sample else max_rows, workers=workers
+    )
     chain, params, x, y = network(box)
     twin_chain, _, _, _ = network(ef.stage(sim.torch, name="box", physical=True))
     res = ef.sweep(chain, params, x, y, estimator=FD_ESTIMATORS[name](n), key=key)
@@ -77,7 +92,7 @@ def test_black_box_equals_the_same_function_in_torch_and_counts_every_row(name, 
     for g, h in zip(res.grads, ref.grads):
         for k in g:
             torch.testing.assert_close(g[k], h[k], rtol=1e-9, atol=1e-12)
-    cap = 1 if per_sample else (max_rows or 10 ** 9)
+    cap = 1 if per_sample else (max_rows or 10**9)
     assert sim.largest <= cap
     assert res.stats["box"]["rows"] == ref.stats["box"]["rows"] == sim.rows
     assert res.stats["box"]["calls"] == res.stats["box"]["forward_calls"]
@@ -118,8 +133,12 @@ def test_errors_come_before_anything_is_simulated():
     chain, params, x, y = network(ef.black_box(sim, name="box", numpy=True))
     with pytest.raises(ValueError, match=r"stage 1 \('box'\) is physical .* no estimator"):
         ef.sweep(chain, params, x, y)
-    for estimator in (E.exact(), E.zbp(E.Probes(2), method="jvp"), E.node_perturbation(E.Probes(2)),
-                      E.direct(E.Probes(2), form="jvp")):
+    for estimator in (
+        E.exact(),
+        E.zbp(E.Probes(2), method="jvp"),
+        E.node_perturbation(E.Probes(2)),
+        E.direct(E.Probes(2), form="jvp"),
+    ):
         with pytest.raises(ValueError, match=r"differentiates the physical stages, but stage 1 \('box'\) cannot"):
             ef.sweep(chain, params, x, y, estimator=estimator)
     with pytest.raises(ValueError, match=r"stage 1 \('box'\) cannot be differentiated .* not among physical=\[\]"):
@@ -194,8 +213,10 @@ def test_with_one_physical_stage_the_three_estimators_coincide():
     sim = Simulator()
     chain, params, x, y = network(ef.stage(sim.torch, name="box", physical=True))
     probes = E.Probes(7, "rademacher")
-    estimates = [ef.sweep(chain, params, x, y, estimator=est, key=3).adjoints[-2].value
-                 for est in (E.zbp(probes), E.node_perturbation(probes, form="jvp"), E.direct(probes, form="jvp"))]
+    estimates = [
+        ef.sweep(chain, params, x, y, estimator=est, key=3).adjoints[-2].value
+        for est in (E.zbp(probes), E.node_perturbation(probes, form="jvp"), E.direct(probes, form="jvp"))
+    ]
     for other in estimates[1:]:
         torch.testing.assert_close(other, estimates[0], rtol=1e-10, atol=1e-12)
 

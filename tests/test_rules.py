@@ -28,8 +28,13 @@ def assert_unchanged(before, after):
 @given(seed=st.integers(0, 2**16), p=st.floats(0.1, 0.7))
 def test_dropout_gives_autograds_gradients_under_the_same_seed(seed, p):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 12), nn.Dropout(p), nn.Sequential(nn.Linear(12, 12), nn.Dropout(p)),
-                          nn.Linear(12, 3)).double().train()
+    model = (
+        nn.Sequential(
+            nn.Linear(6, 12), nn.Dropout(p), nn.Sequential(nn.Linear(12, 12), nn.Dropout(p)), nn.Linear(12, 3)
+        )
+        .double()
+        .train()
+    )
     x, y = torch.randn(9, 6, dtype=torch.float64), torch.randint(0, 3, (9,))
     chain, params = ef.from_module(model, loss=F.cross_entropy)
     torch.manual_seed(seed)

@@ -51,6 +51,10 @@ def test_keeping_the_forward_graph_gives_identical_gradients():
     chain, params = ef.from_module(model, loss=mse)
     a = ef.sweep(chain, params, x, target)
     b = ef.sweep(chain, params, x, target, recompute=False)
-    assert all(torch.equal(u, v) for u, v in zip(optree.tree_leaves(a.grads, namespace=NAMESPACE),
-                                                  optree.tree_leaves(b.grads, namespace=NAMESPACE)))
+    assert all(
+        torch.equal(u, v)
+        for u, v in zip(
+            optree.tree_leaves(a.grads, namespace=NAMESPACE), optree.tree_leaves(b.grads, namespace=NAMESPACE)
+        )
+    )
     assert b.stats[chain.names[0]]["recompute_s"] == 0

@@ -33,8 +33,15 @@ def train(model, data, make_optimizer, fused: bool, microbatches: int = 1, **fus
     for step, (x, y) in enumerate(data):
         torch.manual_seed(100 + step)  # dropout: the same masks in both runs
         if fused:
-            res = ef.sweep(chain, params, x, y, key=step, microbatches=microbatches,
-                           update=ef.fused(opt, **fused_options) if fused_options else opt)
+            res = ef.sweep(
+                chain,
+                params,
+                x,
+                y,
+                key=step,
+                microbatches=microbatches,
+                update=ef.fused(opt, **fused_options) if fused_options else opt,
+            )
             assert res.grads is None
         else:
             opt.zero_grad(set_to_none=True)
@@ -64,9 +71,13 @@ def test_one_optimizer_per_stage_equals_one_for_all():
     chain_b, params_b = ef.from_module(b, loss=lm_loss)
     one = torch.optim.AdamW(a.parameters(), lr=1e-2)
     # the tied weight belongs to its first stage's optimizer (the embedding), where it is due
-    per_stage = [torch.optim.AdamW([p for p in child.parameters()
-                                    if k == 0 or p is not b[0].weight] or [torch.zeros(0, requires_grad=True)],
-                                   lr=1e-2) for k, child in enumerate(b)]
+    per_stage = [
+        torch.optim.AdamW(
+            [p for p in child.parameters() if k == 0 or p is not b[0].weight] or [torch.zeros(0, requires_grad=True)],
+            lr=1e-2,
+        )
+        for k, child in enumerate(b)
+    ]
     for step, (x, y) in enumerate(data):
         torch.manual_seed(step)
         ef.sweep(chain_a, params_a, x, y, update=one)
@@ -147,8 +158,9 @@ def test_fused_gradients_never_exist_for_the_whole_network_at_once():
 
     torch.manual_seed(0)
     L, width, batch = 8, 256, 4
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
-                                  for _ in range(L)])
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()) for _ in range(L)]
+    )
     chain, params = ef.from_module(model, loss=lambda out: out.square().mean())
     x = torch.randn(batch, width)
     stage_grads = (width * width + width) * 4

@@ -20,6 +20,21 @@ from .pipeline import Pipeline, PipelineResult, balance
 from .wire import PeerError
 
 __all__ = [
-    "Codec", "Mesh", "Outcome", "PeerError", "Pipeline", "PipelineResult", "average_gradients", "balance", "codecs",
-    "default_backend", "free_port", "init", "mesh", "run", "schedule", "spawn", "wire",
+    "Codec",
+    "Mesh",
+    "Outcome",
+    "PeerError",
+    "Pipeline",
+    "PipelineResult",
+    "average_gradients",
+    "balance",
+    "codecs",
+    "default_backend",
+    "free_port",
+    "init",
+    "mesh",
+    "run",
+    "schedule",
+    "spawn",
+    "wire",
 ]

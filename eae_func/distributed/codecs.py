@@ -87,12 +87,14 @@ def round_trip(codec: Codec, adj: AdjointState) -> tuple[AdjointState, Encoded]:
     The costate must be a single tensor: that is what crosses a rank boundary.
     """
     if not isinstance(adj.value, torch.Tensor):
-        raise TypeError(f"{codec.name}: wire codecs take a tensor costate, boundary {adj.index} "
-                        f"has a {type(adj.value).__name__}")
+        raise TypeError(
+            f"{codec.name}: wire codecs take a tensor costate, boundary {adj.index} has a {type(adj.value).__name__}"
+        )
     enc = codec.encode(adj.value)
     own = adj.value.numel() * adj.value.element_size()
-    return adj.applied(f"wire:{codec.name}", enc.decode(), wire_bytes=enc.nbytes,
-                       wire_ratio=enc.nbytes / own if own else 1.0), enc
+    return adj.applied(
+        f"wire:{codec.name}", enc.decode(), wire_bytes=enc.nbytes, wire_ratio=enc.nbytes / own if own else 1.0
+    ), enc
 
 
 class Raw(Codec):
@@ -224,6 +226,13 @@ def topk(ratio: float) -> Codec:
 
 def by_code(code: int) -> str:
     """A readable name for a codec code seen in a header (for error messages)."""
-    names = {0: "raw", 1: "cast(float16)", 2: "cast(bfloat16)", 3: "int8", 4: "fp8(float8_e4m3fn)",
-             5: "fp8(float8_e5m2)", 6: "topk"}
+    names = {
+        0: "raw",
+        1: "cast(float16)",
+        2: "cast(bfloat16)",
+        3: "int8",
+        4: "fp8(float8_e4m3fn)",
+        5: "fp8(float8_e5m2)",
+        6: "topk",
+    }
     return names.get(code, f"unknown codec {code}")

@@ -87,11 +87,15 @@ def average_gradients(grads: Any, group: Any = None, codec: Codec | None = None,
             gathered = []
             for piece in enc.payload:
                 into = [torch.empty_like(piece) for _ in range(R)]
-                _wait(dist.all_gather(into, piece, group=group, async_op=True), wait,
-                      f"all_gather of {codec.name} gradients")
+                _wait(
+                    dist.all_gather(into, piece, group=group, async_op=True),
+                    wait,
+                    f"all_gather of {codec.name} gradients",
+                )
                 gathered.append(into)
-            decoded = [Encoded(codec, enc.shape, enc.dtype, enc.arg, tuple(g[r] for g in gathered)).decode()
-                       for r in range(R)]
+            decoded = [
+                Encoded(codec, enc.shape, enc.dtype, enc.arg, tuple(g[r] for g in gathered)).decode() for r in range(R)
+            ]
             out.append(sum(decoded) / R)
             moved += (R - 1) * enc.nbytes
     stats = {"bytes_sent": moved, "bytes_received": moved, "seconds": time.perf_counter() - start}
@@ -102,5 +106,6 @@ def _wait(work, timeout: datetime.timedelta, what: str) -> None:
     try:
         work.wait(timeout)
     except RuntimeError as e:
-        raise PeerError(f"rank {dist.get_rank()}: {what} failed or timed out "
-                        f"({timeout.total_seconds():g} s): {e}") from e
+        raise PeerError(
+            f"rank {dist.get_rank()}: {what} failed or timed out ({timeout.total_seconds():g} s): {e}"
+        ) from e

@@ -44,8 +44,9 @@ def init(backend: str | None = None, timeout: float = 60.0) -> torch.device:
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout),
-                            device_id=device if backend == "nccl" else None)
+    dist.init_process_group(
+        backend, timeout=datetime.timedelta(seconds=timeout), device_id=device if backend == "nccl" else None
+    )
     return device
 
 
@@ -67,8 +68,15 @@ class Outcome:
     seconds: float = 0.0
 
 
-def spawn(fn: Callable, nprocs: int, *args: Any, timeout: float = 120.0, backend: str = "gloo",
-          pg_timeout: float = 30.0, threads: int = 1) -> list[Outcome]:
+def spawn(
+    fn: Callable,
+    nprocs: int,
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    pg_timeout: float = 30.0,
+    threads: int = 1,
+) -> list[Outcome]:
     """Run ``fn(*args)`` in ``nprocs`` fresh processes joined in a process group on 127.0.0.1
     (a free port) and return one ``Outcome`` per rank. ``fn`` must be importable (module level).
     Processes still alive after ``timeout`` seconds are killed. Each uses ``threads`` threads."""
@@ -76,8 +84,10 @@ def spawn(fn: Callable, nprocs: int, *args: Any, timeout: float = 120.0, backend
     ctx.set_forkserver_preload(["eae_func.distributed"])
     results = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, args, r, nprocs, port, backend, pg_timeout, threads, results))
-             for r in range(nprocs)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, args, r, nprocs, port, backend, pg_timeout, threads, results))
+        for r in range(nprocs)
+    ]
     start = time.monotonic()
     for proc in procs:
         proc.start()
@@ -104,8 +114,7 @@ def run(fn: Callable, nprocs: int, *args: Any, **options: Any) -> list:
     outcomes = spawn(fn, nprocs, *args, **options)
     failed = [o for o in outcomes if o.error is not None or o.exitcode != 0]
     if failed:
-        lines = [f"rank {o.rank}: " + (o.error or f"exited with code {o.exitcode} without a result")
-                 for o in failed]
+        lines = [f"rank {o.rank}: " + (o.error or f"exited with code {o.exitcode} without a result") for o in failed]
         raise RuntimeError("spawned ranks failed:\n" + "\n".join(lines))
     return [o.value for o in outcomes]
 
@@ -117,8 +126,14 @@ def _drain(results, reported: dict) -> None:
 
 
 def _worker(fn, args, rank, world, port, backend, pg_timeout, threads, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(threads)
     start = time.monotonic()
     try:

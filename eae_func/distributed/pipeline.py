@@ -112,11 +112,23 @@ class Pipeline:
                     else the CPU).
     """
 
-    def __init__(self, chain: Chain, ranges: Sequence | None = None, *, params: Sequence | None = None,
-                 ranks: Sequence[int] | None = None, schedule: str = "1f1b", costate_codec: Codec | None = None,
-                 boundary_codec: Codec | None = None, timeout: float = 60.0, device: torch.device | None = None):
+    def __init__(
+        self,
+        chain: Chain,
+        ranges: Sequence | None = None,
+        *,
+        params: Sequence | None = None,
+        ranks: Sequence[int] | None = None,
+        schedule: str = "1f1b",
+        costate_codec: Codec | None = None,
+        boundary_codec: Codec | None = None,
+        timeout: float = 60.0,
+        device: torch.device | None = None,
+    ):
         if not dist.is_initialized():
-            raise RuntimeError("Pipeline: call torch.distributed.init_process_group (or eae_func.distributed.init) first")
+            raise RuntimeError(
+                "Pipeline: call torch.distributed.init_process_group (or eae_func.distributed.init) first"
+            )
         self.chain = chain
         self.ranks = tuple(range(dist.get_world_size())) if ranks is None else tuple(int(r) for r in ranks)
         self.rank = dist.get_rank()
@@ -145,14 +157,20 @@ class Pipeline:
     def plan(self) -> dict:
         """What every rank of the pipeline must agree on: ranks, stage ranges, schedule, codecs and
         the chain's structure (stage names; a module stage's parameter names, shapes and dtypes)."""
+
         def structure(s):
             if s.module is None:
                 return [s.name, s.physical]
             return [s.name, s.physical, [[n, list(t.shape), str(t.dtype)] for n, t in s.module.named_parameters()]]
 
-        return {"ranks": list(self.ranks), "ranges": [list(r) for r in self.ranges], "schedule": self.schedule,
-                "costate_codec": self.costate_codec.name, "boundary_codec": self.boundary_codec.name,
-                "stages": [structure(s) for s in self.chain.stages]}
+        return {
+            "ranks": list(self.ranks),
+            "ranges": [list(r) for r in self.ranges],
+            "schedule": self.schedule,
+            "costate_codec": self.costate_codec.name,
+            "boundary_codec": self.boundary_codec.name,
+            "stages": [structure(s) for s in self.chain.stages],
+        }
 
     def _agree(self) -> None:
         """Exchange ``plan()`` with both neighbours (every rank sends its own whatever it receives, so
@@ -168,16 +186,21 @@ class Pipeline:
             rank = self.ranks[peer]
             if first_send:
                 wire.send(rank, "plan", 0, Raw().encode(payload))
-            theirs = json.loads(bytes(wire.recv(rank, "plan", 0, Raw()).cpu().tolist()).decode())
+            theirs = json.loads(bytes(received(wire.recv(rank, "plan", 0, Raw()), "the plan").cpu().tolist()).decode())
             if not first_send:
                 wire.send(rank, "plan", 0, Raw().encode(payload))
-            differences += [f"{key}: {mine[key]} here, {theirs.get(key)} on rank {rank}"
-                            for key in mine if mine[key] != theirs.get(key)]
+            differences += [
+                f"{key}: {mine[key]} here, {theirs.get(key)} on rank {rank}"
+                for key in mine
+                if mine[key] != theirs.get(key)
+            ]
         wire.flush()
         if differences:
-            raise PeerError(f"rank {self.rank} ({self.where(self.rank)}): the ranks of the pipeline disagree before "
-                            f"the first step; give every rank the same chain, ranges, schedule and codecs: "
-                            + "; ".join(differences))
+            raise PeerError(
+                f"rank {self.rank} ({self.where(self.rank)}): the ranks of the pipeline disagree before "
+                f"the first step; give every rank the same chain, ranges, schedule and codecs: "
+                + "; ".join(differences)
+            )
 
     @property
     def stages(self) -> range:
@@ -190,14 +213,24 @@ class Pipeline:
             return "not in this pipeline"
         lo, hi = self.ranges[self.ranks.index(rank)]
         names = self.chain.names
-        return f"stage {lo} ({names[lo]!r})" if hi - lo == 1 else \
-            f"stages {lo}-{hi - 1} ({names[lo]!r}..{names[hi - 1]!r})"
+        return (
+            f"stage {lo} ({names[lo]!r})"
+            if hi - lo == 1
+            else f"stages {lo}-{hi - 1} ({names[lo]!r}..{names[hi - 1]!r})"
+        )
 
     def _owner(self, stage: int) -> int:
         return next(k for k, (lo, hi) in enumerate(self.ranges) if lo <= stage < hi)
 
-    def sweep(self, params: Sequence, x: Any = None, *loss_args: Any, pass_state: Any = None,
-              buffers: Sequence | None = None, **options: Unpack[SweepOptions]) -> PipelineResult:
+    def sweep(
+        self,
+        params: Sequence,
+        x: Any = None,
+        *loss_args: Any,
+        pass_state: Any = None,
+        buffers: Sequence | None = None,
+        **options: Unpack[SweepOptions],
+    ) -> PipelineResult:
         """This rank's part of ``ef.sweep(chain, params, x, *loss_args, **options)``.
 
         params:  one entry per stage of the whole chain; only this rank's entries are read
@@ -215,29 +248,43 @@ class Pipeline:
                  only their stage.
         """
         if self.failure is not None:
-            raise PeerError(f"rank {self.rank}: an earlier step of this pipeline failed ({self.failure}); its links "
-                            f"may be closed: re-create the process group and the pipeline")
+            raise PeerError(
+                f"rank {self.rank}: an earlier step of this pipeline failed ({self.failure}); its links "
+                f"may be closed: re-create the process group and the pipeline"
+            )
         chain, lo, hi, p, k = self.chain, self.lo, self.hi, len(self.ranks), self.position
         first, last = k == 0, k == p - 1
         opts = make("Pipeline.sweep", options).bind(chain)
         if opts.update is not None:
-            raise ValueError("Pipeline.sweep: update= cannot cross ranks: a fused step needs the gradient summed over "
-                             "every microbatch (and every rank's use of a tied tensor) before it steps; run the "
-                             "pipeline unfused and step the optimizer on res.grads")
+            raise ValueError(
+                "Pipeline.sweep: update= cannot cross ranks: a fused step needs the gradient summed over "
+                "every microbatch (and every rank's use of a tied tensor) before it steps; run the "
+                "pipeline unfused and step the optimizer on res.grads"
+            )
         if opts.estimator is not None and getattr(opts.estimator, "scope", "model") != "stage" and p > 1:
-            raise ValueError(f"Pipeline.sweep: estimator={opts.estimator!r} probes the whole chain from its input, "
-                             f"which no single rank has; across ranks use an estimator that needs only its stage "
-                             f"(zbp, exact, twin, frozen)")
+            raise ValueError(
+                f"Pipeline.sweep: estimator={opts.estimator!r} probes the whole chain from its input, "
+                f"which no single rank has; across ranks use an estimator that needs only its stage "
+                f"(zbp, exact, twin, frozen)"
+            )
         params = chain.check_params(params, self.stages)
         buffers = chain.check_buffers(buffers)
         if first and x is None:
             raise ValueError(f"Pipeline.sweep: rank {self.rank} runs the first stage and needs the input x")
         microbatches = opts.microbatches
-        pieces = M.split(x if first else None, loss_args if last else None, microbatches, opts.reduction, opts.key,
-                         where="Pipeline.sweep")
+        pieces = M.split(
+            x if first else None,
+            loss_args if last else None,
+            microbatches,
+            opts.reduction,
+            opts.key,
+            where="Pipeline.sweep",
+        )
         if last and any(mb.scale is None for mb in pieces):
-            raise ValueError(f"Pipeline.sweep: rank {self.rank} computes the loss and needs a batched tensor (x or a "
-                             f"loss arg) to weigh the microbatches of a {opts.reduction!r} loss")
+            raise ValueError(
+                f"Pipeline.sweep: rank {self.rank} computes the loss and needs a batched tensor (x or a "
+                f"loss arg) to weigh the microbatches of a {opts.reduction!r} loss"
+            )
         state = opts.passes.init() if pass_state is None else pass_state
         device = F.device_of(params[lo:hi], x if first else None, default=self.device)
         meter = Meter(chain, tuple(i for i in opts.physical if lo <= i < hi), opts.budget)
@@ -246,8 +293,8 @@ class Pipeline:
 
         with self._guard():  # a failed step leaves the ranks out of step: no later step may reuse them
             wire = Wire(self.rank, self.where, self.timeout, self.device)
-            prev = self.ranks[k - 1] if not first else None
-            nxt = self.ranks[k + 1] if not last else None
+            prev = self.ranks[k - 1] if not first else -1  # -1: no such neighbour (never used)
+            nxt = self.ranks[k + 1] if not last else -1
             inbox, outbox, tapes, costates, outgoing, ran_with = {}, {}, {}, {}, {}, {}
             grads, losses, traces, all_stats = [], [], {}, {}
             busy, step_start = 0.0, time.perf_counter()
@@ -294,9 +341,15 @@ class Pipeline:
 
         stats = metered(M.sum_stats([all_stats[j] for j in range(microbatches)]), chain, meter)
         stats["wire"] = dict(wire.counts)
-        stats["schedule"] = {"name": self.schedule, "ranks": p, "microbatches": microbatches, "busy_s": busy,
-                             "step_s": step, "bubble": 1 - busy / step if step > 0 else 0.0,
-                             "ideal_bubble": S.ideal_bubble(p, microbatches)}
+        stats["schedule"] = {
+            "name": self.schedule,
+            "ranks": p,
+            "microbatches": microbatches,
+            "busy_s": busy,
+            "step_s": step,
+            "bubble": 1 - busy / step if step > 0 else 0.0,
+            "ideal_bubble": S.ideal_bubble(p, microbatches),
+        }
         trace = M.join_adjoints([traces[j] for j in range(microbatches)])
         return PipelineResult(loss, grads, trace, buffers[lo:hi], state, MappingProxyType(stats), stages=self.stages)
 
@@ -317,8 +370,10 @@ class Pipeline:
         what = f"rank {self.rank}: costate at boundary {self.lo} (input of {self.where(self.rank)})"
         _check_tensor(adj.value, what)
         if adj.value.shape != shape:
-            raise ValueError(f"{what} has shape {tuple(adj.value.shape)} after the passes, the boundary state "
-                             f"has shape {tuple(shape)}; rank {self.ranks[self.position - 1]} cannot use it")
+            raise ValueError(
+                f"{what} has shape {tuple(adj.value.shape)} after the passes, the boundary state "
+                f"has shape {tuple(shape)}; rank {self.ranks[self.position - 1]} cannot use it"
+            )
         if isinstance(self.costate_codec, Raw):
             return self.costate_codec.encode(adj.value), trace
         record, enc = round_trip(self.costate_codec, adj)
@@ -331,7 +386,7 @@ class Pipeline:
             for r in self.ranks[:-1]:
                 wire.send(r, "loss", 0, Raw().encode(loss))
             return loss
-        return wire.recv(self.ranks[-1], "loss", 0, Raw(), shape=())
+        return received(wire.recv(self.ranks[-1], "loss", 0, Raw(), shape=()), "the loss")
 
     def _tie(self, wire: Wire, params: tuple, grads: tuple, groups: list) -> tuple:
         """Give every use of a tied tensor whose uses sit on several ranks (``groups`` from
@@ -349,14 +404,14 @@ class Pipeline:
             mine = [(i - self.lo, paths[i - self.lo].index(path)) for i, path in group if self.lo <= i < self.hi]
             if len(owners) == 1 or not mine:
                 continue
-            partials = {self.position: sum(leaves[a][b] for a, b in mine)}
+            partials: dict[int, torch.Tensor] = {self.position: sum(leaves[a][b] for a, b in mine)}  # type: ignore[dict-item]
             shape = tuple(partials[self.position].shape)
             for o in owners:
                 if o == self.position:
                     continue
                 if self.position < o:
                     wire.send(self.ranks[o], "tie", n, Raw().encode(partials[self.position]))
-                partials[o] = wire.recv(self.ranks[o], "tie", n, Raw(), shape=shape)
+                partials[o] = received(wire.recv(self.ranks[o], "tie", n, Raw(), shape=shape), "a tied gradient")
                 if self.position > o:
                     wire.send(self.ranks[o], "tie", n, Raw().encode(partials[self.position]))
             total = sum(partials[o] for o in owners)
@@ -377,6 +432,13 @@ def _check_ranges(ranges: Sequence, stages: int, parts: int) -> tuple:
     if expected != stages:
         raise ValueError(f"Pipeline: stage ranges {ranges} cover {expected} stages, the chain has {stages}")
     return ranges
+
+
+def received(value: torch.Tensor | None, what: str) -> torch.Tensor:
+    """A received tensor that cannot be missing (only a costate may be ``None``: no costate)."""
+    if value is None:
+        raise PeerError(f"received no tensor for {what}")
+    return value
 
 
 def _check_tensor(value: Any, what: str) -> None:

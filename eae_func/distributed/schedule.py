@@ -80,8 +80,9 @@ def _place(order: list[Op], partner: list[Op], first: bool) -> list[Op]:
             while True:
                 nxt = partner[pos]
                 if nxt.kind == "send_activation" and nxt.microbatch not in done:
-                    raise AssertionError(f"schedule: rank r+1 needs activation {nxt.microbatch} before rank r "
-                                         f"has computed it")
+                    raise AssertionError(
+                        f"schedule: rank r+1 needs activation {nxt.microbatch} before rank r has computed it"
+                    )
                 out.append(nxt)
                 pos += 1
                 if nxt == Op("recv_costate", op.microbatch):
@@ -95,8 +96,12 @@ def _place(order: list[Op], partner: list[Op], first: bool) -> list[Op]:
     return out
 
 
-def simulate(ops: Sequence[Sequence[Op]], forward_s: float | Sequence[float] = 1.0,
-             backward_s: float | Sequence[float] = 2.0, rendezvous: bool = False) -> dict:
+def simulate(
+    ops: Sequence[Sequence[Op]],
+    forward_s: float | Sequence[float] = 1.0,
+    backward_s: float | Sequence[float] = 2.0,
+    rendezvous: bool = False,
+) -> dict:
     """Run a schedule on a model clock (communication free, compute ``forward_s`` / ``backward_s``
     per microbatch, per rank if given as a list) and return ``makespan``, per-rank ``busy``
     and the ``bubble`` fraction ``1 - sum(busy) / (p * makespan)``.

@@ -37,8 +37,20 @@ from .codecs import Codec, Encoded, by_code
 MAGIC = 0xEAE
 MAX_NDIM = 8
 HEADER_LEN = 7 + MAX_NDIM
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-          torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)
+DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
 KINDS = ("activation", "costate", "loss", "tie", "plan")
 
 
@@ -59,8 +71,14 @@ class Wire:
         self.rank, self.where, self.device = rank, where, device
         self.timeout = datetime.timedelta(seconds=timeout)
         self.pending: list[tuple[Any, torch.Tensor, str]] = []  # (work, the tensor kept alive, description)
-        self.counts = {"bytes_sent": 0, "bytes_received": 0, "header_bytes": 0, "messages_sent": 0,
-                       "messages_received": 0, "wait_s": 0.0}
+        self.counts = {
+            "bytes_sent": 0,
+            "bytes_received": 0,
+            "header_bytes": 0,
+            "messages_sent": 0,
+            "messages_received": 0,
+            "wait_s": 0.0,
+        }
         self.counts |= {f"{kind}_bytes_{d}": 0 for kind in KINDS for d in ("sent", "received")}
 
     # -- sending
@@ -73,9 +91,11 @@ class Wire:
             header[6] = -1
         else:
             if len(enc.shape) > MAX_NDIM:
-                raise ValueError(f"rank {self.rank}: cannot send a {len(enc.shape)}-dim {kind}; at most {MAX_NDIM} dims")
+                raise ValueError(
+                    f"rank {self.rank}: cannot send a {len(enc.shape)}-dim {kind}; at most {MAX_NDIM} dims"
+                )
             header[3:7] = torch.tensor([enc.codec.code, enc.arg, DTYPES.index(enc.dtype), len(enc.shape)])
-            header[7:7 + len(enc.shape)] = torch.tensor(enc.shape, dtype=torch.int64)
+            header[7 : 7 + len(enc.shape)] = torch.tensor(enc.shape, dtype=torch.int64)
         what = f"{kind} {index} to rank {dst} ({self.where(dst)})"
         if self.device.type == "cuda":  # from pinned memory: the copy is queued, the host goes on
             header = header.pin_memory().to(self.device, non_blocking=True)
@@ -107,19 +127,25 @@ class Wire:
             raise PeerError(f"rank {self.rank} ({self.where(self.rank)}): garbled header for {what}: {h}")
         got_kind = KINDS[h[1]] if 0 <= h[1] < len(KINDS) else f"kind {h[1]}"
         if (got_kind, h[2]) != (kind, index):
-            raise PeerError(f"rank {self.rank} ({self.where(self.rank)}): expected {what}, got {got_kind} {h[2]} "
-                            f"(the ranks run different schedules or microbatch counts)")
+            raise PeerError(
+                f"rank {self.rank} ({self.where(self.rank)}): expected {what}, got {got_kind} {h[2]} "
+                f"(the ranks run different schedules or microbatch counts)"
+            )
         self.counts["bytes_received"] += HEADER_LEN * 8
         self.counts["messages_received"] += 1
         if h[6] == -1:
             return None
         if h[3] != codec.code:
-            raise PeerError(f"rank {self.rank} ({self.where(self.rank)}): {what} is encoded with {by_code(h[3])}, "
-                            f"this rank expects {codec.name}; give every rank the same codecs")
-        got_shape = tuple(h[7:7 + h[6]])
+            raise PeerError(
+                f"rank {self.rank} ({self.where(self.rank)}): {what} is encoded with {by_code(h[3])}, "
+                f"this rank expects {codec.name}; give every rank the same codecs"
+            )
+        got_shape = tuple(h[7 : 7 + h[6]])
         if shape is not None and got_shape != tuple(shape):
-            raise PeerError(f"rank {self.rank} ({self.where(self.rank)}): {what} has shape {got_shape}, "
-                            f"but the boundary it belongs to has shape {tuple(shape)}")
+            raise PeerError(
+                f"rank {self.rank} ({self.where(self.rank)}): {what} has shape {got_shape}, "
+                f"but the boundary it belongs to has shape {tuple(shape)}"
+            )
         dtype = DTYPES[h[5]]
         payload = tuple(torch.empty(s, dtype=d, device=self.device) for s, d in codec.layout(got_shape, dtype, h[4]))
         works = [self._post(dist.irecv, t, src, f"waiting for the payload of {what}") for t in payload]
@@ -135,8 +161,10 @@ class Wire:
         try:
             return op(tensor, peer)
         except RuntimeError as e:
-            raise PeerError(f"rank {self.rank} ({self.where(self.rank)}): {what} failed at once; the peer died "
-                            f"or the process group is broken: {e}") from e
+            raise PeerError(
+                f"rank {self.rank} ({self.where(self.rank)}): {what} failed at once; the peer died "
+                f"or the process group is broken: {e}"
+            ) from e
 
     def _wait(self, work, what: str) -> None:
         start = time.perf_counter()
@@ -152,8 +180,10 @@ class Wire:
             else:
                 work.wait(self.timeout)
         except RuntimeError as e:
-            raise PeerError(f"rank {self.rank} ({self.where(self.rank)}): {what} failed after "
-                            f"{time.perf_counter() - start:.1f} s (timeout {self.timeout.total_seconds():g} s); "
-                            f"the peer died, stalled or disagrees: {e}") from e
+            raise PeerError(
+                f"rank {self.rank} ({self.where(self.rank)}): {what} failed after "
+                f"{time.perf_counter() - start:.1f} s (timeout {self.timeout.total_seconds():g} s); "
+                f"the peer died, stalled or disagrees: {e}"
+            ) from e
         finally:
             self.counts["wait_s"] += time.perf_counter() - start

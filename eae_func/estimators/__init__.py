@@ -17,5 +17,16 @@ from .probes import Probes
 from .twin import frozen, twin
 from .zbp import zbp
 
-__all__ = ["Estimator", "NoiseEstimate", "Problem", "Probes", "direct", "exact", "frozen", "node_perturbation",
-           "suggest_eps", "twin", "zbp"]
+__all__ = [
+    "Estimator",
+    "NoiseEstimate",
+    "Problem",
+    "Probes",
+    "direct",
+    "exact",
+    "frozen",
+    "node_perturbation",
+    "suggest_eps",
+    "twin",
+    "zbp",
+]

@@ -9,7 +9,8 @@ the reverse fold. Digital stages always take the exact local vjp.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from ..chain import Chain
 

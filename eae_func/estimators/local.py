@@ -5,7 +5,8 @@ parameter gradients from probed parameter directions."""
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import optree
 import torch
@@ -24,7 +25,7 @@ def where(problem: Problem, i: int) -> str:
 
 
 def check_eps(estimator: str, eps: Any) -> float:
-    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps > 0 or eps == float("inf"):
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not float(eps) > 0 or eps == float("inf"):
         raise ValueError(f"{estimator}: eps must be a finite number > 0, got {eps!r}")
     return float(eps)
 
@@ -48,8 +49,9 @@ class Flat:
     def __init__(self, floats: list, batch_dims: int, context: str):
         for t in floats:
             if t.ndim < batch_dims:
-                raise ValueError(f"{context}: batch_dims={batch_dims} exceeds the rank of an input leaf of shape "
-                                 f"{tuple(t.shape)}")
+                raise ValueError(
+                    f"{context}: batch_dims={batch_dims} exceeds the rank of an input leaf of shape {tuple(t.shape)}"
+                )
         shapes = [tuple(t.shape) for t in floats]
         batch_shapes = {s[:batch_dims] for s in shapes}
         if len(batch_shapes) > 1:
@@ -80,7 +82,7 @@ def inner(tangents: list, costates: list, batch_dims: int, where: str) -> torch.
     for t, p in zip(tangents, costates):
         if p is None:
             continue
-        if t.shape[1: 1 + batch_dims] != tangents[0].shape[1: 1 + batch_dims]:
+        if t.shape[1 : 1 + batch_dims] != tangents[0].shape[1 : 1 + batch_dims]:
             raise ValueError(f"{where}: output leaves disagree on their first {batch_dims} (batch) dims")
         term = per_position(t * p, batch_dims)
         total = term if total is None else total + term
@@ -91,8 +93,9 @@ def inner(tangents: list, costates: list, batch_dims: int, where: str) -> torch.
 
 def fold(h: Any, k: int) -> Any:
     """``k`` copies of the boundary state ``h`` stacked into its leading (batch) dim: ``(k·B, ...)``."""
-    return optree.tree_map(lambda t: t.expand(k, *t.shape).reshape(k * t.shape[0], *t.shape[1:]), h,
-                           namespace=NAMESPACE)
+    return optree.tree_map(
+        lambda t: t.expand(k, *t.shape).reshape(k * t.shape[0], *t.shape[1:]), h, namespace=NAMESPACE
+    )
 
 
 def perturb_folded(h: Any, k: int, flat: Flat, delta: torch.Tensor, where: str) -> Any:
@@ -101,8 +104,10 @@ def perturb_folded(h: Any, k: int, flat: Flat, delta: torch.Tensor, where: str) 
     shifted = []
     for t, dt in zip(floats, flat.leaves(delta)):
         if t.ndim == 0 or t.shape[0] != k * dt.shape[1]:
-            raise ValueError(f"{where}: cannot fold {k} probe copies into the leading dim of a leaf of shape "
-                             f"{tuple(t.shape)}; finite differences need a batch dim first (batch_dims >= 1)")
+            raise ValueError(
+                f"{where}: cannot fold {k} probe copies into the leading dim of a leaf of shape "
+                f"{tuple(t.shape)}; finite differences need a batch dim first (batch_dims >= 1)"
+            )
         shifted.append((t.view(k, *dt.shape[1:]) + dt).view(t.shape))
     return rebuild(shifted)
 
@@ -113,8 +118,10 @@ def unfold(out: Any, k: int, where: str) -> list:
     result = []
     for t in floats:
         if t.ndim == 0 or t.shape[0] % k:
-            raise ValueError(f"{where}: output leaf of shape {tuple(t.shape)} lost the {k} folded probe copies; "
-                             "the stage must keep its leading (batch) dim")
+            raise ValueError(
+                f"{where}: output leaf of shape {tuple(t.shape)} lost the {k} folded probe copies; "
+                "the stage must keep its leading (batch) dim"
+            )
         result.append(t.view(k, t.shape[0] // k, *t.shape[1:]))
     return result
 
@@ -125,7 +132,8 @@ class OutputLeaves:
     them with the costate's leaves."""
 
     def __init__(self, problem: Problem, i: int, fn: Callable | None = None):
-        self.problem, self.i, self.fn, self.mask = problem, i, fn, None
+        self.problem, self.i, self.fn = problem, i, fn
+        self.mask: list[bool] = []
 
     def __call__(self, params: Any, h: Any) -> list:
         out = call(self.problem, self.i, params, h) if self.fn is None else self.fn(params, h)
@@ -159,7 +167,7 @@ def exact_param_grads(problem: Problem, i: int, h_in: Any, costate: Any) -> tupl
         return params, {}  # no parameters: the (empty) tree is its own gradient
     stage = OutputLeaves(problem, i)
     problem.charge(i, rows_of(h_in))
-    out, pullback = vjp(lambda p: stage(p, h_in), params)
+    out, pullback = vjp(lambda p: stage(p, h_in), params)[:2]
     problem.charge(i, 0, "backward_calls")
     (grads,) = pullback(stage.cotangents(costate, out), retain_graph=False, create_graph=False)
     return grads, {}
@@ -170,13 +178,12 @@ def exact_vjp(problem: Problem, i: int, h_in: Any, costate: Any, fn: Callable | 
     ``fn(params, h)`` the vjp is ``fn``'s, at stage i's input and params (a twin's)."""
     floats, rebuild, costate_like = B.split(h_in, f"input of {where(problem, i)}")
     stage = OutputLeaves(problem, i, fn)
-    out, pullback = vjp(lambda p, f: stage(p, rebuild(f)), problem.params[i], floats)
+    out, pullback = vjp(lambda p, f: stage(p, rebuild(f)), problem.params[i], floats)[:2]
     grads, g_in = pullback(stage.cotangents(costate, out), retain_graph=False, create_graph=False)
     return grads, costate_like(list(g_in))
 
 
-def fd_param_grads(problem: Problem, i: int, h_in: Any, costate: Any, probes: Probes,
-                   eps: float) -> tuple[Any, dict]:
+def fd_param_grads(problem: Problem, i: int, h_in: Any, costate: Any, probes: Probes, eps: float) -> tuple[Any, dict]:
     """Parameter gradient from probed parameter directions v (shared by the whole batch):
     ``ĝ_W = (1/n) Σ_i v_i <(h(W+εv_i, x) − h(W−εv_i, x)) / 2ε, p>``, the black box only run forward.
 

@@ -37,19 +37,31 @@ through every downstream one, 2n·Σk in all); the rows and calls actually run a
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import optree
 import torch
 from torch.func import jvp, vmap
 
 from .. import boundary as B
+from ..chain import Chain, stage
 from ..physical import rows_of
 from ..tree import NAMESPACE
-from ..chain import Chain, stage
 from .base import Problem
-from .local import (Flat, call, check_eps, check_probes, exact_param_grads, fd_param_grads, fold, forward_mode,
-                    per_position, perturb_folded, where)
+from .local import (
+    Flat,
+    call,
+    check_eps,
+    check_probes,
+    exact_param_grads,
+    fd_param_grads,
+    fold,
+    forward_mode,
+    per_position,
+    perturb_folded,
+    where,
+)
 from .probes import INPUT_STREAM, Probes, probe_seed
 
 FORMS = ("oracle", "jvp", "fd")
@@ -67,9 +79,10 @@ class Prepared:
 class _Run:
     """One ``prepare``: the physical stages' boundaries and probe layouts."""
 
-    def __init__(self, estimator: "ModelLevel", problem: Problem):
+    def __init__(self, estimator: ModelLevel, problem: Problem):
         self.estimator, self.problem = estimator, problem
         self.physical = problem.physical
+        self.loss_args: tuple = problem.loss_args or ()
         self.boundaries: dict = {}
         self.flats: dict = {}
         self.placements: dict = {}
@@ -98,8 +111,9 @@ class _Run:
     def probe_chunks(self, i: int) -> Iterator[torch.Tensor]:
         """Stage i's input probes, chunk by chunk."""
         flat, (dtype, device) = self.flats[i], self.placements[i]
-        return self.estimator.probes.chunks(probe_seed(self.problem.key, i, INPUT_STREAM), flat.batch_shape,
-                                            flat.d, dtype, device)
+        return self.estimator.probes.chunks(
+            probe_seed(self.problem.key, i, INPUT_STREAM), flat.batch_shape, flat.d, dtype, device
+        )
 
     def shift(self, i: int, h: Any, delta: torch.Tensor) -> Any:
         """``h`` with its differentiable leaves shifted by ``delta: (*batch_shape, d_i)``."""
@@ -116,9 +130,11 @@ class _Run:
             def fn(params, h):
                 self.count(i, "forward_calls", rows_of(h))
                 return call(p, i, params, h)
+
             return fn
 
         counting = Chain([stage(counted(i), name=s.name) for i, s in enumerate(chain.stages)], loss=chain.loss)
+        assert p.exact_trace is not None  # checked by prepare
         trace = p.exact_trace(counting)
         for i in self.physical:
             self.count(i, "backward_calls", 0)
@@ -162,16 +178,16 @@ class _Run:
         """Each sample's share of the loss at output ``out`` (``(B,)``; the loss itself when batch_dims=0)."""
         p = self.problem
         if self.scalar_dims() == 0:
-            return p.chain.loss(out, *p.loss_args) * p.loss_scale
+            return p.chain.loss(out, *self.loss_args) * p.loss_scale
         size = optree.tree_leaves(out, namespace=NAMESPACE)[0].shape[0]
-        sliced = [isinstance(a, torch.Tensor) and a.ndim > 0 and a.shape[0] == size for a in p.loss_args]
+        sliced = [isinstance(a, torch.Tensor) and a.ndim > 0 and a.shape[0] == size for a in self.loss_args]
 
         def sample_loss(o: Any, *rows: torch.Tensor) -> torch.Tensor:
             it = iter(rows)
-            args = [next(it).unsqueeze(0) if s else a for a, s in zip(p.loss_args, sliced)]
+            args = [next(it).unsqueeze(0) if s else a for a, s in zip(self.loss_args, sliced)]
             return p.chain.loss(optree.tree_map(lambda t: t.unsqueeze(0), o, namespace=NAMESPACE), *args)
 
-        losses = vmap(sample_loss)(out, *[a for a, s in zip(p.loss_args, sliced) if s])
+        losses = vmap(sample_loss)(out, *[a for a, s in zip(self.loss_args, sliced) if s])
         weight = p.loss_scale / size if self.estimator.reduction == "mean" else p.loss_scale
         return losses * weight
 
@@ -183,14 +199,15 @@ class _Run:
     def check_shares(self, out: Any) -> None:
         p = self.problem
         with torch.no_grad():
-            total = p.chain.loss(out, *p.loss_args) * p.loss_scale
+            total = p.chain.loss(out, *self.loss_args) * p.loss_scale
             shares = self.shares(out)
         tol = (1e-9 if shares.dtype == torch.float64 else 1e-4) * (shares.abs().sum() + 1e-30)
         if (shares.sum() - total).abs() > tol:
             raise ValueError(
                 f"{self.estimator.name}(form={self.estimator.form!r}): the loss is not a per-sample "
                 f"{self.estimator.reduction} over dim 0 (loss {total.item():.6g}, per-sample shares sum to "
-                f"{shares.sum().item():.6g}); pass reduction='sum' or 'mean' to match the loss, or use form='oracle'")
+                f"{shares.sum().item():.6g}); pass reduction='sum' or 'mean' to match the loss, or use form='oracle'"
+            )
 
     def expand(self, scalar: torch.Tensor, i: int) -> torch.Tensor:
         """A per-probe scalar ``(k, *batch_shape[:s])`` broadcastable against probes ``(k, *batch_shape, d_i)``."""
@@ -215,15 +232,23 @@ class _Run:
         k = next(iter(probes.values())).shape[0]
         drawing = sorted(i for i in self.problem.drawn if i >= start)
         if drawing:
-            raise ValueError(f"{self.estimator.name}(form='fd'): {where(self.problem, drawing[0])} draws random "
-                             f"numbers (dropout in train mode), and the probes' copies folded into the batch would "
-                             f"see other draws than the sweep replays; use form='jvp' or 'oracle', or eval mode")
-        shifts = {i: (lambda h, i=i, u=u: perturb_folded(h, 2 * k, self.flats[i], eps * torch.cat([u, -u]),
-                                                         f"input of {where(self.problem, i)}"))
-                  for i, u in probes.items()}
+            raise ValueError(
+                f"{self.estimator.name}(form='fd'): {where(self.problem, drawing[0])} draws random "
+                f"numbers (dropout in train mode), and the probes' copies folded into the batch would "
+                f"see other draws than the sweep replays; use form='jvp' or 'oracle', or eval mode"
+            )
+        shifts = {
+            i: (
+                lambda h, i=i, u=u: perturb_folded(
+                    h, 2 * k, self.flats[i], eps * torch.cat([u, -u]), f"input of {where(self.problem, i)}"
+                )
+            )
+            for i, u in probes.items()
+        }
         with torch.no_grad():
-            shares = self.folded_shares(self.run(start, fold(self.boundaries[start], 2 * k), shifts, "forward_calls"),
-                                        2 * k)
+            shares = self.folded_shares(
+                self.run(start, fold(self.boundaries[start], 2 * k), shifts, "forward_calls"), 2 * k
+            )
         return (shares[:k] - shares[k:]) / (2 * eps)
 
 
@@ -244,8 +269,10 @@ class ModelLevel:
         if reduction not in REDUCTIONS:
             raise ValueError(f"{self.name}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
         if form == "fd" and probes.batch_dims < 1:
-            raise ValueError(f"{self.name}: form 'fd' folds probes into the leading batch dim, so it needs "
-                             f"Probes(batch_dims >= 1), got batch_dims={probes.batch_dims}")
+            raise ValueError(
+                f"{self.name}: form 'fd' folds probes into the leading batch dim, so it needs "
+                f"Probes(batch_dims >= 1), got batch_dims={probes.batch_dims}"
+            )
         self.form, self.eps, self.reduction = form, check_eps(self.name, eps), reduction
 
     def __repr__(self) -> str:
@@ -253,8 +280,10 @@ class ModelLevel:
 
     def prepare(self, problem: Problem) -> Prepared:
         if problem.x is None or problem.exact_trace is None:
-            raise ValueError(f"{self.name}: a model-level estimator probes the whole chain from its input, so it "
-                             f"needs the chain in one process (ef.sweep); in a pipeline use zbp or exact")
+            raise ValueError(
+                f"{self.name}: a model-level estimator probes the whole chain from its input, so it "
+                f"needs the chain in one process (ef.sweep); in a pipeline use zbp or exact"
+            )
         run = _Run(self, problem)
         if self.form == "oracle":
             exact = run.exact_costates()
@@ -294,8 +323,9 @@ class NodePerturbation(ModelLevel):
     name = "node_perturbation"
 
     def oracle(self, run: _Run, exact: dict) -> dict:
-        return self._accumulate(run, lambda chunks: sum(per_position(u * exact[i], run.scalar_dims())
-                                                        for i, u in chunks.items()))
+        return self._accumulate(
+            run, lambda chunks: sum(per_position(u * exact[i], run.scalar_dims()) for i, u in chunks.items())
+        )
 
     def probe(self, run: _Run) -> dict:
         slopes = run.slopes_jvp if self.form == "jvp" else run.slopes_fd
@@ -348,8 +378,9 @@ class Direct(ModelLevel):
         return 2 * self.probes.n * downstream
 
 
-def node_perturbation(probes: Probes, form: str = "oracle", eps: float = 1e-3,
-                      reduction: str = "mean") -> NodePerturbation:
+def node_perturbation(
+    probes: Probes, form: str = "oracle", eps: float = 1e-3, reduction: str = "mean"
+) -> NodePerturbation:
     """Node perturbation: all physical inputs perturbed at once, one scalar per probe and sample
     ``D_i = Σ_l <u_{l,i}, g_l>``, ``ĝ_l = (1/n) Σ_i u_{l,i} D_i``. form: "oracle" | "jvp" | "fd";
     ``reduction``: how the loss reduces over samples (jvp, fd)."""

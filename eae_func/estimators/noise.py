@@ -29,8 +29,9 @@ class NoiseEstimate:
     eps: float
 
 
-def suggest_eps(stage: Stage | Callable, params: Any, x: torch.Tensor, repeats: int = 8, factor: float = 10.0,
-                key: int = 0) -> NoiseEstimate:
+def suggest_eps(
+    stage: Stage | Callable, params: Any, x: torch.Tensor, repeats: int = 8, factor: float = 10.0, key: int = 0
+) -> NoiseEstimate:
     """σ from ``repeats`` queries of ``stage`` (a ``Stage`` or ``fn(params, x)``) at ``x``, the gain from
     two more at ``x ± δu`` (u rademacher drawn from ``key``, δ = 0.1 · rms(x)), and ε = factor · σ / gain."""
     if repeats < 2:
@@ -53,7 +54,7 @@ def suggest_eps(stage: Stage | Callable, params: Any, x: torch.Tensor, repeats: 
         u = torch.randint(0, 2, x.shape, generator=torch.Generator().manual_seed(key)).to(x.dtype) * 2 - 1
         delta = 0.1 * scale
         slope = (run(x + delta * u) - run(x - delta * u)).to(torch.float64) / (2 * delta)
-        gain_sq = slope.square().mean().item() - noise ** 2 / (2 * delta ** 2)
+        gain_sq = slope.square().mean().item() - noise**2 / (2 * delta**2)
     gain = max(gain_sq, 0.0) ** 0.5
     floor = torch.finfo(x.dtype).eps ** 0.5 * scale
     eps = max(factor * noise / gain, floor) if gain > 0 else floor

@@ -46,8 +46,9 @@ class Probes:
     """``n`` probes of ``kind`` drawn ``chunk`` at a time (``None``: all at once), independent per
     position of the first ``batch_dims`` input dimensions; ``antithetic`` pairs them as (v, −v)."""
 
-    def __init__(self, n: int, kind: str = "gaussian", chunk: int | None = None, batch_dims: int = 1,
-                 antithetic: bool = False):
+    def __init__(
+        self, n: int, kind: str = "gaussian", chunk: int | None = None, batch_dims: int = 1, antithetic: bool = False
+    ):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"Probes: n must be an int >= 1, got {n!r}")
         if kind not in KINDS:
@@ -60,11 +61,14 @@ class Probes:
         self.chunk = n if chunk is None else min(chunk, n)
 
     def __repr__(self) -> str:
-        return (f"Probes(n={self.n}, kind={self.kind!r}, chunk={self.chunk}, batch_dims={self.batch_dims}, "
-                f"antithetic={self.antithetic})")
+        return (
+            f"Probes(n={self.n}, kind={self.kind!r}, chunk={self.chunk}, batch_dims={self.batch_dims}, "
+            f"antithetic={self.antithetic})"
+        )
 
-    def chunks(self, seed: int, batch_shape: tuple, d: int, dtype: torch.dtype,
-               device: torch.device) -> Iterator[torch.Tensor]:
+    def chunks(
+        self, seed: int, batch_shape: tuple, d: int, dtype: torch.dtype, device: torch.device
+    ) -> Iterator[torch.Tensor]:
         """The probes as consecutive chunks of shape ``(chunk, *batch_shape, d)``."""
         stream = _Stream(self, seed, tuple(batch_shape), d, dtype, device)
         for start in range(0, self.n, self.chunk):
@@ -74,10 +78,15 @@ class Probes:
 class _Stream:
     """Probes ``start:stop`` of one probe set, from cached fixed-size blocks of base directions."""
 
-    def __init__(self, probes: Probes, seed: int, batch_shape: tuple, d: int, dtype: torch.dtype,
-                 device: torch.device):
-        self.probes, self.seed, self.batch_shape, self.d, self.dtype, self.device = \
-            probes, seed, batch_shape, d, dtype, device
+    def __init__(self, probes: Probes, seed: int, batch_shape: tuple, d: int, dtype: torch.dtype, device: torch.device):
+        self.probes, self.seed, self.batch_shape, self.d, self.dtype, self.device = (
+            probes,
+            seed,
+            batch_shape,
+            d,
+            dtype,
+            device,
+        )
         self.n_base = (probes.n + 1) // 2 if probes.antithetic else probes.n
         self.block_size = max(min(d, self.n_base), 1) if probes.kind == "orthogonal" else DRAW_BLOCK
         self.cached: tuple[int, torch.Tensor] | None = None
@@ -95,7 +104,7 @@ class _Stream:
         for block in range(start // self.block_size, (stop - 1) // self.block_size + 1):
             first = block * self.block_size
             rows = self._block(block)
-            pieces.append(rows[max(start - first, 0): stop - first])
+            pieces.append(rows[max(start - first, 0) : stop - first])
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def _block(self, block: int) -> torch.Tensor:

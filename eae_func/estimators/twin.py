@@ -33,7 +33,9 @@ class Twin:
 
     def __init__(self, twin_fn: Callable):
         if not callable(twin_fn):
-            raise TypeError(f"twin: expected a differentiable function twin_fn(params, h), got {type(twin_fn).__name__}")
+            raise TypeError(
+                f"twin: expected a differentiable function twin_fn(params, h), got {type(twin_fn).__name__}"
+            )
         self.twin_fn = twin_fn
 
     def __repr__(self) -> str:
@@ -43,8 +45,10 @@ class Twin:
         return None
 
     def stage_vjp(self, problem: Problem, prepared: None, i: int, h_in: Any, costate: Any):
-        want = [None if p is None else tuple(p.shape)
-                for p in optree.tree_leaves(costate, none_is_leaf=True, namespace=NAMESPACE)]
+        want = [
+            None if p is None else tuple(p.shape)
+            for p in optree.tree_leaves(costate, none_is_leaf=True, namespace=NAMESPACE)
+        ]
 
         def twin(params: Any, h: Any) -> Any:
             out = self.twin_fn(params, h)

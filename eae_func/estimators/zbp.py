@@ -60,8 +60,10 @@ class ZBP:
         if method not in METHODS:
             raise ValueError(f"zbp: unknown method {method!r}; expected one of {METHODS}")
         if method == "fd" and probes.batch_dims < 1:
-            raise ValueError("zbp: method 'fd' folds probes into the leading batch dim, so it needs "
-                             f"Probes(batch_dims >= 1), got batch_dims={probes.batch_dims}")
+            raise ValueError(
+                "zbp: method 'fd' folds probes into the leading batch dim, so it needs "
+                f"Probes(batch_dims >= 1), got batch_dims={probes.batch_dims}"
+            )
         self.method, self.eps = method, check_eps("zbp", eps)
 
     def __repr__(self) -> str:
@@ -78,8 +80,11 @@ class ZBP:
             grads, param_cost = exact_param_grads(problem, i, h_in, costate)
         else:
             grads, param_cost = fd_param_grads(problem, i, h_in, costate, self.probes, self.eps)
-        return grads, costate_like(flat.leaves(estimate) if estimate is not None else []), {"queries": 2 * self.probes.n,
-                                                                              **param_cost}
+        return (
+            grads,
+            costate_like(flat.leaves(estimate) if estimate is not None else []),
+            {"queries": 2 * self.probes.n, **param_cost},
+        )
 
     def _input_costate(self, problem: Problem, i: int, h_in: Any, floats: list, rebuild, flat: Flat, costate: Any):
         """``(1/n) Σ_i u_i <J u_i, p>`` as ``(*batch_shape, d)``."""
@@ -91,6 +96,7 @@ class ZBP:
             k = u.shape[0]
             if self.method == "jvp":
                 problem.charge(i, k * rows_of(h_in), "jvp_calls")
+
                 def directional(t: torch.Tensor) -> list:
                     return jvp(lambda f: stage(problem.params[i], rebuild(f)), (floats,), (flat.leaves(t),))[1]
 
@@ -99,16 +105,19 @@ class ZBP:
             else:
                 problem.charge(i, 2 * k * rows_of(h_in))
                 with torch.no_grad():
-                    shifted = perturb_folded(fold(h_in, 2 * k), 2 * k, flat, self.eps * torch.cat([u, -u]),
-                                             f"input of {where(problem, i)}")
+                    shifted = perturb_folded(
+                        fold(h_in, 2 * k), 2 * k, flat, self.eps * torch.cat([u, -u]), f"input of {where(problem, i)}"
+                    )
                     out = stage(problem.params[i], shifted)
                     stage_out = unfold(out, 2 * k, f"output of {where(problem, i)}")
                     slopes = [(t[:k] - t[k:]) / (2 * self.eps) for t in stage_out]
             s = inner(slopes, stage.costates(costate), flat.batch_dims, f"output of {where(problem, i)}")
             if s.shape[1:] != flat.batch_shape:
-                raise ValueError(f"output of {where(problem, i)}: zbp takes <J u, p> per batch position, but the "
-                                 f"output's batch dims {tuple(s.shape[1:])} differ from the input's "
-                                 f"{tuple(flat.batch_shape)}; use fewer batch_dims")
+                raise ValueError(
+                    f"output of {where(problem, i)}: zbp takes <J u, p> per batch position, but the "
+                    f"output's batch dims {tuple(s.shape[1:])} differ from the input's "
+                    f"{tuple(flat.batch_shape)}; use fewer batch_dims"
+                )
             estimate += (u * s.unsqueeze(-1)).sum(0)
         return estimate / self.probes.n
 

@@ -84,9 +84,11 @@ def stateless(fn: Callable[[AdjointState], Any], name: str | None = None) -> Pas
     def update(adj: AdjointState, state: Any, ctx: Context) -> tuple:
         out = fn(adj)
         if not isinstance(out, AdjointState):
-            raise TypeError(f"pass {label!r} at boundary {adj.index} (output of stage {adj.stage!r}) returned a "
-                            f"{type(out).__name__}, expected an AdjointState (return adj.applied(name, value) "
-                            f"or adj.replace(...))")
+            raise TypeError(
+                f"pass {label!r} at boundary {adj.index} (output of stage {adj.stage!r}) returned a "
+                f"{type(out).__name__}, expected an AdjointState (return adj.applied(name, value) "
+                f"or adj.replace(...))"
+            )
         return out, state
 
     return Pass(_no_state, update, label)
@@ -102,14 +104,17 @@ def map_costate_random(fn: Callable[[torch.Tensor, torch.Generator], torch.Tenso
     the same key gives the same draws; two random passes at one boundary never share draws."""
     leaves, spec = optree.tree_flatten(adj.value, namespace=NAMESPACE)
     seed = adj.seed()
-    return spec.unflatten([fn(t, torch.Generator(device=t.device).manual_seed(fold_in(seed, i)))
-                           for i, t in enumerate(leaves)])
+    return spec.unflatten(
+        [fn(t, torch.Generator(device=t.device).manual_seed(fold_in(seed, i))) for i, t in enumerate(leaves)]
+    )
 
 
 def global_norm(tree: Any) -> torch.Tensor:
     """``sqrt(sum_i |t_i|^2)`` over every tensor leaf of ``tree``, in float32 (float64 stays float64)."""
-    norms = [torch.linalg.vector_norm(t.float() if t.dtype != torch.float64 else t)
-             for t in optree.tree_leaves(tree, namespace=NAMESPACE)]
+    norms = [
+        torch.linalg.vector_norm(t.float() if t.dtype != torch.float64 else t)
+        for t in optree.tree_leaves(tree, namespace=NAMESPACE)
+    ]
     if not norms:
         return torch.zeros(())
     if len(norms) == 1:

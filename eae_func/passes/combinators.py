@@ -34,15 +34,19 @@ def compose(*passes: Any) -> Pass:
 
     def update(adj: AdjointState, state: Any, ctx: Context) -> tuple:
         if not isinstance(state, tuple) or len(state) != len(members):
-            raise ValueError(f"compose: expected a pass state tuple of {len(members)} entries (one per pass of "
-                             f"{name}), got {type(state).__name__}"
-                             f"{f' of {len(state)}' if isinstance(state, tuple) else ''}")
+            raise ValueError(
+                f"compose: expected a pass state tuple of {len(members)} entries (one per pass of "
+                f"{name}), got {type(state).__name__}"
+                f"{f' of {len(state)}' if isinstance(state, tuple) else ''}"
+            )
         new_state = []
         for m, s in zip(members, state):
             out = m.update(adj, s, ctx)
             if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], AdjointState)):
-                raise TypeError(f"pass {m.name!r} at boundary {adj.index}: update must return (AdjointState, state), "
-                                f"got {type(out).__name__}")
+                raise TypeError(
+                    f"pass {m.name!r} at boundary {adj.index}: update must return (AdjointState, state), "
+                    f"got {type(out).__name__}"
+                )
             adj, s = out
             new_state.append(s)
         return adj, tuple(new_state)
@@ -73,8 +77,10 @@ def only(p: Any, stages: Any = None, indices: Any = None) -> Pass:
     stages = _as_set("stages", stages, str)
     indices = _as_set("indices", indices, int)
     if any(i < 0 for i in indices):
-        raise ValueError(f"only: indices are boundary indices 0..L (a pass does not know L, so none counts from "
-                         f"the end), got {sorted(indices)}")
+        raise ValueError(
+            f"only: indices are boundary indices 0..L (a pass does not know L, so none counts from "
+            f"the end), got {sorted(indices)}"
+        )
     if not stages and not indices:
         raise ValueError("only: give the stages (names) and/or the boundary indices where the pass applies")
     return when(lambda adj: adj.stage in stages or adj.index in indices, p)

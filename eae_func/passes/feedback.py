@@ -30,8 +30,10 @@ def error_feedback(compressor: Any) -> Pass:
 
     def update(adj: AdjointState, state: Any, ctx: Context) -> tuple:
         if not isinstance(state, dict) or set(state) != {"residuals", "compressor"}:
-            raise TypeError(f"error_feedback: expected the state made by init() "
-                            f"({{'residuals': ..., 'compressor': ...}}), got {type(state).__name__}")
+            raise TypeError(
+                f"error_feedback: expected the state made by init() "
+                f"({{'residuals': ..., 'compressor': ...}}), got {type(state).__name__}"
+            )
         residual = state["residuals"].get(adj.index)
         if residual is None:
             corrected = adj
@@ -51,5 +53,7 @@ def _check_like(adj: AdjointState, residual) -> None:
     """The residual kept for boundary l must have the costate's structure and shapes."""
     shapes = lambda tree: optree.tree_map(lambda t: tuple(t.shape), tree, namespace=NAMESPACE)  # noqa: E731
     if shapes(adj.value) != shapes(residual):
-        raise ValueError(f"error_feedback: residual kept for boundary {adj.index} has shapes {shapes(residual)}, "
-                         f"the costate has {shapes(adj.value)} (batch size changed? reset the state with init())")
+        raise ValueError(
+            f"error_feedback: residual kept for boundary {adj.index} has shapes {shapes(residual)}, "
+            f"the costate has {shapes(adj.value)} (batch size changed? reset the state with init())"
+        )

@@ -36,9 +36,11 @@ def check_finite(policy: str = "raise") -> Pass:
         if policy == "raise":
             count = int(nonfinite.item())
             if count:
-                raise FloatingPointError(f"check_finite: non-finite costate at {_where(adj)}: "
-                                         f"{count} of {sum(t.numel() for t in tensors)} entries are NaN or inf "
-                                         f"(passes applied before: {list(adj.history)})")
+                raise FloatingPointError(
+                    f"check_finite: non-finite costate at {_where(adj)}: "
+                    f"{count} of {sum(t.numel() for t in tensors)} entries are NaN or inf "
+                    f"(passes applied before: {list(adj.history)})"
+                )
             return adj.applied("check_finite", value, finite=True, nonfinite=0)
         if policy == "zero":
             value = map_costate(lambda t: torch.where(nonfinite > 0, torch.zeros_like(t), t), adj)

@@ -21,11 +21,25 @@ def costate_statistics(adj: AdjointState) -> dict:
     flat = torch.cat(tensors) if len(tensors) > 1 else tensors[0] if tensors else torch.zeros(0)
     if flat.numel() == 0:
         return dict(dict.fromkeys(_FIELDS, float("nan")), norm=0.0, numel=0, has_nan=False, has_inf=False)
-    summary = Lazy.each(torch.stack([flat.mean(), flat.std(unbiased=False), flat.min(), flat.max(),
-                                     torch.linalg.vector_norm(flat), torch.isnan(flat).any().float(),
-                                     torch.isinf(flat).any().float()]))
-    return dict(zip(_FIELDS, summary[:5]), numel=flat.numel(), has_nan=Lazy(lambda: bool(summary[5])),
-                has_inf=Lazy(lambda: bool(summary[6])))
+    summary = Lazy.each(
+        torch.stack(
+            [
+                flat.mean(),
+                flat.std(unbiased=False),
+                flat.min(),
+                flat.max(),
+                torch.linalg.vector_norm(flat),
+                torch.isnan(flat).any().float(),
+                torch.isinf(flat).any().float(),
+            ]
+        )
+    )
+    return dict(
+        zip(_FIELDS, summary[:5]),
+        numel=flat.numel(),
+        has_nan=Lazy(lambda: bool(summary[5])),
+        has_inf=Lazy(lambda: bool(summary[6])),
+    )
 
 
 def stats() -> Pass:
@@ -56,10 +70,18 @@ def log(logger: logging.Logger | str | None = None, level: int | str = logging.I
     def log_pass(adj: AdjointState) -> AdjointState:
         if logger.isEnabledFor(level):
             fields = costate_statistics(adj)
-            logger.log(level, "eae costate at boundary %d (%s): norm=%.4g mean=%.4g std=%.4g nan=%s inf=%s",
-                       adj.index, adj.stage, fields["norm"], fields["mean"], fields["std"], fields["has_nan"],
-                       fields["has_inf"],
-                       extra={"eae": dict(index=adj.index, stage=adj.stage, history=adj.history, **fields)})
+            logger.log(
+                level,
+                "eae costate at boundary %d (%s): norm=%.4g mean=%.4g std=%.4g nan=%s inf=%s",
+                adj.index,
+                adj.stage,
+                fields["norm"],
+                fields["mean"],
+                fields["std"],
+                fields["has_nan"],
+                fields["has_inf"],
+                extra={"eae": dict(index=adj.index, stage=adj.stage, history=adj.history, **fields)},
+            )
         return adj.applied("log", adj.value)
 
     return stateless(log_pass, "log()")

@@ -27,8 +27,10 @@ def cast(dtype: torch.dtype) -> Pass:
     Records ``cast_overflow``: how many finite entries became infinite (float16 saturates at 65504).
     """
     if dtype not in _CASTS:
-        raise ValueError(f"cast: dtype must be torch.float16 or torch.bfloat16, got {dtype!r} "
-                         f"(use fp8(...) for float8 and int8(...) for int8)")
+        raise ValueError(
+            f"cast: dtype must be torch.float16 or torch.bfloat16, got {dtype!r} "
+            f"(use fp8(...) for float8 and int8(...) for int8)"
+        )
 
     def cast_pass(adj: AdjointState) -> AdjointState:
         overflows = []

@@ -24,8 +24,7 @@ def clip_by_global_norm(max_norm: float) -> Pass:
         clipped = norm > max_norm
         scale = torch.where(clipped, max_norm / (norm + 1e-6), 1.0)
         value = map_costate(lambda t: t * scale.to(t.dtype), adj)  # t * 1 is t, bit for bit
-        return adj.applied("clip", value, clip_norm=Lazy.of(norm), clip_scale=Lazy.of(scale),
-                           clipped=Lazy.of(clipped))
+        return adj.applied("clip", value, clip_norm=Lazy.of(norm), clip_scale=Lazy.of(scale), clipped=Lazy.of(clipped))
 
     return stateless(clip_pass, f"clip_by_global_norm({max_norm:g})")
 
@@ -38,7 +37,9 @@ def clip_by_value(limit: float) -> Pass:
         counts = []
 
         def clamp(t: torch.Tensor) -> torch.Tensor:
-            counts.append(torch.stack([(t.abs() > limit).sum(), torch.full((), t.numel(), dtype=torch.int64, device=t.device)]))
+            counts.append(
+                torch.stack([(t.abs() > limit).sum(), torch.full((), t.numel(), dtype=torch.int64, device=t.device)])
+            )
             return t.clamp(-limit, limit)
 
         value = map_costate(clamp, adj)
@@ -66,8 +67,9 @@ def gaussian_noise(std: float) -> Pass:
     std = check_real("gaussian_noise", "std", std, low=0.0)
 
     def add_noise(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        z = torch.randn(t.shape, generator=generator, device=t.device,
-                        dtype=torch.promote_types(t.dtype, torch.float32))
+        z = torch.randn(
+            t.shape, generator=generator, device=t.device, dtype=torch.promote_types(t.dtype, torch.float32)
+        )
         return t + (std * z).to(t.dtype)
 
     def gaussian_noise_pass(adj: AdjointState) -> AdjointState:
