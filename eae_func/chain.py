@@ -57,6 +57,13 @@ class Stage:
             return functional_call(self.module, tensors, (h,), tie_weights=self.aliased, strict=False), fresh
         return slots.call(self.module, tensors, h), fresh
 
+    def frozen(self) -> frozenset[str]:
+        """The names of this module stage's parameters that are not trained (``requires_grad=False``
+        on the module's own parameter, read now: freezing after ``from_module`` counts)."""
+        if self.module is None:
+            return frozenset()
+        return frozenset(n for n, p in self.module.named_parameters() if not p.requires_grad)
+
     def default_buffers(self) -> dict[str, torch.Tensor]:
         if self.module is None:
             return {}
@@ -369,6 +376,8 @@ def _target(owner: nn.Module, name: str, label: str, value: Any, what: str, kind
         target = owner.get_parameter(name) if kind == "parameter" else owner.get_buffer(name)
     except AttributeError as e:
         raise KeyError(f"{what}: the model has no {kind} {label}") from e
+    if value is None and kind == "parameter":
+        return target
     if not isinstance(value, torch.Tensor) or value.shape != target.shape:
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise ValueError(
@@ -389,8 +398,8 @@ def write_grads(model: nn.Module | Sequence, grads: Any) -> None:
     ]  # every check before any write
     written: set[int] = set()
     for p, g in pairs:
-        if id(p) not in written:
-            p.grad = g.detach().to(dtype=p.dtype, device=p.device).clone()
+        if id(p) not in written:  # None: no gradient (frozen or unused), as autograd leaves .grad
+            p.grad = None if g is None else g.detach().to(dtype=p.dtype, device=p.device).clone()
             written.add(id(p))
 
 

@@ -49,6 +49,7 @@ class Entry:
     rng:        the global RNG state the stage saw (replayed by the recompute), ``None`` if it drew nothing.
     buffers:    the buffers it ran with (the recompute runs on throwaway clones).
     closure:    its vjp closure from the forward (``recompute=False``), else ``None``.
+    frozen:     the names of its parameters that are not trained (``requires_grad=False``).
     """
 
     index: int
@@ -58,6 +59,7 @@ class Entry:
     rng: tuple | None
     buffers: Mapping
     closure: Callable | None = None
+    frozen: frozenset[str] = frozenset()
 
 
 class Tape:
@@ -249,18 +251,31 @@ def explain(e: Exception, chain: Chain, i: int, params: Any, h: Any, autocast_dt
 
 
 def local_vjp(
-    stage, params: Any, buffers: Mapping, floats: list, rebuild: Callable, check: Callable | None = None
+    stage,
+    params: Any,
+    buffers: Mapping,
+    floats: list,
+    rebuild: Callable,
+    check: Callable | None = None,
+    frozen: frozenset[str] = frozenset(),
 ) -> tuple:
     """``(output, pullback, updated buffers)`` of one stage run with its local autograd graph, the
     graph ``torch.utils.checkpoint`` builds: ``pullback(cotangents, inputs_too=True)`` is
     ``(J_W^T p, J_x^T p)`` for the cotangents of the output's differentiable leaves (``J_x^T p`` is
     ``None`` with ``inputs_too=False``), by one ``torch.autograd.grad`` that frees the graph as it goes
     and records no double-backward graph. The output is still attached to the graph. ``check(output
-    leaves, inputs)`` sees the graph before that."""
-    leaves, spec = optree.tree_flatten(params, namespace=NAMESPACE)
+    leaves, inputs)`` sees the graph before that. Only trainable parameters are differentiated: one
+    named in ``frozen`` (``requires_grad=False`` in its module), an integer one and one the stage never
+    reads get ``None``, as plain autograd leaves their ``.grad``."""
+    if frozen:
+        paths, leaves, spec = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
+        trainable = [B.is_differentiable(t) and path[0] not in frozen for path, t in zip(paths, leaves)]
+    else:
+        leaves, spec = optree.tree_flatten(params, namespace=NAMESPACE)
+        trainable = [B.is_differentiable(t) for t in leaves]
     n = len(leaves)
     with torch.enable_grad():
-        inputs = [t.detach().requires_grad_(B.is_differentiable(t)) for t in leaves]
+        inputs = [t.detach().requires_grad_(m) for t, m in zip(leaves, trainable)]
         inputs += [t.detach().requires_grad_() for t in floats]
         out, updated = stage.call(spec.unflatten(inputs[:n]), buffers, rebuild(inputs[n:]))
     flat_out = optree.tree_leaves(out, namespace=NAMESPACE)
@@ -277,10 +292,10 @@ def local_vjp(
             if connected and wanted
             else [None] * len(wanted)
         )
-        full = [
-            g if (g := next(grads) if t.requires_grad else None) is not None else torch.zeros_like(t) for t in sources
-        ]
-        return spec.unflatten(full[:n]), full[n:] if inputs_too else None
+        full = [next(grads) if t.requires_grad else None for t in sources]
+        if not inputs_too:
+            return spec.unflatten(full), None
+        return spec.unflatten(full[:n]), [torch.zeros_like(t) if g is None else g for g, t in zip(full[n:], inputs[n:])]
 
     return out, pullback, updated
 
@@ -401,8 +416,9 @@ def forward(
         stats["boundary_bytes"] = B.nbytes(kept)
         if meter is not None and i in opts.physical:
             meter.charge(i, rows_of(h))
+        frozen = chain.stages[i].frozen()
         out, (outputs, out_spec), closure, rng = run_stage(
-            chain, i, params[i], buffers[i], h, opts, device, plan, tape, stats
+            chain, i, params[i], buffers[i], h, opts, device, plan, tape, stats, frozen
         )
         upstream_params = upstream_params or bool(optree.tree_leaves(params[i], namespace=NAMESPACE))
         if upstream_params and not any(B.is_differentiable(t) for t in outputs):
@@ -412,7 +428,7 @@ def forward(
                 f"parameters before it; a stage must return a floating-point tensor"
             )
         out_layout = B.Layout.of_leaves(outputs, out_spec)
-        tape.entries.append(Entry(i, kept, layout, out_layout, rng, buffers[i], closure))
+        tape.entries.append(Entry(i, kept, layout, out_layout, rng, buffers[i], closure, frozen))
         kept, h = tape.stored(out, out_layout, last=i == len(chain) - 1)
         layout = out_layout  # the next stage's input has it (a stored copy is loaded back to it)
     tape.output = h
@@ -430,6 +446,7 @@ def run_stage(
     plan: remat.Plan,
     tape: Tape,
     stats: dict,
+    frozen: frozenset[str],
 ) -> tuple[Any, tuple, Callable | None, tuple | None]:
     """Stage i's forward on ``h``: ``(output, (its leaves, treespec), vjp closure if its graph is kept,
     RNG state to replay or None)``; its updated buffers go into ``tape.buffers[i]``. The remat ``plan`` says whether the
@@ -446,7 +463,7 @@ def run_stage(
                 flat = B.leaves(out, f"output of {chain.where(i)}")
                 check_closed_over(chain, i, flat[0])
             else:
-                out, closure, tape.buffers[i] = kept_graph(chain, i, params, buffers, h, plan)
+                out, closure, tape.buffers[i] = kept_graph(chain, i, params, buffers, h, plan, frozen)
                 flat = B.leaves(out, f"output of {chain.where(i)}")
     except Exception as e:
         explain(e, chain, i, params, h, opts.autocast)
@@ -461,7 +478,7 @@ def run_stage(
 
 
 def kept_graph(
-    chain: Chain, i: int, params: Any, buffers: Mapping, h: Any, plan: remat.Plan
+    chain: Chain, i: int, params: Any, buffers: Mapping, h: Any, plan: remat.Plan, frozen: frozenset[str]
 ) -> tuple[Any, Callable | None, Mapping]:
     """Stage i run with its local graph: ``(detached output, vjp closure or None, updated buffers)``;
     with a byte budget the closure is only kept if its saved tensors fit in what is left."""
@@ -469,7 +486,13 @@ def kept_graph(
     saved = remat.SavedBytes([*optree.tree_leaves(params, namespace=NAMESPACE), *floats]) if plan.counts else None
     with saved.hooks() if saved is not None else NULL:
         out, closure, updated = local_vjp(
-            chain.stages[i], params, buffers, floats, rebuild, lambda o, own: check_closed_over(chain, i, o, own)
+            chain.stages[i],
+            params,
+            buffers,
+            floats,
+            rebuild,
+            lambda o, own: check_closed_over(chain, i, o, own),
+            frozen,
         )
     if saved is not None and not plan.kept(saved.bytes):
         closure = None
@@ -539,6 +562,11 @@ def make_step(
                         problem, prepared, i, entry.boundary, entry.out_layout.spec.unflatten(costate)
                     )
                 stats.update(cost)
+                if entry.frozen:
+                    grads = {n: None if n in entry.frozen else g for n, g in grads.items()}
+            elif all(c is None for c in costate):  # no costate flows here (E.frozen() downstream): nothing to do
+                grads = optree.tree_map(lambda t: None, params[i], namespace=NAMESPACE)
+                costate_in = B.split_as(entry.boundary, entry.layout)[2]([None] * sum(entry.layout.mask))
             else:
                 floats, rebuild, costate_like = B.split_as(entry.boundary, entry.layout)
                 closure = entry.closure
@@ -548,7 +576,7 @@ def make_step(
                         replay_rng(entry.rng, device),
                         autocast(opts.autocast, device),
                     ):
-                        _, closure, _ = local_vjp(s, params[i], entry.buffers, floats, rebuild)
+                        _, closure, _ = local_vjp(s, params[i], entry.buffers, floats, rebuild, None, entry.frozen)
                 with timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device):
                     grads, g_in = closure(cotangent(costate, entry.out_layout), i > 0 or observed)
                 costate_in = None if g_in is None else costate_like(g_in)

@@ -79,10 +79,15 @@ def _join(records: Sequence[AdjointState]) -> AdjointState:
     return records[0].replace(value=value, meta={"microbatches": tuple(dict(r.meta) for r in records)})
 
 
+def add(a: Any, b: Any) -> Any:
+    """``a + b`` where ``None`` (no gradient: frozen or unused) is the zero."""
+    return b if a is None else a if b is None else a + b
+
+
 def sum_grads(grads: Sequence) -> Any:
     total = grads[0]
     for g in grads[1:]:
-        total = optree.tree_map(torch.add, total, g, namespace=NAMESPACE)
+        total = optree.tree_map(add, total, g, none_is_leaf=True, namespace=NAMESPACE)
     return total
 
 

@@ -148,17 +148,24 @@ def run(
     whole = Range(chain, 0, len(chain), params, opts, device, meter)
     losses: list[torch.Tensor] = []
     grads, traces, all_stats = [], [], []
-    for j, mb in enumerate(pieces):
-        last = j == len(pieces) - 1
-        if updater is not None and last and grads:  # the last fold updates, the earlier folds' gradients added
-            updater.carry = M.sum_grads(grads)
-        piece = whole.run(buffers, mb, state, updater if last else None)
-        buffers, state = piece.buffers, piece.pass_state
-        assert piece.loss is not None  # the range ends the chain
-        losses.append(piece.loss)
-        grads.append(piece.grads)
-        traces.append(piece.trace)
-        all_stats.append(piece.stats)
+    try:
+        for j, mb in enumerate(pieces):
+            last = j == len(pieces) - 1
+            if updater is not None and last and grads:  # the last fold updates, the earlier folds' gradients added
+                updater.carry = M.sum_grads(grads)
+            piece = whole.run(buffers, mb, state, updater if last else None)
+            buffers, state = piece.buffers, piece.pass_state
+            assert piece.loss is not None  # the range ends the chain
+            losses.append(piece.loss)
+            grads.append(piece.grads)
+            traces.append(piece.trace)
+            all_stats.append(piece.stats)
+        if updater is not None:
+            updater.finish()
+    except BaseException as e:  # KeyboardInterrupt too: say which stages a fused update already stepped
+        if updater is not None:
+            updater.note(e)
+        raise
     total = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
     stats = MappingProxyType(metered(M.sum_stats(all_stats), chain, meter))
     if updater is not None:

@@ -5,9 +5,12 @@ pipeline: the same tensor object in several places of ``params``, or a group of 
 
 from __future__ import annotations
 
+import functools
+
 import optree
 
 from .chain import Chain
+from .microbatch import add
 from .tree import NAMESPACE
 
 
@@ -40,11 +43,11 @@ def tie_grads(params: tuple, grads: tuple, groups: list, lo: int = 0) -> tuple:
     if not local:
         return grads
     paths = [optree.tree_paths(params[i], namespace=NAMESPACE) for i in range(lo, hi)]
-    original, specs = zip(*(optree.tree_flatten(g, namespace=NAMESPACE) for g in grads))
+    original, specs = zip(*(optree.tree_flatten(g, none_is_leaf=True, namespace=NAMESPACE) for g in grads))
     flat = [list(g) for g in original]
     for group in local:
         members = [(i - lo, paths[i - lo].index(path)) for i, path in group]
-        total = sum(original[i][j] for i, j in members)
+        total = functools.reduce(add, (original[i][j] for i, j in members))
         for i, j in members:
             flat[i][j] = total
     return tuple(spec.unflatten(f) for spec, f in zip(specs, flat))

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from .microbatch import add
+
 
 @dataclasses.dataclass(frozen=True)
 class Fused:
@@ -66,12 +68,20 @@ def fused(update: Any, state: Sequence | None = None, *, max_norm: float | None 
 
 
 class Updater:
-    """One sweep's fused updates: ``apply(i, grads_i)`` at stage i's reverse step. Everything is
-    checked when it is made, before any step; ``groups`` are the tied ``(stage, path)`` groups;
-    ``carry`` (set for the last microbatch's fold) holds the earlier folds' gradients."""
+    """One sweep's fused updates: ``apply(i, grads_i)`` at stage i's reverse step, ``finish()`` once
+    after the last. Everything is checked when it is made, before any step; ``groups`` are the
+    tied ``(stage, path)`` groups; ``carry`` (set for the last microbatch's fold) holds the earlier
+    folds' gradients; ``stepped`` the stages updated so far (an error after the first update says
+    which). Frozen parameters (``requires_grad=False``) and ones with no gradient are never stepped,
+    so an optimizer over the trainable parameters only is enough.
+
+    A ``torch.optim`` optimizer steps each stage with its step function itself; its step hooks
+    (an EMA, a logger) and learning-rate schedulers then see one ``optimizer.step()`` per sweep,
+    called by ``finish`` when every stage is updated (pre-hooks too run then, after the updates)."""
 
     def __init__(self, spec: Fused, chain: Any, params: tuple, groups: list):
         self.spec, self.chain, self.carry = spec, chain, None
+        self.stepped: list[int] = []
         for i, p in enumerate(params):
             if not isinstance(p, dict) or not all(isinstance(t, torch.Tensor) for t in p.values()):
                 raise TypeError(
@@ -88,40 +98,48 @@ class Updater:
                 self.owner[member], self.members[member] = owner, (g, group)
         if spec.fn is not None and len(self.state) != len(chain):
             raise ValueError(f"fused: state has {len(self.state)} entries, the chain has {len(chain)} stages")
+        self.targets: dict = {}  # (stage, name) -> the optimizer's parameter, every one found before any step
         if spec.optimizers:
-            if len(spec.optimizers) not in (1, len(chain)):
-                raise ValueError(
-                    f"fused: expected one optimizer or one per stage ({len(chain)}), got {len(spec.optimizers)}"
-                )
-            by_storage = [
-                {p.data_ptr(): p for group in o.param_groups for p in group["params"]} for o in spec.optimizers
-            ]
-            self.targets = {}  # (stage, name) -> the optimizer's parameter, every one found before any step
-            for i, stage in enumerate(self.params):
-                for name, t in stage.items():
-                    if self.owner.get((i, name), i) != i:
-                        continue  # a tied use: due at its owner
-                    p = by_storage[i if len(by_storage) > 1 else 0].get(t.data_ptr())
-                    if p is None:
-                        raise ValueError(
-                            f"fused: parameter {name!r} of {chain.where(i)} is not among the "
-                            f"optimizer's parameters (give one optimizer over every trainable "
-                            f"parameter, or one per stage)"
-                        )
-                    self.targets[i, name] = p
-            stale = [
-                p for o in spec.optimizers for group in o.param_groups for p in group["params"] if p.grad is not None
-            ]
-            if stale:
-                raise ValueError(
-                    f"fused: {len(stale)} of the optimizer's parameters already have .grad set; each "
-                    "fused step would apply them again: call optimizer.zero_grad(set_to_none=True) first"
-                )
+            self.targets = self._targets()
+
+    def _targets(self) -> dict:
+        """The optimizer's own parameter for every trainable (stage, name): a module stage's parameter
+        by identity, a function stage's tensor by storage."""
+        chain, optimizers = self.chain, self.spec.optimizers
+        if len(optimizers) not in (1, len(chain)):
+            raise ValueError(f"fused: expected one optimizer or one per stage ({len(chain)}), got {len(optimizers)}")
+        owned = [{id(p): p for group in o.param_groups for p in group["params"]} for o in optimizers]
+        by_storage = [{p.data_ptr(): p for p in o.values() if p.numel()} for o in owned]
+        targets = {}
+        for i, stage in enumerate(self.params):
+            s, k = chain.stages[i], i if len(optimizers) > 1 else 0
+            frozen = s.frozen()
+            for name, t in stage.items():
+                if self.owner.get((i, name), i) != i or name in frozen:
+                    continue  # a tied use (due at its owner) or a frozen parameter (never stepped)
+                own = s.module.get_parameter(name) if s.module is not None else t
+                p = owned[k].get(id(own))
+                if p is None and t.numel():
+                    p = by_storage[k].get(t.data_ptr())
+                if p is None:
+                    raise ValueError(
+                        f"fused: parameter {name!r} of {chain.where(i)} is trainable but not among the "
+                        f"optimizer's parameters (give one optimizer over every trainable parameter, or "
+                        f"one per stage; freeze it with requires_grad_(False) to leave it out)"
+                    )
+                targets[i, name] = p
+        stale = [p for o in owned for p in o.values() if p.grad is not None]
+        if stale:
+            raise ValueError(
+                f"fused: {len(stale)} of the optimizer's parameters already have .grad set; each "
+                "fused step would apply them again: call optimizer.zero_grad(set_to_none=True) first"
+            )
+        return targets
 
     def apply(self, i: int, grads: dict) -> None:
         """Update the parameters due at stage i from its gradients (plus earlier microbatches')."""
         if self.carry is not None:
-            grads = {n: self.carry[i][n] + g for n, g in grads.items()}
+            grads = {n: add(self.carry[i][n], g) for n, g in grads.items()}
         due = {}
         for name, g in grads.items():
             key = (i, name)
@@ -129,9 +147,10 @@ class Updater:
                 due[name] = g
                 continue
             group, _ = self.members[key]
-            self.pending[group] = g if group not in self.pending else self.pending[group] + g
+            self.pending[group] = add(self.pending.get(group), g)
             if self.owner[key] == i:
                 due[name] = self.pending.pop(group)
+        due = {n: g for n, g in due.items() if g is not None}  # None: frozen or unused, never stepped
         if not due:
             return
         if self.spec.max_norm is not None:
@@ -145,11 +164,28 @@ class Updater:
                     self.params[j][n] = t
         else:
             self._step(i, due)
+        self.stepped.append(i)
 
     def _step(self, i: int, due: dict) -> None:
         targets = [self.targets[i, name] for name in due]
         for p, g in zip(targets, due.values()):
             p.grad = g.to(p.dtype)
-        self.spec.optimizers[i if len(self.spec.optimizers) > 1 else 0].step()
-        for p in targets:
-            p.grad = None
+        optimizer = self.spec.optimizers[i if len(self.spec.optimizers) > 1 else 0]
+        step = type(optimizer).step
+        try:
+            getattr(step, "__wrapped__", step)(optimizer)  # the update itself; hooks run once, in finish
+        finally:
+            for p in targets:
+                p.grad = None
+
+    def finish(self) -> None:
+        """After the last stage: each optimizer's ``step()`` once, with no gradient left to apply, so
+        its hooks and schedulers count one step."""
+        for optimizer in self.spec.optimizers:
+            optimizer.step()
+
+    def note(self, e: BaseException) -> None:
+        """Say on ``e`` which stages were already updated (an update cannot be taken back)."""
+        if self.stepped:
+            done = ", ".join(self.chain.where(i) for i in sorted(self.stepped))
+            e.add_note(f"(eae_func: the fused update had already stepped {done}; the other stages were not)")

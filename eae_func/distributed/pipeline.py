@@ -396,7 +396,7 @@ class Pipeline:
         theirs in rank order, so every owner ends with bit-identical totals. Of each pair,
         the lower position sends first (a consistent order for blocking transports).
         """
-        flat = [optree.tree_flatten(g, namespace=NAMESPACE) for g in grads]
+        flat = [optree.tree_flatten(g, none_is_leaf=True, namespace=NAMESPACE) for g in grads]
         leaves = [list(f) for f, _ in flat]
         paths = [optree.tree_paths(params[i], namespace=NAMESPACE) for i in self.stages]
         for n, group in enumerate(groups):

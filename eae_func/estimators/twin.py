@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 import optree
-import torch
 
 from .. import boundary as B
 from ..tree import NAMESPACE
@@ -62,7 +61,8 @@ class Twin:
 
 
 class Frozen:
-    """No costate upstream of the physical stage and zero gradients for its parameters."""
+    """No costate upstream of the physical stage and no gradients for its parameters or any upstream
+    (``None``, as autograd gives behind a ``detach``)."""
 
     scope = "stage"
     differentiates = False
@@ -75,8 +75,8 @@ class Frozen:
 
     def stage_vjp(self, problem: Problem, prepared: None, i: int, h_in: Any, costate: Any):
         floats, _, costate_like = B.split(h_in, f"input of {where(problem, i)}")
-        grads = optree.tree_map(torch.zeros_like, problem.params[i], namespace=NAMESPACE)
-        return grads, costate_like([torch.zeros_like(t) for t in floats]), {}
+        grads = optree.tree_map(lambda t: None, problem.params[i], namespace=NAMESPACE)
+        return grads, costate_like([None] * len(floats)), {}
 
 
 def twin(twin_fn: Callable) -> Twin:
@@ -86,5 +86,6 @@ def twin(twin_fn: Callable) -> Twin:
 
 
 def frozen() -> Frozen:
-    """The readout-only baseline: no costate passes upstream of the physical stage, its params get zero."""
+    """The readout-only baseline: no costate passes upstream of the physical stage; its params and
+    those upstream get no gradient (``None``)."""
     return Frozen()

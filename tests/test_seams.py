@@ -1,0 +1,229 @@
+"""Trust at the seams: where real training code meets eae_func, plain PyTorch's answer or a clear
+error. Frozen and unused parameters, optimizer hooks, black boxes that write into their input,
+fused steps that fail half-way."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import eae_func as ef
+from eae_func import estimators as E
+
+F64 = torch.float64
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)]
+    return torch.nn.Sequential(*layers).double()
+
+
+def _batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 5, generator=g, dtype=F64), torch.randn(8, 3, generator=g, dtype=F64)
+
+
+def _autograd(model, x, y):
+    model.zero_grad(set_to_none=True)
+    F.mse_loss(model(x), y).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@settings(max_examples=20, deadline=None)
+@given(frozen=st.lists(st.booleans(), min_size=6, max_size=6), flat=st.booleans())
+def test_frozen_parameters_get_none_and_the_trainable_ones_autograds_gradients(frozen, flat):
+    """``requires_grad=False`` (set before or after ``from_module``): ``None``, as autograd's ``.grad``."""
+    model = _mlp()
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    for (name, p), off in zip(model.named_parameters(), frozen):
+        p.requires_grad_(not off)
+    x, y = _batch()
+    reference = _autograd(model, x, y)
+    if flat:
+        grads = ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss)
+    else:
+        per_stage = ef.grad(chain, params, x, y)
+        grads = {f"{i}.{n}": g for i, stage in enumerate(per_stage) for n, g in stage.items()}
+    assert set(grads) == set(reference)
+    for name, expected in reference.items():
+        if expected is None:
+            assert grads[name] is None, name
+        else:
+            torch.testing.assert_close(grads[name], expected, rtol=1e-12, atol=1e-14)
+    ef.write_grads(model, grads)
+    assert all((p.grad is None) == (not p.requires_grad) for p in model.parameters())
+
+
+def test_a_parameter_the_forward_never_reads_gets_none_and_weight_decay_leaves_it():
+    """AdamW over every parameter: an unused one has no gradient, so no step moves it (plain
+    autograd's answer), unfused or fused."""
+
+    class WithSpare(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.spare = torch.nn.Linear(5, 3).double(), torch.nn.Parameter(torch.ones(4, dtype=F64))
+
+        def forward(self, h):
+            return self.lin(h)
+
+    x, y = _batch()
+    for fused in (False, True):
+        model = torch.nn.Sequential(WithSpare())
+        chain, params = ef.from_module(model, loss=F.mse_loss)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+        for _ in range(3):
+            if fused:
+                ef.sweep(chain, params, x, y, update=opt)
+            else:
+                grads = ef.grad(chain, params, x, y)
+                assert grads[0]["spare"] is None
+                ef.write_grads(model, grads)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        assert torch.equal(model[0].spare, torch.ones(4, dtype=F64)), fused
+
+
+def test_frozen_upstream_of_e_frozen_is_not_moved_by_weight_decay():
+    """``E.frozen()`` passes no costate upstream: the parameters there get ``None`` and stay put."""
+    g = torch.Generator().manual_seed(0)
+    stages = [
+        ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="in"),
+        ef.stage(lambda p, h: torch.sin(h), name="box", physical=True),
+        ef.stage(lambda p, h: h @ p["w"], name="out"),
+    ]
+    chain = ef.Chain(stages, loss=F.mse_loss)
+    params = ({"w": torch.randn(5, 6, generator=g, dtype=F64)}, {}, {"w": torch.randn(6, 3, generator=g, dtype=F64)})
+    x, y = _batch()
+    res = ef.sweep(chain, params, x, y, estimator=E.frozen())
+    assert res.grads[0]["w"] is None and res.grads[2]["w"] is not None
+    before = params[0]["w"].clone()
+
+    def adamw(p, grads, state):
+        return {n: t * (1 - 0.05) - 0.1 * grads[n].sign() for n, t in p.items()}, state
+
+    out = ef.sweep(chain, params, x, y, estimator=E.frozen(), update=ef.fused(adamw, [()] * 3))
+    assert torch.equal(out.params[0]["w"], before) and not torch.equal(out.params[2]["w"], params[2]["w"])
+
+
+def test_fused_updates_take_an_optimizer_over_the_trainable_parameters_only():
+    model = _mlp()
+    model[0].requires_grad_(False)
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    x, y = _batch()
+    twin = _mlp()
+    twin[0].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    twin_opt = torch.optim.SGD([p for p in twin.parameters() if p.requires_grad], lr=0.1)
+    frozen_before = model[0].weight.clone()
+    ef.sweep(chain, params, x, y, update=opt)
+    F.mse_loss(twin(x), y).backward()
+    twin_opt.step()
+    assert torch.equal(model[0].weight, frozen_before)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    model[2].requires_grad_(False)
+    model[0].requires_grad_(True)  # trainable now, but not among the optimizer's
+    with pytest.raises(ValueError, match=r"parameter 'weight' of stage 0 .* is trainable but not among"):
+        ef.sweep(chain, params, x, y, update=opt)
+
+
+def test_an_optimizers_step_hooks_and_scheduler_see_one_step_per_sweep():
+    """An EMA post-hook runs once per fused step, after every stage was updated."""
+    model = _mlp()
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    x, y = _batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls, seen = [], []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: (calls.append("post"), seen.append(model[4].bias.clone())))
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" would fail here
+        for _ in range(3):
+            before = model[0].bias.clone()
+            ef.sweep(chain, params, x, y, update=opt)
+            schedule.step()
+            assert not torch.equal(model[0].bias, before)
+    assert calls == ["pre", "post"] * 3
+    assert opt.param_groups[0]["lr"] == 0.1 * 0.5**3
+
+
+def test_a_failed_fused_step_names_the_stages_it_already_stepped():
+    model = _mlp()
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    x, y = _batch()
+    calls = []
+
+    def update(p, grads, state):
+        calls.append(len(calls))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return {n: t - 0.1 * grads[n] for n, t in p.items()}, state
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        ef.sweep(chain, params, x, y, update=ef.fused(update, [()] * len(chain)))
+    assert any(
+        "had already stepped stage 4 ('Linear_4'); the other stages were not" in n for n in info.value.__notes__
+    ), info.value.__notes__
+
+
+def test_a_numpy_black_box_cannot_write_into_the_saved_boundary():
+    """numpy writes bump no torch version counter: the black box gets a read-only array."""
+
+    def overwrites(params, h):
+        return np.tanh(h, out=h)
+
+    box = ef.black_box(overwrites, name="box", numpy=True)
+    chain = ef.Chain([ef.stage(lambda p, h: h @ p["w"], name="in"), box], loss=lambda out: out.square().mean())
+    params = ({"w": torch.randn(4, 4, dtype=F64)}, {})
+    with pytest.raises(ValueError, match="read-only") as info:
+        ef.sweep(chain, params, torch.randn(3, 4, dtype=F64), estimator=E.zbp(E.Probes(4), method="fd"))
+    assert any("stage 1 ('box')" in n for n in info.value.__notes__)
+
+
+# ----------------------------------------------------------------------------- a LoRA fine-tune
+
+
+transformers = pytest.importorskip("transformers")
+
+
+class LoRA(torch.nn.Module):
+    """``base(h) + (h A) B``: a frozen base layer with a trainable low-rank adapter."""
+
+    def __init__(self, base, rank=2):
+        super().__init__()
+        self.base = base
+        n_in, n_out = base.weight.shape  # GPT-2's Conv1D stores (in, out)
+        self.a = torch.nn.Parameter(torch.randn(n_in, rank, dtype=base.weight.dtype) / n_in**0.5)
+        self.b = torch.nn.Parameter(torch.randn(rank, n_out, dtype=base.weight.dtype) * 0.1)
+
+    def forward(self, h):
+        return self.base(h) + (h @ self.a) @ self.b
+
+
+def next_token_loss(out, ids):
+    return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def test_a_lora_fine_tune_of_gpt2_differentiates_only_the_adapters():
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    model.requires_grad_(False)
+    for block in model.transformer.h:
+        block.attn.c_attn = LoRA(block.attn.c_attn)
+    ids = torch.randint(0, 32, (2, 8))
+    params = dict(model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    assert len(trainable) == 4 and len(params) > 20
+    grads = ef.grad(model, params, ids, ids, loss=next_token_loss, split_at=["transformer.h.*"])
+    next_token_loss(model(ids), ids).backward()
+    assert {n for n, g in grads.items() if g is not None} == trainable
+    for n in trainable:
+        assert torch.equal(grads[n], params[n].grad), (n, (grads[n] - params[n].grad).abs().max())
