@@ -40,7 +40,7 @@ def test_frozen_parameters_get_none_and_the_trainable_ones_autograds_gradients(f
     """``requires_grad=False`` (set before or after ``from_module``): ``None``, as autograd's ``.grad``."""
     model = _mlp()
     chain, params = ef.from_module(model, loss=F.mse_loss)
-    for (name, p), off in zip(model.named_parameters(), frozen):
+    for p, off in zip(model.parameters(), frozen):
         p.requires_grad_(not off)
     x, y = _batch()
     reference = _autograd(model, x, y)
