@@ -25,11 +25,13 @@ from __future__ import annotations
 import collections
 import fnmatch
 import functools
+import random
 import types
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import optree
 import torch
 import torch.utils._pytree as torch_pytree
@@ -76,6 +78,57 @@ def _module_paths(node) -> list[str]:
     stack = node.meta.get("nn_module_stack") or {}
     paths = [path.split("@")[0] for path, _ in stack.values()]
     return [p[len(_ROOT) :] for p in paths if p.startswith(_ROOT)]
+
+
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def fingerprint(model: nn.Module) -> tuple:
+    """What a capture of ``model`` depends on, as one comparable value: the module tree (paths,
+    classes, identities, training flags, hooks), every parameter and buffer (identity, shape,
+    dtype, device, requires_grad) and every module's plain attributes (numbers, strings, flags: a
+    dropout probability, a flag ``forward`` reads), one level into other objects they hold (a
+    Hugging Face config). A capture whose fingerprint differs from the model's is stale."""
+    objects: dict[int, tuple] = {}
+
+    def plain(obj: Any) -> tuple:
+        return tuple((k, v) for k, v in vars(obj).items() if isinstance(v, _PLAIN))
+
+    def attributes(module: nn.Module) -> tuple:
+        out = []
+        for k, v in vars(module).items():
+            if isinstance(v, _PLAIN):
+                out.append((k, v))
+            elif hasattr(v, "__dict__") and not isinstance(v, (nn.Module, torch.Tensor, type)) and not callable(v):
+                if id(v) not in objects:
+                    objects[id(v)] = plain(v)
+                out.append((k, id(v), objects[id(v)]))
+        return tuple(out)
+
+    modules = tuple(
+        (name, id(m), type(m), attributes(m), tuple(tuple(getattr(m, h).keys()) for h in _HOOKS))
+        for name, m in model.named_modules(remove_duplicate=False)
+    )
+    tensors = tuple(
+        (name, id(t), t.shape, t.dtype, t.device, t.requires_grad)
+        for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+    )
+    hooks = tuple(tuple(d.keys()) for d in _global_hooks())
+    return modules, tensors, hooks
+
+
+def _same_numpy_state(state: tuple) -> bool:
+    now = np.random.get_state()
+    return now[0] == state[0] and bool(np.array_equal(now[1], state[1])) and now[2:] == state[2:]
+
+
+def _global_hooks() -> tuple:
+    from torch.nn.modules import module as M
+
+    return tuple(
+        getattr(M, name) for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
+    )
 
 
 def canonical_names(named) -> dict:
@@ -240,17 +293,51 @@ def cut(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[list[C
             f"split_at: no module of {type(model).__name__} matches {list(split_at)}; its modules include {shown}"
         )
     args, kwargs = as_call(example)
+    python_rng, numpy_rng = random.getstate(), np.random.get_state()
     try:
         with torch.random.fork_rng():  # capture draws no random numbers the next forward should see
             program = torch.export.export(_Exportable(model), args, kwargs, strict=False)
     except Exception as e:
+        remedy = (
+            " A data-dependent branch (a guard on a tensor's value) cannot be captured: turn off what "
+            "takes it (layerdrop=0, a fixed sequence length) or cut by hand."
+            if "data-dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__
+            else ""
+        )
         raise RuntimeError(
-            f"split_at: torch.export could not capture {type(model).__name__}'s forward ({e}); "
-            f"cut it by hand instead: ef.Chain([ef.stage(fn, name=...), ...], loss=...) with one "
-            f"pure function per piece, or an nn.Sequential / list of modules"
+            f"split_at: torch.export could not capture {type(model).__name__}'s forward: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}.{remedy} Or cut it by hand: ef.Chain([ef.stage(fn, "
+            f"name=...), ...], loss=...) with one pure function per piece, or an nn.Sequential / list of modules"
         ) from e
+    finally:
+        drew = [
+            name
+            for name, moved in (
+                ("random", random.getstate() != python_rng),
+                ("numpy.random", not _same_numpy_state(numpy_rng)),
+            )
+            if moved
+        ]
+        random.setstate(python_rng)
+        np.random.set_state(numpy_rng)
+    if drew:
+        raise ValueError(
+            f"split_at: {type(model).__name__}'s forward draws from Python's {' and '.join(drew)} (e.g. "
+            f"LayerDrop's random.random()); a capture would bake that one draw into every later call. Turn it "
+            f"off (layerdrop=0, eval mode) or draw with torch's RNG, which the sweep replays"
+        )
     module, signature = program.graph_module, program.graph_signature
     stage_of, names = _stage_of_nodes(module.graph, cut_modules)
+    running = {n.split("#")[0] for n in names}
+    idle = sorted(cut_modules - running)
+    if idle:
+        raise ValueError(
+            f"split_at: {list(split_at)} matches {len(cut_modules)} modules of {type(model).__name__}, but "
+            f"{len(idle)} of them ({', '.join(idle[:4])}{', ...' if len(idle) > 4 else ''}) run no operation of "
+            f"the captured graph as a module: a container (a ModuleList is never called; name its children, "
+            f"e.g. 'h.*'), or a layer called as layer.forward(x), which bypasses the module call the capture "
+            f"sees. Cut at modules that are called"
+        )
     split = split_module(
         module,
         module,

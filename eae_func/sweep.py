@@ -21,7 +21,7 @@ from torch import nn
 
 from . import fold as F
 from . import microbatch as M
-from .capture import canonical_names
+from .capture import canonical_names, fingerprint
 from .chain import Chain, from_module
 from .options import Options, make
 from .physical import Meter
@@ -198,7 +198,9 @@ _CAPTURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Sequence[str] | None, x: Any) -> tuple:
     """``(chain, qualified)`` for a model: ``qualified[i]`` maps stage i's parameter and buffer
     names to the model's own (canonical: a tied tensor has one name). A captured chain is kept
-    per model, cut, mode and input layout, so a training loop captures once."""
+    per model, cut and input layout, with the model's ``capture.fingerprint`` (its modules, tensors,
+    hooks, modes and plain attributes): a training loop captures once, and a model changed since
+    (a module replaced, a flag toggled, ``.double()``, a hook added) is captured again."""
     if loss is None:
         raise TypeError(f"sweep: a model ({type(model).__name__}) needs loss=loss_fn(output, *loss_args)")
     if split_at is None:
@@ -212,10 +214,11 @@ def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Seque
             for t in optree.tree_leaves(x, namespace=NAMESPACE)
         )
         cache = _CAPTURED.setdefault(model, {})
-        cache_key = (tuple(split_at), model.training, layout)
-        if cache_key not in cache:
-            cache[cache_key] = from_module(model, loss, split_at=split_at, example=x)[0]
-        chain = Chain(cache[cache_key].stages, loss=loss, ties=cache[cache_key].ties)
+        cache_key, now = (tuple(split_at), layout), fingerprint(model)
+        if cache_key not in cache or cache[cache_key][0] != now:
+            cache[cache_key] = now, from_module(model, loss, split_at=split_at, example=x)[0]
+        captured = cache[cache_key][1]
+        chain = Chain(captured.stages, loss=loss, ties=captured.ties)
         prefixes = [None] * len(chain)
     names = {}
     if isinstance(model, nn.Module):

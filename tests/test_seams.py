@@ -227,3 +227,126 @@ def test_a_lora_fine_tune_of_gpt2_differentiates_only_the_adapters():
     assert {n for n, g in grads.items() if g is not None} == trainable
     for n in trainable:
         assert torch.equal(grads[n], params[n].grad), (n, (grads[n] - params[n].grad).abs().max())
+
+
+# ----------------------------------------------------------------------------- captures that cannot go stale
+
+
+class Net(torch.nn.Module):
+    """Blocks in a ModuleList, a flag its forward reads, a buffer, a dropout and a tied head."""
+
+    def __init__(self, width=6, depth=3):
+        super().__init__()
+        self.embed = torch.nn.Linear(4, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+        self.drop = torch.nn.Dropout(0.0)
+        self.head = torch.nn.Linear(width, width)
+        self.register_buffer("shift", torch.zeros(width))
+        self.residual = True
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h)) if self.residual else torch.tanh(block(h))
+        return self.head(self.drop(h) + self.shift)
+
+
+def _changes():
+    def replace(m):
+        m.blocks[1] = torch.nn.Linear(6, 6).double()
+
+    def toggle(m):
+        m.residual = False
+
+    def buffer(m):
+        m.shift = torch.ones(6, dtype=F64)
+
+    def hook(m):
+        m.blocks[0].register_forward_hook(lambda mod, args, out: out * 2)
+
+    def append(m):
+        m.blocks.append(torch.nn.Linear(6, 6).double())
+
+    def dropout(m):
+        m.drop.p = 0.5
+
+    def untie(m):
+        m.head.weight = torch.nn.Parameter(m.head.weight.detach().clone() + 1)
+
+    def double(m):
+        m.float()
+
+    return [replace, toggle, buffer, hook, append, dropout, untie, double]
+
+
+@pytest.mark.parametrize("change", _changes(), ids=lambda f: f.__name__)
+def test_a_captured_model_changed_after_capture_is_captured_again(change, monkeypatch):
+    from eae_func import capture
+
+    captures = []
+    cut = capture.cut
+    monkeypatch.setattr(capture, "cut", lambda *a: captures.append(1) or cut(*a))
+    torch.manual_seed(0)
+    model = Net().double()
+    model.head.weight = model.blocks[2].weight  # tied, until untied
+    x, y = torch.randn(5, 4, dtype=F64), torch.randn(5, 6, dtype=F64)
+
+    def both():
+        params = dict(model.named_parameters())
+        xs, ys = x.to(params["embed.weight"].dtype), y.to(params["embed.weight"].dtype)
+        torch.manual_seed(3)
+        grads = ef.grad(model, params, xs, ys, loss=F.mse_loss, split_at=["blocks.*"])
+        torch.manual_seed(3)
+        reference = _autograd(model, xs, ys)
+        assert set(grads) == set(reference)
+        for name, expected in reference.items():
+            torch.testing.assert_close(grads[name], expected, rtol=1e-5, atol=1e-6)
+
+    both()
+    both()
+    assert len(captures) == 1  # unchanged: captured once
+    change(model)
+    both()
+    assert len(captures) == 2
+
+
+def test_python_randomness_in_forward_is_refused_at_capture():
+    import random
+
+    class LayerDrop(Net):
+        def forward(self, x):
+            h = self.embed(x)
+            for block in self.blocks:
+                if random.random() > 0.1:
+                    h = h + torch.tanh(block(h))
+            return self.head(h)
+
+    model = LayerDrop().double()
+    state = random.getstate()
+    with pytest.raises(ValueError, match=r"draws from Python's random .* bake that one draw"):
+        ef.grad(
+            model,
+            dict(model.named_parameters()),
+            torch.randn(2, 4, dtype=F64),
+            torch.randn(2, 6, dtype=F64),
+            loss=F.mse_loss,
+            split_at=["blocks.*"],
+        )
+    assert random.getstate() == state
+
+
+def test_a_split_at_that_cuts_fewer_places_than_it_matched_says_why():
+    class CallsForward(Net):
+        def forward(self, x):
+            h = self.embed(x)
+            for block in self.blocks:
+                h = block.forward(h)
+            return self.head(h)
+
+    x, y = torch.randn(2, 4, dtype=F64), torch.randn(2, 6, dtype=F64)
+    for model, split_at, culprit in (
+        (Net().double(), ["blocks"], "a container"),
+        (CallsForward().double(), ["blocks.*"], "layer.forward"),
+    ):
+        with pytest.raises(ValueError, match=rf"run no operation of the captured graph.*{culprit}"):
+            ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, split_at=split_at)
