@@ -118,9 +118,14 @@ def fingerprint(model: nn.Module) -> tuple:
     return modules, tensors, hooks
 
 
-def _same_numpy_state(state: tuple) -> bool:
-    now = np.random.get_state()
-    return now[0] == state[0] and bool(np.array_equal(now[1], state[1])) and now[2:] == state[2:]
+def _numpy_drew(before: dict) -> bool:
+    """Whether numpy's global generator moved since ``before`` (``get_state(legacy=False)``)."""
+    now = np.random.get_state(legacy=False)
+    return (
+        now["state"]["pos"] != before["state"]["pos"]
+        or now["has_gauss"] != before["has_gauss"]
+        or not np.array_equal(now["state"]["key"], before["state"]["key"])
+    )
 
 
 def _global_hooks() -> tuple:
@@ -293,7 +298,7 @@ def cut(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[list[C
             f"split_at: no module of {type(model).__name__} matches {list(split_at)}; its modules include {shown}"
         )
     args, kwargs = as_call(example)
-    python_rng, numpy_rng = random.getstate(), np.random.get_state()
+    python_rng, numpy_rng = random.getstate(), np.random.get_state(legacy=False)
     try:
         with torch.random.fork_rng():  # capture draws no random numbers the next forward should see
             program = torch.export.export(_Exportable(model), args, kwargs, strict=False)
@@ -314,7 +319,7 @@ def cut(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[list[C
             name
             for name, moved in (
                 ("random", random.getstate() != python_rng),
-                ("numpy.random", not _same_numpy_state(numpy_rng)),
+                ("numpy.random", _numpy_drew(numpy_rng)),
             )
             if moved
         ]

@@ -9,6 +9,7 @@ each module of a list) into one stage, run on the given parameters as
 from __future__ import annotations
 
 import dataclasses
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -52,22 +53,38 @@ class Stage:
             return self.fn(params, h), {}
         fresh = {name: b.clone() for name, b in buffers.items()}
         tensors = {**params, **fresh}
-        slots = None if self.aliased else Slots.of(self.module, tensors)
-        if slots is None:
-            return functional_call(self.module, tensors, (h,), tie_weights=self.aliased, strict=False), fresh
-        return slots.call(self.module, tensors, h), fresh
+        with module_lock(self.module):  # the module holds the given tensors for the call: one thread at a time
+            slots = None if self.aliased else Slots.of(self.module, tensors)
+            if slots is None:
+                return functional_call(self.module, tensors, (h,), tie_weights=self.aliased, strict=False), fresh
+            return slots.call(self.module, tensors, h), fresh
 
     def frozen(self) -> frozenset[str]:
         """The names of this module stage's parameters that are not trained (``requires_grad=False``
         on the module's own parameter, read now: freezing after ``from_module`` counts)."""
         if self.module is None:
             return frozenset()
-        return frozenset(n for n, p in self.module.named_parameters() if not p.requires_grad)
+        with module_lock(self.module):  # not while another thread's tensors sit in the module
+            return frozenset(n for n, p in self.module.named_parameters() if not p.requires_grad)
 
     def default_buffers(self) -> dict[str, torch.Tensor]:
         if self.module is None:
             return {}
         return {name: b.detach() for name, b in self.module.named_buffers()}
+
+
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def module_lock(module: nn.Module) -> threading.RLock:
+    """The lock a module stage holds while the given tensors sit in the module's places, so two
+    threads sweeping one module never see (or leave) each other's tensors there."""
+    lock = _LOCKS.get(module)
+    if lock is None:
+        with _LOCKS_LOCK:
+            lock = _LOCKS.setdefault(module, threading.RLock())
+    return lock
 
 
 class Slots:
@@ -419,5 +436,24 @@ def write_back(model: nn.Module | Sequence, res: Any) -> None:
     optimizer; none after fused updates) and ``res.buffers`` into its buffers, so nothing the
     step computed is lost."""
     if res.grads is not None:  # None after fused updates: the optimizer already stepped
+        if res.params is not None:
+            check_own(model, res.params, "write_back")
         write_grads(model, res.grads)
     write_buffers(model, res.buffers)
+
+
+def check_own(model: nn.Module | Sequence, params: Any, what: str) -> None:
+    """Refuse ``params`` (as a sweep used them) that are no longer ``model``'s own tensors: gradients
+    computed at other weights (after ``load_state_dict(assign=True)`` or a replaced module, the
+    ``from_module`` params still hold the old ones) must not be installed as the model's."""
+    for label, owner, name, used in _entries(model, params, what):
+        try:
+            own = owner.get_parameter(name)
+        except AttributeError as e:
+            raise KeyError(f"{what}: the model has no parameter {label}") from e
+        if own.numel() and (own.data_ptr() != used.data_ptr() or own.shape != used.shape):
+            raise ValueError(
+                f"{what}: the gradients were computed at a tensor that is no longer the model's parameter "
+                f"{label} (after load_state_dict(assign=True), to(), or a replaced module, params from "
+                f"ef.from_module still hold the old weights); make params again with ef.from_module(model)"
+            )

@@ -2,6 +2,7 @@
 error. Frozen and unused parameters, optimizer hooks, black boxes that write into their input,
 fused steps that fail half-way."""
 
+import time
 import warnings
 
 import numpy as np
@@ -350,3 +351,59 @@ def test_a_split_at_that_cuts_fewer_places_than_it_matched_says_why():
     ):
         with pytest.raises(ValueError, match=rf"run no operation of the captured graph.*{culprit}"):
             ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, split_at=split_at)
+
+
+# ----------------------------------------------------------------------------- params that are not the module's
+
+
+def test_write_back_and_fused_steps_refuse_params_that_are_no_longer_the_modules():
+    model = _mlp()
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    x, y = _batch()
+    model.load_state_dict(_mlp(seed=5).state_dict(), assign=True)  # new tensors: params hold the old weights
+    res = ef.sweep(chain, params, x, y)
+    with pytest.raises(ValueError, match=r"write_back: .* no longer the model's parameter stage 0's 'weight'"):
+        ef.write_back(model, res)
+    with pytest.raises(ValueError, match=r"fused: parameter 'weight' of stage 0 .* not the module's own"):
+        ef.sweep(chain, params, x, y, update=torch.optim.SGD(model.parameters(), lr=0.1))
+    chain, params = ef.from_module(model, loss=F.mse_loss)  # made again: accepted
+    ef.write_back(model, ef.sweep(chain, params, x, y))
+    assert all(p.grad is not None for p in model.parameters())
+
+
+class Yielding(torch.nn.Linear):
+    """A layer whose forward lets other threads run between reading its weight twice."""
+
+    def forward(self, h):
+        out = super().forward(h)
+        time.sleep(0.002)
+        return out + h @ self.weight.T * 0.1
+
+
+def test_two_threads_sweeping_one_module_leave_it_intact_and_get_its_gradients():
+    import threading
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Yielding(5, 5), torch.nn.Tanh(), Yielding(5, 3)).double()
+    own = list(model.parameters())
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    x, y = _batch()
+    reference = ef.grad(chain, params, x, y)
+    results, errors = [], []
+
+    def work():
+        try:
+            for _ in range(5):
+                results.append(ef.grad(chain, params, x, y))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert all(a is b for a, b in zip(model.parameters(), own))  # every slot holds the module's own Parameter
+    for grads in results:
+        assert all(torch.equal(grads[i][n], reference[i][n]) for i in range(len(chain)) for n in reference[i])
