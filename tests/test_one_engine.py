@@ -226,3 +226,45 @@ def test_the_pipeline_names_the_options_that_cannot_cross_ranks():
     """``Pipeline.sweep`` takes ``sweep``'s options; ``update`` says why it cannot run there."""
     (message,) = D.run(fused_on_a_pipeline, 1, timeout=60)
     assert message.startswith("Pipeline.sweep: update= cannot cross ranks")
+
+
+def disagreeing_step(option):
+    """Rank 1 is given another ``option`` for the step than rank 0: both raise, naming it."""
+    chain, params, x, y = _shared_tensor_chain()
+    pipe = D.Pipeline(chain, [(0, 2), (2, 4)], timeout=30)
+    mine = {
+        "key": dict(key=dist.get_rank()),
+        "passes": dict(passes=P.scale(2.0) if dist.get_rank() else None),
+        "boundary_dtype": dict(boundary_dtype=torch.float32 if dist.get_rank() else None),
+        "microbatches": dict(microbatches=1 + dist.get_rank()),
+    }[option]
+    try:
+        pipe.sweep(params, x, y, **mine)
+    except D.PeerError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.parametrize("option", ["key", "passes", "boundary_dtype", "microbatches"])
+def test_pipeline_ranks_given_different_step_options_both_refuse_the_step(option):
+    for rank, message in enumerate(D.run(disagreeing_step, 2, option, timeout=90)):
+        assert "were given different options for this step" in message and f"{option}: " in message, (rank, message)
+
+
+def test_a_pipeline_timeout_must_be_a_positive_number():
+    chain, params, x, y = _shared_tensor_chain()
+    (messages,) = D.run(_bad_timeouts, 1, timeout=60)
+    assert messages == ["Pipeline: timeout must be a finite number of seconds > 0, got 0"] + [
+        f"Pipeline: timeout must be a finite number of seconds > 0, got {t}" for t in (-5, "inf")
+    ]
+
+
+def _bad_timeouts():
+    chain, _, _, _ = _shared_tensor_chain()
+    out = []
+    for t in (0, -5, float("inf")):
+        try:
+            D.Pipeline(chain, [(0, 4)], timeout=t)
+        except ValueError as e:
+            out.append(str(e))
+    return out

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .. import fold as F
 from .. import microbatch as M
 from ..chain import Chain
-from ..options import make
+from ..options import Options, make
 from ..physical import Meter
 from ..runner import Range
 from ..sweep import SweepResult, metered
@@ -146,6 +146,8 @@ class Pipeline:
         self.schedule = schedule
         self.costate_codec = costate_codec or Raw()
         self.boundary_codec = boundary_codec or Raw()
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"Pipeline: timeout must be a finite number of seconds > 0, got {timeout!r}")
         self.timeout = float(timeout)
         if device is None:
             nccl = dist.get_backend() == "nccl"
@@ -173,10 +175,42 @@ class Pipeline:
         }
 
     def _agree(self) -> None:
-        """Exchange ``plan()`` with both neighbours (every rank sends its own whatever it receives, so
-        every rank of a disagreeing pair raises) and raise ``PeerError`` naming what differs."""
+        """Exchange ``plan()`` with both neighbours and raise ``PeerError`` naming what differs."""
+        differences = self._exchange("plan", self.plan())
+        if differences:
+            raise PeerError(
+                f"rank {self.rank} ({self.where(self.rank)}): the ranks of the pipeline disagree before "
+                f"the first step; give every rank the same chain, ranges, schedule and codecs: "
+                + "; ".join(differences)
+            )
+
+    def _agree_on_step(self, opts: Options, groups: list) -> None:
+        """Exchange this step's options (and the tied tensors found in params) with both neighbours
+        before the step, and raise ``PeerError`` naming what differs: a rank with another key, an
+        extra pass or another boundary dtype would compute gradients no single sweep gives."""
+        mine = {
+            "key": opts.key,
+            "microbatches": opts.microbatches,
+            "reduction": opts.reduction,
+            "passes": opts.passes.name,
+            "boundary_dtype": str(opts.boundary_dtype),
+            "autocast": str(opts.autocast),
+            "estimator": repr(opts.estimator),
+            "physical": list(opts.physical),
+            "ties": [[[i, list(map(str, path))] for i, path in group] for group in groups],
+        }
+        differences = self._exchange("options", mine)
+        if differences:
+            raise PeerError(
+                f"rank {self.rank} ({self.where(self.rank)}): the ranks of the pipeline were given different "
+                f"options for this step; give every rank the same Pipeline.sweep options (and the whole params, "
+                f"or chain.ties, for tensors shared across ranks): " + "; ".join(differences)
+            )
+
+    def _exchange(self, kind: str, mine: dict) -> list:
+        """Send ``mine`` to both neighbours and receive theirs (every rank sends its own whatever it
+        receives, so every rank of a disagreeing pair raises); the differences, each naming the key."""
         wire = Wire(self.rank, self.where, self.timeout, self.device)
-        mine = self.plan()
         payload = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8).to(self.device)
         differences = []
         k = self.position
@@ -185,22 +219,17 @@ class Pipeline:
                 continue
             rank = self.ranks[peer]
             if first_send:
-                wire.send(rank, "plan", 0, Raw().encode(payload))
-            theirs = json.loads(bytes(received(wire.recv(rank, "plan", 0, Raw()), "the plan").cpu().tolist()).decode())
+                wire.send(rank, kind, 0, Raw().encode(payload))
+            theirs = json.loads(bytes(received(wire.recv(rank, kind, 0, Raw()), f"the {kind}").cpu().tolist()).decode())
             if not first_send:
-                wire.send(rank, "plan", 0, Raw().encode(payload))
+                wire.send(rank, kind, 0, Raw().encode(payload))
             differences += [
                 f"{key}: {mine[key]} here, {theirs.get(key)} on rank {rank}"
                 for key in mine
                 if mine[key] != theirs.get(key)
             ]
         wire.flush()
-        if differences:
-            raise PeerError(
-                f"rank {self.rank} ({self.where(self.rank)}): the ranks of the pipeline disagree before "
-                f"the first step; give every rank the same chain, ranges, schedule and codecs: "
-                + "; ".join(differences)
-            )
+        return differences
 
     @property
     def stages(self) -> range:
@@ -290,6 +319,8 @@ class Pipeline:
         meter = Meter(chain, tuple(i for i in opts.physical if lo <= i < hi), opts.budget)
         mine = Range(chain, lo, hi, params, opts, device, meter)
         groups = tie_groups(chain, params)
+        with self._guard():
+            self._agree_on_step(opts, groups)
 
         with self._guard():  # a failed step leaves the ranks out of step: no later step may reuse them
             wire = Wire(self.rank, self.where, self.timeout, self.device)

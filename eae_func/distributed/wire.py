@@ -51,7 +51,7 @@ DTYPES = (
     torch.float8_e4m3fn,
     torch.float8_e5m2,
 )
-KINDS = ("activation", "costate", "loss", "tie", "plan")
+KINDS = ("activation", "costate", "loss", "tie", "plan", "options")
 
 
 class PeerError(RuntimeError):
