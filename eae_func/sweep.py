@@ -143,7 +143,8 @@ def run(
     device = F.device_of(params, x)
     meter = Meter(chain, opts.physical, opts.budget)
     groups = tie_groups(chain, params)
-    updater = Updater(opts.update, chain, params, groups) if opts.update is not None else None  # checked first
+    hold = min(opts.physical) if opts.budget is not None and opts.physical else None
+    updater = Updater(opts.update, chain, params, groups, hold) if opts.update is not None else None  # checked first
     pieces = M.split(x, loss_args, opts.microbatches, opts.reduction, opts.key)
     whole = Range(chain, 0, len(chain), params, opts, device, meter)
     losses: list[torch.Tensor] = []

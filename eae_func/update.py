@@ -75,13 +75,18 @@ class Updater:
     which). Frozen parameters (``requires_grad=False``) and ones with no gradient are never stepped,
     so an optimizer over the trainable parameters only is enough.
 
+    ``hold``: with a row budget, the lowest physical stage; updates of the stages above it wait
+    until its reverse step ran (holding their gradients), so every charge against the budget comes
+    before the first update and a step over budget updates nothing.
+
     A ``torch.optim`` optimizer steps each stage with its step function itself; its step hooks
     (an EMA, a logger) and learning-rate schedulers then see one ``optimizer.step()`` per sweep,
     called by ``finish`` when every stage is updated (pre-hooks too run then, after the updates)."""
 
-    def __init__(self, spec: Fused, chain: Any, params: tuple, groups: list):
-        self.spec, self.chain, self.carry = spec, chain, None
+    def __init__(self, spec: Fused, chain: Any, params: tuple, groups: list, hold: int | None = None):
+        self.spec, self.chain, self.carry, self.hold = spec, chain, None, hold
         self.stepped: list[int] = []
+        self.held: list[tuple[int, dict]] = []
         for i, p in enumerate(params):
             if not isinstance(p, dict) or not all(isinstance(t, torch.Tensor) for t in p.values()):
                 raise TypeError(
@@ -143,7 +148,15 @@ class Updater:
         return targets
 
     def apply(self, i: int, grads: dict) -> None:
-        """Update the parameters due at stage i from its gradients (plus earlier microbatches')."""
+        """Update the parameters due at stage i from its gradients (plus earlier microbatches'), or
+        hold them while a physical stage below may still charge the budget."""
+        if self.hold is not None:
+            if i > self.hold:
+                self.held.append((i, grads))
+                return
+            self.hold, held, self.held = None, self.held, []
+            for j, g in held:
+                self.apply(j, g)
         if self.carry is not None:
             grads = {n: add(self.carry[i][n], g) for n, g in grads.items()}
         due = {}

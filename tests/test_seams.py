@@ -407,3 +407,29 @@ def test_two_threads_sweeping_one_module_leave_it_intact_and_get_its_gradients()
     assert all(a is b for a, b in zip(model.parameters(), own))  # every slot holds the module's own Parameter
     for grads in results:
         assert all(torch.equal(grads[i][n], reference[i][n]) for i in range(len(chain)) for n in reference[i])
+
+
+def test_a_fused_step_over_its_row_budget_updates_nothing():
+    """The reverse step's probes of a physical stage are charged before any stage is updated."""
+    g = torch.Generator().manual_seed(0)
+    stages = [
+        ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="in"),
+        ef.stage(lambda p, h: torch.sin(h), name="box", physical=True),
+        ef.stage(lambda p, h: h @ p["w"], name="out"),
+    ]
+    chain = ef.Chain(stages, loss=F.mse_loss)
+    params = ({"w": torch.randn(5, 6, generator=g, dtype=F64)}, {}, {"w": torch.randn(6, 3, generator=g, dtype=F64)})
+    x, y = _batch()
+    calls = []
+
+    def sgd(p, grads, state):
+        calls.append(1)
+        return {n: t - 0.1 * grads[n] for n, t in p.items()}, state
+
+    estimator = E.zbp(E.Probes(4), method="fd")
+    needed = ef.sweep(chain, params, x, y, estimator=estimator).stats["box"]["rows"]
+    with pytest.raises(RuntimeError, match="over the budget"):
+        ef.sweep(chain, params, x, y, estimator=estimator, budget=needed - 1, update=ef.fused(sgd, [()] * 3))
+    assert calls == []
+    res = ef.sweep(chain, params, x, y, estimator=estimator, budget=needed, update=ef.fused(sgd, [()] * 3))
+    assert len(calls) == 2 and res.stats["box"]["rows"] == needed
