@@ -114,6 +114,14 @@ class Lazy:
     def __repr__(self) -> str:
         return repr(self.value)
 
+    def __reduce__(self):
+        return known, (self.value,)  # pickled as the number it reads
+
+
+def known(value: Any) -> Lazy:
+    """A ``Lazy`` whose value is already on the host."""
+    return Lazy(lambda: value)
+
 
 def _number(x: Any) -> Any:
     return x.value if isinstance(x, Lazy) else x

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -21,6 +20,7 @@ from torch import nn
 
 from . import fold as F
 from . import microbatch as M
+from .adjoint import Measurements
 from .capture import canonical_names, fingerprint
 from .chain import Chain, from_module
 from .options import Options, make
@@ -132,6 +132,11 @@ def run(
     opts: Options,
 ) -> SweepResult:
     """``sweep`` with its options made."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "sweep: called under torch.inference_mode(), which forbids the autograd graphs the reverse sweep "
+            "builds stage by stage; call it outside inference_mode (the forward sweep itself runs without a graph)"
+        )
     if not isinstance(chain, Chain):
         return _on_model(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
     if loss is not None or split_at is not None:
@@ -168,7 +173,7 @@ def run(
             updater.note(e)
         raise
     total = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-    stats = MappingProxyType(metered(M.sum_stats(all_stats), chain, meter))
+    stats = Measurements(metered(M.sum_stats(all_stats), chain, meter))
     if updater is not None:
         pure = updater.spec.fn is not None
         return SweepResult(

@@ -433,3 +433,42 @@ def test_a_fused_step_over_its_row_budget_updates_nothing():
     assert calls == []
     res = ef.sweep(chain, params, x, y, estimator=estimator, budget=needed, update=ef.fused(sgd, [()] * 3))
     assert len(calls) == 2 and res.stats["box"]["rows"] == needed
+
+
+# ----------------------------------------------------------------------------- errors anyone can act on
+
+
+def test_results_records_and_lazy_numbers_pickle():
+    import pickle
+
+    from eae_func import passes as P
+
+    model = _mlp()
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    x, y = _batch()
+    res = ef.sweep(chain, params, x, y, passes=ef.compose(P.clip_by_global_norm(0.01), P.stats()))
+    again = pickle.loads(pickle.dumps(res))
+    assert torch.equal(again.loss, res.loss) and again.adjoints[1].history == res.adjoints[1].history
+    assert float(again.adjoints[1].meta["norm"]) == float(res.adjoints[1].meta["norm"])
+    assert dict(again.stats["boundaries"][1]).keys() == dict(res.stats["boundaries"][1]).keys()
+
+
+def test_a_sweep_under_inference_mode_says_so():
+    model = _mlp()
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"inference_mode\(\), which forbids"):
+        ef.grad(chain, params, *_batch())
+
+
+def test_zero_size_parameters_in_two_stages_are_stepped_as_their_own():
+    class Empty(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(5, 5)
+            self.nothing = torch.nn.Parameter(torch.zeros(0))
+
+    model = torch.nn.Sequential(Empty(), torch.nn.Tanh(), Empty()).double()
+    chain, params = ef.from_module(model, loss=lambda out, t: F.mse_loss(out, t))
+    x = torch.randn(4, 5, dtype=F64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ef.sweep(chain, params, x, torch.zeros(4, 5, dtype=F64), update=opt)
+    assert all(p.grad is None for p in model.parameters())

@@ -22,7 +22,6 @@ import dataclasses
 import json
 import time
 from collections.abc import Sequence
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -31,6 +30,7 @@ import torch.distributed as dist
 
 from .. import fold as F
 from .. import microbatch as M
+from ..adjoint import Measurements
 from ..chain import Chain
 from ..options import Options, make
 from ..physical import Meter
@@ -382,7 +382,7 @@ class Pipeline:
             "ideal_bubble": S.ideal_bubble(p, microbatches),
         }
         trace = M.join_adjoints([traces[j] for j in range(microbatches)])
-        return PipelineResult(loss, grads, trace, buffers[lo:hi], state, MappingProxyType(stats), stages=self.stages)
+        return PipelineResult(loss, grads, trace, buffers[lo:hi], state, Measurements(stats), stages=self.stages)
 
     @contextlib.contextmanager
     def _guard(self):

@@ -55,5 +55,5 @@ def _check_like(adj: AdjointState, residual) -> None:
     if shapes(adj.value) != shapes(residual):
         raise ValueError(
             f"error_feedback: residual kept for boundary {adj.index} has shapes {shapes(residual)}, "
-            f"the costate has {shapes(adj.value)} (batch size changed? reset the state with init())"
+            f"the costate has {shapes(adj.value)} (the batch size changed, or microbatches of unequal size? use a batch that microbatches divides, or reset the state with init())"
         )
