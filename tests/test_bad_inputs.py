@@ -15,6 +15,7 @@ from torch import nn
 import eae_func as ef
 from eae_func import estimators as E
 from eae_func import passes as P
+from eae_func import remat
 from eae_func.adjoint import NAMESPACE
 
 
@@ -117,7 +118,66 @@ CASES = {
         r"stage {i} .* is physical \(run forward only\) but no estimator",
     ),
     "budget: zero rows": (lambda c, p, x, y, i: ((p, x, y), {"budget": 0}), r"budget must be None or an int >= 1"),
+    "option: misspelt": (
+        lambda c, p, x, y, i: ((p, x, y), {"recomptue": False}),
+        r"unknown option 'recomptue'; the options are",
+    ),
+    "split_at: with a Chain": (
+        lambda c, p, x, y, i: ((p, x, y), {"split_at": ["0"]}),
+        r"loss= and split_at= go with a model",
+    ),
+    # the remat policy
+    "recompute: a string": (
+        lambda c, p, x, y, i: ((p, x, y), {"recompute": "yes"}),
+        r"recompute must be True, False, a predicate",
+    ),
+    "recompute: a negative budget": (
+        lambda c, p, x, y, i: ((p, x, y), {"recompute": -1}),
+        r"recompute must be True, False, a predicate",
+    ),
+    "recompute: where(pred) is the same": (
+        lambda c, p, x, y, i: ((p, x, y), {"recompute": remat.where(lambda k, name: k == i)}),
+        None,
+    ),
+    "recompute: a byte budget is the same": (
+        lambda c, p, x, y, i: ((p, x, y), {"recompute": remat.budget(100 * i)}),
+        None,
+    ),
+    # fused updates: every check before the first update
+    "update: a string": (lambda c, p, x, y, i: ((p, x, y), {"update": "sgd"}), r"fused: expected a torch.optim"),
+    "update: a pure fn without state": (
+        lambda c, p, x, y, i: ((p, x, y), {"update": lambda q, g, s: (q, s)}),
+        r"fused: a pure update .* needs state=",
+    ),
+    "update: state of the wrong length": (
+        lambda c, p, x, y, i: ((p, x, y), {"update": ef.fused(lambda q, g, s: (q, s), [()] * (len(c) + 1))}),
+        r"fused: state has \d+ entries, the chain has",
+    ),
+    "update: an optimizer missing stage i": (
+        lambda c, p, x, y, i: (
+            (p, x, y),
+            {
+                "update": torch.optim.SGD(
+                    [t for k, s in enumerate(c.stages) if k != i for t in s.module.parameters()]
+                    or [torch.zeros(1, requires_grad=True)],
+                    lr=0.1,
+                )
+            },
+        ),
+        r"parameter '0\.(weight|bias)' of stage {i} \(.*trainable but not among the optimizer's",
+    ),
+    "update: .grad already set": (
+        lambda c, p, x, y, i: ((p, x, y), {"update": _optimizer_with_grads(c)}),
+        r"already have .grad set",
+    ),
 }
+
+
+def _optimizer_with_grads(chain):
+    params = [t for s in chain.stages for t in s.module.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    params[0].grad = torch.zeros_like(params[0])
+    return optimizer
 
 
 def _message(e):
@@ -141,7 +201,7 @@ def test_bad_input_is_named_or_harmless(case, depth, width, seed, pick, entry):
     i = pick % depth
     make, names = CASES[case]
     args, kwargs = make(chain, params, x, y, i)
-    before = _snapshot(params, x, y, chain.buffers())
+    before = _snapshot(params, x, y, chain.buffers(), [list(s.module.parameters()) for s in chain.stages])
     try:
         if entry == "sweep":
             res = ef.sweep(chain, *args, **kwargs)
@@ -197,3 +257,37 @@ def test_write_grads_refuses_gradients_of_the_wrong_shape():
     model = nn.Sequential(nn.Linear(3, 2))
     with pytest.raises(ValueError, match=r"write_grads: the gradient of stage 0's 'bias' has shape \(3,\)"):
         ef.write_grads(model, ({"weight": torch.zeros(2, 3), "bias": torch.zeros(3)},))
+
+
+def _bad_pipeline_calls():
+    """Bad calls of ``Pipeline.sweep`` on one rank: each message, or 'accepted'."""
+    import eae_func.distributed as D
+
+    chain, params, x, y = problem(3, 4, 0)
+    pipe = D.Pipeline(chain, [(0, 3)], timeout=30)
+    calls = {
+        "misspelt option": lambda: pipe.sweep(params, x, y, recomptue=False),
+        "no input on the first rank": lambda: pipe.sweep(params, None, y),
+        "fused update": lambda: pipe.sweep(params, x, y, update=torch.optim.SGD(chain.stages[0].module.parameters())),
+        "params one short": lambda: pipe.sweep(params[:-1], x, y),
+        "a bad key": lambda: pipe.sweep(params, x, y, key="0"),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "accepted"
+        except (TypeError, ValueError) as e:
+            out[name] = _message(e)
+    return out
+
+
+def test_bad_pipeline_calls_are_named():
+    import eae_func.distributed as D
+
+    (out,) = D.run(_bad_pipeline_calls, 1, timeout=60)
+    assert out["misspelt option"].startswith("Pipeline.sweep: unknown option 'recomptue'")
+    assert "runs the first stage and needs the input x" in out["no input on the first rank"]
+    assert out["fused update"].startswith("Pipeline.sweep: update= cannot cross ranks")
+    assert "params: expected a tuple with one entry per stage" in out["params one short"]
+    assert "key must be an int seed" in out["a bad key"]
