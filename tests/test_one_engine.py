@@ -268,3 +268,29 @@ def _bad_timeouts():
         except ValueError as e:
             out.append(str(e))
     return out
+
+
+def targetless_pipeline():
+    """A loss without targets on 2 ranks and 3 unequal microbatches: the last rank weighs by x's rows."""
+    chain, params, x, _ = _shared_tensor_chain()
+    chain = ef.Chain(chain.stages, loss=lambda out: out.square().mean())
+    pipe = D.Pipeline(chain, [(0, 2), (2, 4)], timeout=30)
+    refused = ""
+    if dist.get_rank() == 1:  # refused before anything is sent: rank 0 does not take part
+        try:
+            pipe.sweep(params, None, microbatches=3)
+        except ValueError as e:
+            refused = str(e)
+    res = pipe.sweep(params, x, microbatches=3)
+    ref = ef.sweep(chain, params, x, microbatches=3)
+    return (
+        refused,
+        torch.equal(res.loss, ref.loss),
+        all(torch.equal(res.grads[i - pipe.lo][n], ref.grads[i][n]) for i in pipe.stages for n in ref.grads[i]),
+    )
+
+
+def test_a_loss_without_targets_is_weighed_by_the_rows_of_x_on_the_last_rank():
+    results = D.run(targetless_pipeline, 2, timeout=90)
+    assert "give it x too" in results[1][0]
+    assert all(same_loss and same_grads for _, same_loss, same_grads in results)

@@ -268,7 +268,8 @@ class Pipeline:
                  head) is found on every rank that is given both entries; otherwise declare it
                  in ``chain.ties``.
         x:       the input batch, needed on the first rank; ``loss_args`` on the last rank
-                 (other ranks may pass them too: they are ignored).
+                 (other ranks may pass them too: they are ignored, except that the last rank
+                 weighs its microbatches by x's rows when no loss arg has a batch dim).
         options: those of ``ef.sweep``; a pass with state sees this rank's boundaries only, in the
                  same order as in one process; ``budget`` counts this rank's physical stages.
                  Not across ranks: ``update`` (a fused step needs every microbatch's and every
@@ -302,7 +303,7 @@ class Pipeline:
             raise ValueError(f"Pipeline.sweep: rank {self.rank} runs the first stage and needs the input x")
         microbatches = opts.microbatches
         pieces = M.split(
-            x if first else None,
+            x if first or last else None,  # the last rank may weigh its pieces by x's rows (a loss without targets)
             loss_args if last else None,
             microbatches,
             opts.reduction,
@@ -311,8 +312,9 @@ class Pipeline:
         )
         if last and any(mb.scale is None for mb in pieces):
             raise ValueError(
-                f"Pipeline.sweep: rank {self.rank} computes the loss and needs a batched tensor (x or a "
-                f"loss arg) to weigh the microbatches of a {opts.reduction!r} loss"
+                f"Pipeline.sweep: rank {self.rank} computes the loss and needs a batched tensor to weigh the "
+                f"microbatches of a {opts.reduction!r} loss: give it x too (the last rank reads only its rows), "
+                f"a batched loss arg, or microbatches=1"
             )
         state = opts.passes.init() if pass_state is None else pass_state
         device = F.device_of(params[lo:hi], x if first else None, default=self.device)
