@@ -89,16 +89,21 @@ def test_a_parameter_the_forward_never_reads_gets_none_and_weight_decay_leaves_i
         assert torch.equal(model[0].spare, torch.ones(4, dtype=F64)), fused
 
 
-def test_frozen_upstream_of_e_frozen_is_not_moved_by_weight_decay():
-    """``E.frozen()`` passes no costate upstream: the parameters there get ``None`` and stay put."""
+def _with_a_physical_stage():
+    """``tanh(x W)``, a physical ``sin``, ``h W``."""
     g = torch.Generator().manual_seed(0)
     stages = [
         ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="in"),
         ef.stage(lambda p, h: torch.sin(h), name="box", physical=True),
         ef.stage(lambda p, h: h @ p["w"], name="out"),
     ]
-    chain = ef.Chain(stages, loss=F.mse_loss)
     params = ({"w": torch.randn(5, 6, generator=g, dtype=F64)}, {}, {"w": torch.randn(6, 3, generator=g, dtype=F64)})
+    return ef.Chain(stages, loss=F.mse_loss), params
+
+
+def test_frozen_upstream_of_e_frozen_is_not_moved_by_weight_decay():
+    """``E.frozen()`` passes no costate upstream: the parameters there get ``None`` and stay put."""
+    chain, params = _with_a_physical_stage()
     x, y = _batch()
     res = ef.sweep(chain, params, x, y, estimator=E.frozen())
     assert res.grads[0]["w"] is None and res.grads[2]["w"] is not None
@@ -411,14 +416,7 @@ def test_two_threads_sweeping_one_module_leave_it_intact_and_get_its_gradients()
 
 def test_a_fused_step_over_its_row_budget_updates_nothing():
     """The reverse step's probes of a physical stage are charged before any stage is updated."""
-    g = torch.Generator().manual_seed(0)
-    stages = [
-        ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="in"),
-        ef.stage(lambda p, h: torch.sin(h), name="box", physical=True),
-        ef.stage(lambda p, h: h @ p["w"], name="out"),
-    ]
-    chain = ef.Chain(stages, loss=F.mse_loss)
-    params = ({"w": torch.randn(5, 6, generator=g, dtype=F64)}, {}, {"w": torch.randn(6, 3, generator=g, dtype=F64)})
+    chain, params = _with_a_physical_stage()
     x, y = _batch()
     calls = []
 
