@@ -4,6 +4,7 @@ result. Nothing is silent, and a failing call leaves the caller's tensors as the
 
 import re
 
+import numpy as np
 import optree
 import pytest
 import torch
@@ -291,3 +292,59 @@ def test_bad_pipeline_calls_are_named():
     assert out["fused update"].startswith("Pipeline.sweep: update= cannot cross ranks")
     assert "params: expected a tuple with one entry per stage" in out["params one short"]
     assert "key must be an int seed" in out["a bad key"]
+
+
+# ----------------------------------------------------------------------------- black boxes and captures
+
+BOXES = {
+    "returns a list": (lambda p, h: h.tolist(), r"black box 'box': returned list, expected a numpy array"),
+    "drops a row": (lambda p, h: np.tanh(h[1:]), r"black box 'box': returned \d+ rows for an input of \d+"),
+    "writes into its input": (lambda p, h: np.tanh(h, out=h), r"read-only"),
+    "returns complex": (lambda p, h: h * 1j, r"returned a complex"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BOXES))
+@given(width=st.integers(2, 5), seed=st.integers(0, 2**16), method=st.sampled_from(["zbp", "direct", "frozen"]))
+def test_a_misbehaving_black_box_is_named(case, width, seed, method):
+    fn, names = BOXES[case]
+    chain, params, x, y = problem(2, width, seed)
+    box = ef.black_box(fn, name="box", numpy=True)
+    chain = ef.Chain([chain.stages[0], box, chain.stages[1]], loss=chain.loss)
+    params = (params[0], {}, params[1])
+    estimator = {
+        "zbp": E.zbp(E.Probes(2), method="fd"),
+        "direct": E.direct(E.Probes(2), form="fd"),
+        "frozen": E.frozen(),
+    }[method]
+    before = _snapshot(params, x, y)
+    with pytest.raises((TypeError, ValueError)) as info:
+        ef.sweep(chain, params, x, y, estimator=estimator)
+    assert re.search(names, _message(info.value)) and "stage 1 ('box')" in _message(info.value), _message(info.value)
+    with pytest.raises(ValueError, match=r"differentiates the physical stages, but stage 1 \('box'\)"):
+        ef.sweep(chain, params, x, y, estimator=E.exact())
+    assert all(torch.equal(t, c) for t, c in before)
+
+
+@given(pattern=st.sampled_from(["nope.*", "0.*.x", "[a-z]"]), as_string=st.booleans())
+def test_a_split_at_that_matches_nothing_lists_the_modules(pattern, as_string):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(3, 3) for _ in range(2))
+
+        def forward(self, x):
+            return self.blocks[1](self.blocks[0](x))
+
+    model = Net()
+    split_at = pattern if as_string else [pattern]
+    expected = r"split_at: expected a list of module paths" if as_string else r"no module of Net matches .* include"
+    with pytest.raises((TypeError, ValueError), match=expected):
+        ef.grad(
+            model,
+            dict(model.named_parameters()),
+            torch.randn(2, 3),
+            torch.randn(2, 3),
+            loss=F.mse_loss,
+            split_at=split_at,
+        )
