@@ -451,9 +451,14 @@ def check_own(model: nn.Module | Sequence, params: Any, what: str) -> None:
             own = owner.get_parameter(name)
         except AttributeError as e:
             raise KeyError(f"{what}: the model has no parameter {label}") from e
-        if own.numel() and (own.data_ptr() != used.data_ptr() or own.shape != used.shape):
-            raise ValueError(
-                f"{what}: the gradients were computed at a tensor that is no longer the model's parameter "
-                f"{label} (after load_state_dict(assign=True), to(), or a replaced module, params from "
-                f"ef.from_module still hold the old weights); make params again with ef.from_module(model)"
-            )
+        check_same_tensor(own, used, f"{what}: the gradients were computed at", label)
+
+
+def check_same_tensor(own: torch.Tensor, used: torch.Tensor, what: str, label: str) -> None:
+    """Refuse ``used`` unless it is the module's parameter ``own`` (the same storage and shape)."""
+    if own.numel() and (own.data_ptr() != used.data_ptr() or own.shape != used.shape):
+        raise ValueError(
+            f"{what} a tensor that is no longer the model's parameter {label} (after "
+            f"load_state_dict(assign=True), to(), or a replaced module, params from ef.from_module still hold "
+            f"the old weights); make params again with ef.from_module(model)"
+        )

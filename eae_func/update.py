@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .chain import check_same_tensor
 from .microbatch import add
 
 
@@ -123,12 +124,7 @@ class Updater:
                 if self.owner.get((i, name), i) != i or name in frozen:
                     continue  # a tied use (due at its owner) or a frozen parameter (never stepped)
                 own = s.module.get_parameter(name) if s.module is not None else t
-                if own.numel() and own.data_ptr() != t.data_ptr():
-                    raise ValueError(
-                        f"fused: parameter {name!r} of {chain.where(i)} was given as a tensor that is not the "
-                        f"module's own (after load_state_dict(assign=True) or to(), params from ef.from_module "
-                        f"still hold the old weights); make params again with ef.from_module(model)"
-                    )
+                check_same_tensor(own, t, "fused: the gradients were computed at", f"{name!r} of {chain.where(i)}")
                 p = owned[k].get(id(own))
                 if p is None and t.numel():
                     p = by_storage[k].get(t.data_ptr())
