@@ -9,6 +9,7 @@ from . import capture, estimators, passes, remat
 from .adjoint import AdjointState, fold_in
 from .chain import Chain, Stage, from_module, stage, write_back, write_buffers, write_grads
 from .estimators.base import Estimator, Problem
+from .function import cut
 from .options import Options
 from .passes import Context, Pass, compose, global_norm, identity, map_costate, stateless
 from .physical import black_box
@@ -31,6 +32,7 @@ __all__ = [
     "black_box",
     "capture",
     "compose",
+    "cut",
     "estimators",
     "fold_in",
     "from_module",

@@ -23,12 +23,13 @@ train / eval mode at capture; a stage called otherwise says so.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import fnmatch
 import functools
 import random
 import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -80,7 +81,7 @@ def _module_paths(node) -> list[str]:
     return [p[len(_ROOT) :] for p in paths if p.startswith(_ROOT)]
 
 
-_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
@@ -93,12 +94,12 @@ def fingerprint(model: nn.Module) -> tuple:
     objects: dict[int, tuple] = {}
 
     def plain(obj: Any) -> tuple:
-        return tuple((k, v) for k, v in vars(obj).items() if isinstance(v, _PLAIN))
+        return tuple((k, v) for k, v in vars(obj).items() if isinstance(v, PLAIN))
 
     def attributes(module: nn.Module) -> tuple:
         out = []
         for k, v in vars(module).items():
-            if isinstance(v, _PLAIN):
+            if isinstance(v, PLAIN):
                 out.append((k, v))
             elif hasattr(v, "__dict__") and not isinstance(v, (nn.Module, torch.Tensor, type)) and not callable(v):
                 if id(v) not in objects:
@@ -160,6 +161,64 @@ def _register_output_types(spec) -> None:
         _register_output_types(child)
 
 
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One stage of a split graph: ``graph`` (``None``: no operation of its own) maps ``inputs``
+    (graph node names) to ``outputs``; ``sources[name]`` says where a non-boundary input comes
+    from (``("parameter" | "buffer", qualified name)`` or ``("constant", key)``); the boundary it
+    returns is ``{name: value}`` of the ``carried`` nodes, or the user's output (``out_spec``) for
+    the last piece. The first piece reads the user's input, flattened by ``flatten``, and refuses
+    one whose layout is not ``example``'s."""
+
+    graph: nn.Module | None
+    inputs: list
+    outputs: list
+    sources: dict
+    carried: list
+    user_inputs: list | None
+    user_outputs: list | None
+    out_spec: Any
+    constants: dict
+    example: list
+    flatten: Callable[[Any], list]
+
+    def environment(self, h: Any) -> dict:
+        if self.user_inputs is None:
+            return dict(h)
+        flat = self.flatten(h)
+        got = layout(flat)
+        if got != self.example:
+            raise ValueError(
+                f"captured stage: the model was captured for inputs {self.example}, got {got}; "
+                f"capture again with this input (ef.grad(model, ...) captures once per input layout)"
+            )
+        return dict(zip(self.user_inputs, flat))
+
+    def run(self, lookup: Callable[[str], torch.Tensor], h: Any) -> Any:
+        """The piece on boundary ``h``, its parameters and buffers read by ``lookup(name)``."""
+        env = self.environment(h)
+        args = []
+        for name in self.inputs:
+            kind, key = self.sources.get(name, ("value", name))
+            args.append(
+                lookup(key)
+                if kind in ("parameter", "buffer")
+                else self.constants[key]
+                if kind == "constant"
+                else env[name]
+            )
+        if self.graph is not None:
+            env.update(zip(self.outputs, self.graph(*args)))
+        if self.user_outputs is not None:
+            return torch_pytree.tree_unflatten([env[n] for n in self.user_outputs], self.out_spec)
+        return {name: env[name] for name in self.carried}
+
+
+def layout(leaves: list) -> list:
+    """What a capture is specialised to: each tensor leaf's shape and dtype, any other leaf itself."""
+    return [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves]
+
+
 class CapturedStage(nn.Module):
     """One piece of a captured forward: ``h -> h'`` over the model's own parameters and buffers.
 
@@ -168,48 +227,20 @@ class CapturedStage(nn.Module):
     are updated in place in the buffers it is given, as the model's own forward would.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        graph: nn.Module | None,
-        inputs: list,
-        outputs: list,
-        sources: dict,
-        carried: list,
-        user_inputs: list | None,
-        user_outputs: list | None,
-        out_spec,
-        constants: dict,
-        example: list,
-        training: bool,
-    ):
+    def __init__(self, model: nn.Module, piece: Piece, training: bool):
         super().__init__()
         # Everything but the mirrored tensors lives in one attribute whose name no module path uses.
-        self._eae = types.SimpleNamespace(
-            graph=graph,
-            inputs=inputs,
-            outputs=outputs,
-            sources=sources,
-            carried=carried,
-            user_inputs=user_inputs,
-            user_outputs=user_outputs,
-            out_spec=out_spec,
-            constants=constants,
-            example=example,
-            training=training,
-            model=weakref.ref(model),
-        )
-        for kind, name in sources.values():
+        self._eae = types.SimpleNamespace(piece=piece, training=training, model=weakref.ref(model))
+        for kind, name in piece.sources.values():
+            if kind not in ("parameter", "buffer"):
+                continue
+            owner, leaf = self._mirror_owner(name)
+            if leaf in owner._parameters or leaf in owner._buffers:
+                continue
             if kind == "parameter":
-                parameter = model.get_parameter(name)
-                owner, leaf = self._mirror_owner(name)
-                if leaf not in owner._parameters and leaf not in owner._buffers:
-                    owner.register_parameter(leaf, parameter)
-            elif kind == "buffer":
-                buffer = model.get_buffer(name)
-                owner, leaf = self._mirror_owner(name)
-                if leaf not in owner._parameters and leaf not in owner._buffers:
-                    owner.register_buffer(leaf, buffer)
+                owner.register_parameter(leaf, model.get_parameter(name))
+            else:
+                owner.register_buffer(leaf, model.get_buffer(name))
 
     def _mirror_owner(self, name: str) -> tuple[nn.Module, str]:
         """The submodule of this stage at ``name``'s module path (made where missing) and the leaf name."""
@@ -226,19 +257,6 @@ class CapturedStage(nn.Module):
     def _lookup(self, name: str) -> torch.Tensor:
         return functools.reduce(getattr, name.split("."), self)
 
-    def _environment(self, h: Any) -> dict:
-        plan = self._eae
-        if plan.user_inputs is None:
-            return dict(h)
-        flat = torch_pytree.tree_leaves(as_call(h))
-        got = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in flat]
-        if got != plan.example:
-            raise ValueError(
-                f"captured stage: the model was captured for inputs {plan.example}, got {got}; "
-                f"capture again with this input (ef.grad(model, ...) captures once per input layout)"
-            )
-        return dict(zip(plan.user_inputs, flat))
-
     def forward(self, h: Any) -> Any:
         plan = self._eae
         model = plan.model()
@@ -248,22 +266,7 @@ class CapturedStage(nn.Module):
                 f"captured stage: the model was captured in {mode} mode and is now in the other; "
                 f"capture again (ef.grad(model, ...) captures once per mode)"
             )
-        env = self._environment(h)
-        args = []
-        for name in plan.inputs:
-            kind, key = plan.sources.get(name, ("value", name))
-            args.append(
-                self._lookup(key)
-                if kind in ("parameter", "buffer")
-                else plan.constants[key]
-                if kind == "constant"
-                else env[name]
-            )
-        if plan.graph is not None:
-            env.update(zip(plan.outputs, plan.graph(*args)))
-        if plan.user_outputs is not None:
-            return torch_pytree.tree_unflatten([env[n] for n in plan.user_outputs], plan.out_spec)
-        return {name: env[name] for name in plan.carried}
+        return plan.piece.run(self._lookup, h)
 
 
 def _stage_of_nodes(graph, cut_modules: set) -> tuple[dict, list]:
@@ -286,7 +289,32 @@ def _stage_of_nodes(graph, cut_modules: set) -> tuple[dict, list]:
     return stage_of, [n if names.count(n) == 1 else f"{n}#{k}" for k, n in enumerate(names)]
 
 
-def cut(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[list[CapturedStage], list[str]]:
+def exported(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, list[str]]:
+    """``(program, drew)``: ``torch.export.export(module, args, kwargs, strict=False)`` with torch's
+    RNG forked (a capture draws no random numbers the next forward should see); ``drew`` names the
+    Python-level generators (``random``, ``numpy.random``) the forward drew from, whose states are
+    put back: a capture would bake that one draw into every later call."""
+    python_rng, numpy_rng = random.getstate(), np.random.get_state(legacy=False)
+    try:
+        with torch.random.fork_rng():
+            program = torch.export.export(module, args, kwargs, strict=False)
+    finally:
+        drew = [
+            name
+            for name, moved in (("random", random.getstate() != python_rng), ("numpy.random", _numpy_drew(numpy_rng)))
+            if moved
+        ]
+        random.setstate(python_rng)
+        np.random.set_state(numpy_rng)
+    return program, drew
+
+
+def data_dependent(e: BaseException) -> bool:
+    """Whether an export failed on a branch on a tensor's value (a guard on data)."""
+    return "data-dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__
+
+
+def cut_model(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[list[CapturedStage], list[str]]:
     """``(stages, names)``: ``model``'s forward on ``example`` cut before and after every module
     whose path matches a pattern of ``split_at`` (see the module docstring)."""
     if isinstance(split_at, str) or not all(isinstance(p, str) for p in split_at) or not split_at:
@@ -298,15 +326,13 @@ def cut(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[list[C
             f"split_at: no module of {type(model).__name__} matches {list(split_at)}; its modules include {shown}"
         )
     args, kwargs = as_call(example)
-    python_rng, numpy_rng = random.getstate(), np.random.get_state(legacy=False)
     try:
-        with torch.random.fork_rng():  # capture draws no random numbers the next forward should see
-            program = torch.export.export(_Exportable(model), args, kwargs, strict=False)
+        program, drew = exported(_Exportable(model), args, kwargs)
     except Exception as e:
         remedy = (
             " A data-dependent branch (a guard on a tensor's value) cannot be captured: turn off what "
             "takes it (layerdrop=0, a fixed sequence length) or cut by hand."
-            if "data-dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__
+            if data_dependent(e)
             else ""
         )
         raise RuntimeError(
@@ -314,17 +340,6 @@ def cut(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[list[C
             f"{str(e).splitlines()[0] if str(e) else ''}.{remedy} Or cut it by hand: ef.Chain([ef.stage(fn, "
             f"name=...), ...], loss=...) with one pure function per piece, or an nn.Sequential / list of modules"
         ) from e
-    finally:
-        drew = [
-            name
-            for name, moved in (
-                ("random", random.getstate() != python_rng),
-                ("numpy.random", _numpy_drew(numpy_rng)),
-            )
-            if moved
-        ]
-        random.setstate(python_rng)
-        np.random.set_state(numpy_rng)
     if drew:
         raise ValueError(
             f"split_at: {type(model).__name__}'s forward draws from Python's {' and '.join(drew)} (e.g. "
@@ -343,15 +358,6 @@ def cut(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[list[C
             f"e.g. 'h.*'), or a layer called as layer.forward(x), which bypasses the module call the capture "
             f"sees. Cut at modules that are called"
         )
-    split = split_module(
-        module,
-        module,
-        lambda node: stage_of[node],
-        keep_original_node_name=True,
-        keep_original_input_name=True,
-        tuple_return=True,
-    )
-
     parameters = canonical_names(model.named_parameters(remove_duplicate=False))
     buffers = canonical_names(model.named_buffers(remove_duplicate=False))
     sources = {}
@@ -368,51 +374,67 @@ def cut(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[list[C
                 f"split_at: the captured graph has an input of kind {spec.kind}, which eae_func "
                 f"cannot feed; cut the model by hand"
             )
+    pieces = split(program, stage_of, len(names), sources, _model_leaves, example, "split_at")
+    return [CapturedStage(model, piece, model.training) for piece in pieces], names
+
+
+def _model_leaves(h: Any) -> list:
+    return torch_pytree.tree_leaves(as_call(h))
+
+
+def split(
+    program: Any, stage_of: dict, n: int, sources: dict, flatten: Callable, example: Any, where: str
+) -> list[Piece]:
+    """``program``'s graph as ``n`` pieces, node ``v`` in piece ``stage_of[v]``; ``sources`` say where the
+    inputs that are not the user's come from; ``flatten`` turns the first piece's input into the graph's
+    user inputs (their layout is fixed to ``example``'s)."""
+    module, signature = program.graph_module, program.graph_signature
     user_inputs = [s.arg.name for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
     user_outputs = [s.arg.name for s in signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
     if len(user_outputs) != len(signature.output_specs):
         kinds = sorted({str(s.kind) for s in signature.output_specs if s.kind != OutputKind.USER_OUTPUT})
         raise RuntimeError(
-            f"split_at: the captured graph returns {kinds} besides the model output (in-place "
+            f"{where}: the captured graph returns {kinds} besides the model output (in-place "
             f"updates of inputs); cut the model by hand"
         )
-
-    pieces, produced, last_use = [], {n: 0 for n in user_inputs}, {n: len(names) for n in user_outputs}
-    for k in range(len(names)):
+    split = split_module(
+        module,
+        module,
+        lambda node: stage_of[node],
+        keep_original_node_name=True,
+        keep_original_input_name=True,
+        tuple_return=True,
+    )
+    data_inputs = [name for name in user_inputs if name not in sources]
+    graphs, produced, last_use = [], {name: 0 for name in data_inputs}, {name: n for name in user_outputs}
+    for k in range(n):
         graph = getattr(split, f"submod_{k}", None)
-        inputs = [n.name for n in graph.graph.nodes if n.op == "placeholder"] if graph is not None else []
+        inputs = [v.name for v in graph.graph.nodes if v.op == "placeholder"] if graph is not None else []
         outputs = (
-            [a.name for a in next(n for n in graph.graph.nodes if n.op == "output").args[0]]
+            [a.name for a in next(v for v in graph.graph.nodes if v.op == "output").args[0]]
             if graph is not None
             else []
         )
-        pieces.append((graph, inputs, outputs))
-        produced.update({n: k for n in outputs})
-        for n in inputs:
-            if n not in sources:
-                last_use[n] = max(last_use.get(n, -1), k)
-    example_layout = [
-        (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
-        for t in torch_pytree.tree_leaves((args, kwargs))
-    ]
-    _register_output_types(program.call_spec.out_spec)
-    stages = []
-    for k, (graph, inputs, outputs) in enumerate(pieces):
-        carried = [n for n, at in produced.items() if at <= k < last_use.get(n, -1)]
-        stages.append(
-            CapturedStage(
-                model,
-                graph,
-                inputs,
-                outputs,
-                {n: sources[n] for n in inputs if n in sources},
-                carried,
-                user_inputs if k == 0 else None,
-                user_outputs if k == len(pieces) - 1 else None,
-                program.call_spec.out_spec,
-                dict(program.constants),
-                example_layout,
-                model.training,
-            )
+        graphs.append((graph, inputs, outputs))
+        produced.update({name: k for name in outputs})
+        for name in inputs:
+            if name not in sources:
+                last_use[name] = max(last_use.get(name, -1), k)
+    out_spec = program.call_spec.out_spec
+    _register_output_types(out_spec)
+    return [
+        Piece(
+            graph,
+            inputs,
+            outputs,
+            {name: sources[name] for name in inputs if name in sources},
+            [name for name, at in produced.items() if at <= k < last_use.get(name, -1)],
+            data_inputs if k == 0 else None,
+            user_outputs if k == n - 1 else None,
+            out_spec,
+            dict(program.constants),
+            layout(flatten(example)),
+            flatten,
         )
-    return stages, names
+        for k, (graph, inputs, outputs) in enumerate(graphs)
+    ]

@@ -324,7 +324,7 @@ def from_module(
             )
         if not isinstance(model, nn.Module):
             raise TypeError(f"from_module: split_at cuts a model's own forward, got a {type(model).__name__}")
-        stages, names = capture.cut(model, example, split_at)
+        stages, names = capture.cut_model(model, example, split_at)
         named_children = list(zip(names, stages))
     else:
         named_children = (

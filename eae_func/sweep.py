@@ -10,6 +10,8 @@ per-range runner (``eae_func.runner``) over the whole chain for each of them:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from . import fold as F
+from . import function
 from . import microbatch as M
 from .adjoint import Measurements
 from .capture import canonical_names, fingerprint
@@ -137,6 +140,8 @@ def run(
             "sweep: called under torch.inference_mode(), which forbids the autograd graphs the reverse sweep "
             "builds stage by stage; call it outside inference_mode (the forward sweep itself runs without a graph)"
         )
+    if isinstance(chain, types.FunctionType | functools.partial | types.MethodType):
+        return _on_function(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
     if not isinstance(chain, Chain):
         return _on_model(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
     if loss is not None or split_at is not None:
@@ -255,17 +260,7 @@ def _on_model(
     opts: Options,
 ) -> SweepResult:
     """``sweep`` of a model: its chain, params per stage from a flat dict, results back in its structure."""
-    example = x
-    if split_at is not None and opts.microbatches != 1:  # the graph is captured for one piece's shapes
-        pieces = M.split(x, (), opts.microbatches, opts.reduction, 0)
-        layouts = {tuple(tuple(t.shape) for t in optree.tree_leaves(mb.x, namespace=NAMESPACE)) for mb in pieces}
-        if len(layouts) > 1:
-            raise ValueError(
-                f"sweep: a model cut with split_at is captured for one input shape; microbatches="
-                f"{opts.microbatches} cuts the batch into pieces of different sizes "
-                f"{sorted(layouts)}"
-            )
-        example = pieces[0].x
+    example = x if split_at is None else _piece_of(x, opts, "a model cut with split_at")
     chain, qualified = chain_of(model, loss, split_at, example)
     flat = isinstance(params, Mapping)
     if flat:
@@ -301,6 +296,79 @@ def _on_model(
         buffers=flat_dict(res.buffers),
         params=flat_dict(res.params),
     )
+
+
+def _piece_of(x: Any, opts: Options, what: str) -> Any:
+    """The input of one microbatch, as a capture (fixed to one input shape) sees it; all must agree."""
+    if opts.microbatches == 1:
+        return x
+    pieces = M.split(x, (), opts.microbatches, opts.reduction, 0)
+    layouts = {tuple(tuple(t.shape) for t in optree.tree_leaves(mb.x, namespace=NAMESPACE)) for mb in pieces}
+    if len(layouts) > 1:
+        raise ValueError(
+            f"sweep: {what} is captured for one input shape; microbatches={opts.microbatches} cuts the "
+            f"batch into pieces of different sizes {sorted(layouts)}"
+        )
+    return pieces[0].x
+
+
+def _on_function(
+    fn: Callable,
+    params: Any,
+    x: Any,
+    loss_args: tuple,
+    loss: Callable | None,
+    split_at: Sequence[str] | None,
+    pass_state: Any,
+    buffers: Sequence | None,
+    opts: Options,
+) -> SweepResult:
+    """``sweep`` of a pure function ``fn(params, x)`` (``loss=`` given) or ``fn(params, x, *loss_args)``
+    returning the loss, cut at its ``ef.cut`` marks (``eae_func.function``); ``grads``, ``params`` and a
+    pure fused update's state come back in ``params``' structure."""
+    if split_at is not None:
+        raise TypeError("sweep: split_at= cuts a model's forward; a function is cut where it calls ef.cut(h, name)")
+    if buffers is not None:
+        raise TypeError("sweep: buffers= are a model's; a function reads only its params and inputs")
+    inputs, rest = ((x,), loss_args) if loss is not None else ((x, *loss_args), ())
+    captured = function.captured(fn, params, _piece_of(inputs, opts, "a function"))
+    chain = Chain(captured.stages, loss=loss or _returned, ties=captured.ties)
+    # every leaf its own tensor object: two leaves that are one tensor get their own gradients, as in torch.func.grad
+    per_stage = captured.per_stage(params, lambda t: t.detach())
+    spec = opts.update
+    if spec is not None and spec.fn is not None:  # the state in params' structure: per stage, per leaf
+        state = captured.per_stage(spec.state)
+        opts = dataclasses.replace(opts, update=dataclasses.replace(spec, fn=_per_leaf(spec.fn), state=state))
+    res = run(chain, per_stage, inputs, rest, None, None, pass_state, None, opts)
+    flat = captured.spec.flatten_up_to(params)
+    if res.update_state is None:
+        grads = None if res.grads is None else captured.assemble(res.grads, lambda j: torch.zeros_like(flat[j]))
+        return dataclasses.replace(res, grads=grads, buffers=(), params=params)
+    assert spec is not None
+    return dataclasses.replace(
+        res,
+        buffers=(),
+        params=captured.assemble(res.params, flat.__getitem__),
+        update_state=captured.assemble(res.update_state, captured.spec.flatten_up_to(spec.state).__getitem__),
+    )
+
+
+def _returned(loss: Any) -> torch.Tensor:
+    """The loss a function returned itself (no ``loss=``)."""
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"sweep: without loss=, the function must return a scalar loss, got {got}; or give loss=")
+    return loss
+
+
+def _per_leaf(fn: Callable) -> Callable:
+    """A pure update over a stage's leaves whose state is one entry per leaf of the stage."""
+
+    def update(params: dict, grads: dict, state: dict) -> tuple[dict, dict]:
+        new, due = fn(params, grads, {n: state[n] for n in grads})
+        return new, {**state, **due}
+
+    return update
 
 
 def value_and_grad(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,13 +36,15 @@ class Fused:
 
     optimizers: tuple = ()
     fn: Callable | None = None
-    state: tuple | None = None
+    state: Any = None
     max_norm: float | None = None
 
 
-def fused(update: Any, state: Sequence | None = None, *, max_norm: float | None = None, per: str = "stage") -> Fused:
+def fused(update: Any, state: Any = None, *, max_norm: float | None = None, per: str = "stage") -> Fused:
     """An update to fuse into the fold: a ``torch.optim`` optimizer (or one per stage), or a pure
-    ``fn(params_l, grads_l, state_l) -> (params_l, state_l)`` with ``state`` (one entry per stage).
+    ``fn(params_l, grads_l, state_l) -> (params_l, state_l)`` with ``state``: one entry per stage of a
+    chain, or, for a function ``model_fn(params, x)``, one tree in params' structure (an entry per leaf;
+    ``fn`` then gets the dicts ``{leaf name: ...}`` of the leaves due at each stage).
     ``max_norm`` with ``per="stage"`` clips each stage's gradients by their norm."""
     if per != "stage":
         raise ValueError(
@@ -61,7 +63,7 @@ def fused(update: Any, state: Sequence | None = None, *, max_norm: float | None 
     if callable(update):
         if state is None:
             raise TypeError("fused: a pure update fn(params_l, grads_l, state_l) needs state= (one entry per stage)")
-        return Fused(fn=update, state=tuple(state), max_norm=max_norm)
+        return Fused(fn=update, state=state, max_norm=max_norm)
     raise TypeError(
         f"fused: expected a torch.optim.Optimizer, a list of them (one per stage) or a function "
         f"fn(params_l, grads_l, state_l) -> (params_l, state_l), got {type(update).__name__}"
@@ -95,6 +97,8 @@ class Updater:
                     f"gives) to be updated in the fold, got {type(p).__name__}"
                 )
         self.params = [dict(p) for p in params]
+        if spec.fn is not None and not isinstance(spec.state, (list, tuple)):
+            raise TypeError(f"fused: state must be one entry per stage (a list), got {type(spec.state).__name__}")
         self.state: list = list(spec.state) if spec.state is not None else []
         self.owner, self.members, self.pending = {}, {}, {}
         for g, group in enumerate(groups):

@@ -290,8 +290,8 @@ def test_a_captured_model_changed_after_capture_is_captured_again(change, monkey
     from eae_func import capture
 
     captures = []
-    cut = capture.cut
-    monkeypatch.setattr(capture, "cut", lambda *a: captures.append(1) or cut(*a))
+    cut = capture.cut_model
+    monkeypatch.setattr(capture, "cut_model", lambda *a: captures.append(1) or cut(*a))
     torch.manual_seed(0)
     model = Net().double()
     model.head.weight = model.blocks[2].weight  # tied, until untied
