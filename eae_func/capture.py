@@ -119,7 +119,7 @@ def fingerprint(model: nn.Module) -> tuple:
     return modules, tensors, hooks
 
 
-def _numpy_drew(before: dict) -> bool:
+def numpy_drew(before: dict) -> bool:
     """Whether numpy's global generator moved since ``before`` (``get_state(legacy=False)``)."""
     now = np.random.get_state(legacy=False)
     return (
@@ -301,7 +301,7 @@ def exported(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, list[st
     finally:
         drew = [
             name
-            for name, moved in (("random", random.getstate() != python_rng), ("numpy.random", _numpy_drew(numpy_rng)))
+            for name, moved in (("random", random.getstate() != python_rng), ("numpy.random", numpy_drew(numpy_rng)))
             if moved
         ]
         random.setstate(python_rng)

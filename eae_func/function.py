@@ -202,15 +202,17 @@ def capture_function(fn: Callable, params: Any, inputs: tuple) -> Captured:
             f"h = ef.cut(block(p['layers'][i], h), f'block{{i}}') after each block"
         )
     graph = program.graph_module.graph
-    stage_of, current = {}, 0
+    stage_of, current, marked = {}, 0, {}
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.eae_func.cut.default:
-            current = node.args[1] + 1
+            current, marked[node.name] = node.args[1] + 1, node.args[0].name
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
         elif node.op not in ("placeholder", "output"):
             stage_of[node] = current
     program.graph_module.recompile()
+    for out in program.graph_signature.output_specs:  # a function that returns a cut's output
+        out.arg.name = marked.get(out.arg.name, out.arg.name)
     sources = _sources(program, names, fn)
     n = len(cuts) + 1
     pieces = capture.split(
@@ -382,26 +384,35 @@ def _user_line(error: BaseException) -> str | None:
 
 def _drawn_at(fn: Callable, params: Any, inputs: tuple) -> str | None:
     """Where ``fn`` first draws from Python's ``random`` or numpy's global generator: found by running
-    it once more, eagerly, watching C calls (the generators' states are put back)."""
+    it once more, eagerly, tracing the lines of the user's code and comparing the generators' states
+    line by line (the states are put back)."""
     found: list[str] = []
-    generators = (random.Random, np.random.RandomState)
+    python_rng, numpy_rng = random.getstate(), np.random.get_state(legacy=False)
 
-    def watch(frame, event, arg):
-        if event == "c_call" and not found and isinstance(getattr(arg, "__self__", None), generators):
-            while frame is not None and not _is_user(frame.f_code.co_filename):
-                frame = frame.f_back
-            if frame is not None:
-                found.append(_frame_line(frame.f_code.co_filename, frame.f_lineno))
+    def moved() -> bool:
+        return random.getstate() != python_rng or capture.numpy_drew(numpy_rng)
 
-    python_rng, numpy_rng = random.getstate(), np.random.get_state()
+    def trace(frame, event, arg):
+        if not _is_user(frame.f_code.co_filename):
+            return None
+        last = [frame.f_lineno]
+
+        def local(frame, event, arg):
+            if not found and event in ("line", "return") and moved():
+                found.append(_frame_line(frame.f_code.co_filename, last[0]))
+            last[0] = frame.f_lineno
+            return local
+
+        return local
+
     with torch.random.fork_rng(), torch.no_grad():
-        sys.setprofile(watch)
+        sys.settrace(trace)
         try:
             fn(params, *inputs)
         except Exception:
             pass  # only where it draws matters here
         finally:
-            sys.setprofile(None)
+            sys.settrace(None)
             random.setstate(python_rng)
             np.random.set_state(numpy_rng)
     return found[0] if found else None
