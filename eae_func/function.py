@@ -304,7 +304,7 @@ _LIBRARIES = (
 
 
 def _is_user(filename: str) -> bool:
-    return not filename.startswith(_LIBRARIES) and not filename.startswith("<")
+    return not filename.startswith(_LIBRARIES) and not filename.startswith("<frozen")
 
 
 def _reachable(fn: Any, depth: int = 0):
