@@ -1,5 +1,6 @@
 """eae_func: Explicit Adjoint Exposure as a functional library over torch.func.
 
+grads = ef.grad(model_fn, params, x, target, loss=loss_fn, passes=ef.compose(...))  # ef.cut(h) in model_fn
 chain, params = ef.from_module(model, loss=loss_fn)
 res = ef.sweep(chain, params, x, target, passes=ef.compose(...), key=0)
 res.loss, res.grads, res.adjoints, res.buffers, res.pass_state, res.stats

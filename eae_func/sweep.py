@@ -75,10 +75,14 @@ def sweep(
 
     chain:          a ``Chain``, or a model (``nn.Module``) with ``loss=``: an ``nn.Sequential`` /
                     ``nn.ModuleList`` runs one stage per child, any other model is cut at the
-                    module paths ``split_at`` by graph capture (once per input layout and mode).
+                    module paths ``split_at`` by graph capture (once per input layout and mode);
+                    or a function ``model_fn(params, x)`` with ``loss=`` (``model_fn(params, x,
+                    *loss_args)`` returning the loss without it), cut at its ``ef.cut`` marks
+                    (``eae_func.function``).
     params:         one dict per stage, or, with a model, a flat ``{qualified name: tensor}``
-                    dict as ``dict(model.named_parameters())`` gives; ``grads`` (and ``buffers``)
-                    come back in the structure given, a tied parameter once with the summed gradient.
+                    dict as ``dict(model.named_parameters())`` gives, or, with a function, any
+                    pytree; ``grads`` (and ``buffers``) come back in the structure given, a tied
+                    parameter once with the summed gradient.
     x:              the input: a tensor, a tuple of positional inputs or (captured models) a
                     dict of keyword inputs.
 

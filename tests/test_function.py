@@ -396,3 +396,28 @@ def test_live_bytes_of_a_function_do_not_grow_with_depth():
     assert tape[8] - tape[1] > 7 * stage_tape * 0.75, tape
     assert max(sweep.values()) - min(sweep.values()) < 0.1 * stage_tape, sweep
     assert max(sweep.values()) < 2.5 * stage_tape, sweep
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"recompute": False},
+        {"recompute": lambda i, name: name == "box"},
+        {"offload": True},
+        {"boundary_dtype": torch.float32},
+        {"autocast": torch.bfloat16},
+        {"microbatches": 2},
+        {"passes": ef.compose(P.int8(), P.clip_by_global_norm(0.5)), "key": 4},
+        {"passes": P.gaussian_noise(0.1), "key": 2, "keep_costates": False},
+    ],
+    ids=lambda o: ",".join(o) or "defaults",
+)
+def test_every_option_gives_what_it_gives_on_the_same_chain(options):
+    chain, params, model_fn, tree, x, y = _box_network()
+    want = ef.sweep(chain, params, x, y, **options)
+    got = ef.sweep(model_fn, tree, x, y, loss=F.mse_loss, **options)
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-12, rtol=0)
+    for name, (i, leaf) in {"in": (0, "w"), "gain": (1, "gain"), "out": (2, "w")}.items():
+        torch.testing.assert_close(got.grads[name], want.grads[i][leaf], atol=1e-12, rtol=0)
+    assert [a.history for a in got.adjoints] == [a.history for a in want.adjoints]
