@@ -50,6 +50,10 @@ class Options:
     update:         an optimizer step fused into the fold (``eae_func.update.fused``; a
                     ``torch.optim`` optimizer or a list of them is a shorthand).
     timers:         time each stage's parts into its stats (and open profiler ranges).
+    data_parallel:  the replicas to average each stage's gradients over as the fold makes them
+                    (a ``torch.distributed`` process group or a 1-D ``DeviceMesh``; after
+                    ``__post_init__``, the group); ``False``: this rank's gradients only, said
+                    on purpose (no warning in a multi-process run).
     """
 
     passes: Any = None
@@ -66,6 +70,7 @@ class Options:
     keep_costates: bool = True
     update: Any = None
     timers: bool = True
+    data_parallel: Any = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -104,6 +109,7 @@ class Options:
         set_(self, "timers", bool(self.timers))
         if self.update is not None and not isinstance(self.update, Fused):
             set_(self, "update", fused(self.update))
+        set_(self, "data_parallel", replicas(self.data_parallel))
 
     @property
     def boundary(self) -> Policy:
@@ -146,6 +152,28 @@ class Options:
         return self if physical == self.physical else dataclasses.replace(self, physical=physical)
 
 
+def replicas(given: Any) -> Any:
+    """``data_parallel=`` as a process group (``None`` and ``False`` kept)."""
+    if given is None or given is False:
+        return given
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(given, DeviceMesh):
+        if given.ndim != 1:
+            raise ValueError(
+                f"sweep: data_parallel= takes a 1-D DeviceMesh (the data-parallel dimension: mesh['dp']), "
+                f"got one with {given.ndim} dimensions {given.mesh_dim_names}"
+            )
+        given = given.get_group()
+    if not isinstance(given, dist.ProcessGroup):
+        raise TypeError(
+            f"sweep: data_parallel= takes a torch.distributed process group or a 1-D DeviceMesh, got "
+            f"{type(given).__name__}"
+        )
+    return given
+
+
 class SweepOptions(TypedDict, total=False):
     """``Options``' fields as keyword arguments (``**options: Unpack[SweepOptions]``)."""
 
@@ -163,6 +191,7 @@ class SweepOptions(TypedDict, total=False):
     keep_costates: bool
     update: Any
     timers: bool
+    data_parallel: Any
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(Options))

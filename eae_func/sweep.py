@@ -12,13 +12,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from . import fold as F
 from . import function
@@ -144,6 +147,8 @@ def run(
             "sweep: called under torch.inference_mode(), which forbids the autograd graphs the reverse sweep "
             "builds stage by stage; call it outside inference_mode (the forward sweep itself runs without a graph)"
         )
+    if isinstance(chain, DistributedDataParallel):
+        return _on_ddp(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
     if isinstance(chain, types.FunctionType | functools.partial | types.MethodType):
         return _on_function(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
     if not isinstance(chain, Chain):
@@ -158,7 +163,12 @@ def run(
     meter = Meter(chain, opts.physical, opts.budget)
     groups = tie_groups(chain, params)
     hold = min(opts.physical) if opts.budget is not None and opts.physical else None
-    updater = Updater(opts.update, chain, params, groups, hold) if opts.update is not None else None  # checked first
+    reducer = replicas(opts.data_parallel)
+    updater = (  # checked first
+        Updater(opts.update, chain, params, groups, hold, reducer)
+        if opts.update is not None or reducer is not None
+        else None
+    )
     pieces = M.split(x, loss_args, opts.microbatches, opts.reduction, opts.key)
     whole = Range(chain, 0, len(chain), params, opts, device, meter)
     losses: list[torch.Tensor] = []
@@ -182,7 +192,12 @@ def run(
             updater.note(e)
         raise
     total = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-    stats = Measurements(metered(M.sum_stats(all_stats), chain, meter))
+    stats = metered(M.sum_stats(all_stats), chain, meter)
+    if reducer is not None:
+        stats["data_parallel"] = dict(reducer.stats)
+    stats = Measurements(stats)
+    if updater is not None and updater.keeping:
+        return SweepResult(total, updater.kept(), M.join_adjoints(traces), buffers, state, stats, params)
     if updater is not None:
         pure = updater.spec.fn is not None
         return SweepResult(
@@ -198,6 +213,23 @@ def run(
     return SweepResult(
         total, tie_grads(params, M.sum_grads(grads), groups), M.join_adjoints(traces), buffers, state, stats, params
     )
+
+
+def replicas(group: Any) -> Any:
+    """The ``Reducer`` of ``data_parallel=group`` (``None``: none); a multi-process run without
+    ``data_parallel=`` is warned that its gradients are this rank's alone (``False`` says so on purpose)."""
+    if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        warnings.warn(
+            "sweep: in a multi-process run without data_parallel=, the gradients are this rank's batch "
+            "alone (not averaged over replicas); give data_parallel=group (or the DDP model itself), or "
+            "data_parallel=False for local gradients on purpose",
+            stacklevel=4,
+        )
+    if group is None or group is False:
+        return None
+    from .distributed.data_parallel import Reducer
+
+    return Reducer(group)
 
 
 def metered(stats: dict, chain: Chain, meter: Meter) -> dict:
@@ -302,6 +334,38 @@ def _on_model(
     )
 
 
+def _on_ddp(
+    ddp: DistributedDataParallel,
+    params: Any,
+    x: Any,
+    loss_args: tuple,
+    loss: Callable | None,
+    split_at: Sequence[str] | None,
+    pass_state: Any,
+    buffers: Sequence | None,
+    opts: Options,
+) -> SweepResult:
+    """``sweep`` of a DDP model: its module's, with the gradients averaged over DDP's process group
+    (``data_parallel=``) as DDP would; a flat dict may name the parameters as the DDP model does
+    (``module.``-prefixed), and the results come back so named."""
+    if opts.data_parallel is None:
+        opts = dataclasses.replace(opts, data_parallel=ddp.process_group)
+    prefix = "module."
+    named = isinstance(params, Mapping) and bool(params) and all(str(k).startswith(prefix) for k in params)
+    if named:
+        params = {k[len(prefix) :]: v for k, v in params.items()}
+    res = run(ddp.module, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
+    if not named:
+        return res
+
+    def named_as_ddp(tree: Any) -> Any:
+        return {prefix + k: v for k, v in tree.items()} if isinstance(tree, Mapping) else tree
+
+    return dataclasses.replace(
+        res, grads=named_as_ddp(res.grads), buffers=named_as_ddp(res.buffers), params=named_as_ddp(res.params)
+    )
+
+
 def _piece_of(x: Any, opts: Options, what: str) -> Any:
     """The input of one microbatch, as a capture (fixed to one input shape) sees it; all must agree."""
     if opts.microbatches == 1:
@@ -341,7 +405,13 @@ def _on_function(
     per_stage = captured.per_stage(params, lambda t: t.detach())
     spec = opts.update
     if spec is not None and spec.fn is not None:  # the state in params' structure: per stage, per leaf
-        state = captured.per_stage(spec.state)
+        try:
+            state = captured.per_stage(spec.state)
+        except (ValueError, TypeError) as e:
+            raise TypeError(
+                f"fused: with a function, state is one tree in params' structure (an entry per leaf), got "
+                f"{type(spec.state).__name__}: {e}"
+            ) from e
         opts = dataclasses.replace(opts, update=dataclasses.replace(spec, fn=_per_leaf(spec.fn), state=state))
     res = run(chain, per_stage, inputs, rest, None, None, pass_state, None, opts)
     flat = captured.spec.flatten_up_to(params)

@@ -71,9 +71,12 @@ def fused(update: Any, state: Any = None, *, max_norm: float | None = None, per:
 
 
 class Updater:
-    """One sweep's fused updates: ``apply(i, grads_i)`` at stage i's reverse step, ``finish()`` once
-    after the last. Everything is checked when it is made, before any step; ``groups`` are the
-    tied ``(stage, path)`` groups; ``carry`` (set for the last microbatch's fold) holds the earlier
+    """What the fold does with each stage's gradients as soon as they exist: the fused updates of
+    ``spec``, or, with ``spec=None``, keep them (``kept()``); with a ``reducer``
+    (``data_parallel=``), averaged over the replicas first, each stage's reduction on the wire while
+    the fold goes on. ``apply(i, grads_i)`` at stage i's reverse step, ``finish()`` once after the
+    last. Everything is checked when it is made, before any step; ``groups`` are the tied
+    ``(stage, path)`` groups; ``carry`` (set for the last microbatch's fold) holds the earlier
     folds' gradients; ``stepped`` the stages updated so far (an error after the first update says
     which). Frozen parameters (``requires_grad=False``) and ones with no gradient are never stepped,
     so an optimizer over the trainable parameters only is enough.
@@ -86,30 +89,35 @@ class Updater:
     (an EMA, a logger) and learning-rate schedulers then see one ``optimizer.step()`` per sweep,
     called by ``finish`` when every stage is updated (pre-hooks too run then, after the updates)."""
 
-    def __init__(self, spec: Fused, chain: Any, params: tuple, groups: list, hold: int | None = None):
-        self.spec, self.chain, self.carry, self.hold = spec, chain, None, hold
+    def __init__(
+        self, spec: Fused | None, chain: Any, params: tuple, groups: list, hold: int | None = None, reducer: Any = None
+    ):
+        self.spec, self.chain, self.carry, self.hold, self.reducer = spec or Fused(), chain, None, hold, reducer
+        self.keeping = spec is None
         self.stepped: list[int] = []
         self.held: list[tuple[int, dict]] = []
+        self.due: dict[int, dict] = {}  # kept: the gradients due at each stage (averaged with a reducer)
+        what = "data_parallel: the params" if self.keeping else "fused: the params"
         for i, p in enumerate(params):
             if not isinstance(p, dict) or not all(isinstance(t, torch.Tensor) for t in p.values()):
                 raise TypeError(
-                    f"fused: the params of {chain.where(i)} must be a dict of tensors (as from_module "
-                    f"gives) to be updated in the fold, got {type(p).__name__}"
+                    f"{what} of {chain.where(i)} must be a dict of tensors (as from_module gives) for "
+                    f"the fold to take their gradients stage by stage, got {type(p).__name__}"
                 )
         self.params = [dict(p) for p in params]
-        if spec.fn is not None and not isinstance(spec.state, (list, tuple)):
-            raise TypeError(f"fused: state must be one entry per stage (a list), got {type(spec.state).__name__}")
-        self.state: list = list(spec.state) if spec.state is not None else []
+        if self.spec.fn is not None and not isinstance(self.spec.state, (list, tuple)):
+            raise TypeError(f"fused: state must be one entry per stage (a list), got {type(self.spec.state).__name__}")
+        self.state: list = list(self.spec.state) if self.spec.state is not None else []
         self.owner, self.members, self.pending = {}, {}, {}
         for g, group in enumerate(groups):
             group = sorted((stage, path[0]) for stage, path in group)  # (stage, name): params are flat dicts
             owner = group[0][0]  # the lowest stage: the last of its uses the fold reaches
             for member in group:
                 self.owner[member], self.members[member] = owner, (g, group)
-        if spec.fn is not None and len(self.state) != len(chain):
+        if self.spec.fn is not None and len(self.state) != len(chain):
             raise ValueError(f"fused: state has {len(self.state)} entries, the chain has {len(chain)} stages")
         self.targets: dict = {}  # (stage, name) -> the optimizer's parameter, every one found before any step
-        if spec.optimizers:
+        if self.spec.optimizers:
             self.targets = self._targets()
 
     def _targets(self) -> dict:
@@ -148,8 +156,9 @@ class Updater:
         return targets
 
     def apply(self, i: int, grads: dict) -> None:
-        """Update the parameters due at stage i from its gradients (plus earlier microbatches'), or
-        hold them while a physical stage below may still charge the budget."""
+        """Use the gradients due at stage i (its own plus earlier microbatches', a tied parameter's sum
+        at its lowest stage): update with them or keep them, after their average over the replicas;
+        or hold them while a physical stage below may still charge the budget."""
         if self.hold is not None:
             if i > self.hold:
                 self.held.append((i, grads))
@@ -172,6 +181,18 @@ class Updater:
         due = {n: g for n, g in due.items() if g is not None}  # None: frozen or unused, never stepped
         if not due:
             return
+        if self.reducer is None:
+            self._use(i, due)
+            return
+        self.reducer.start(i, due)
+        for j, averaged in self.reducer.ready(wait=False):  # those already off the wire
+            self._use(j, averaged)
+
+    def _use(self, i: int, due: dict) -> None:
+        """Keep, or clip and update with, the gradients due at stage i (final: summed and averaged)."""
+        if self.keeping:
+            self.due[i] = due
+            return
         if self.spec.max_norm is not None:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in due.values()]))
             scale = torch.clamp(self.spec.max_norm / (norm + 1e-6), max=1.0)
@@ -184,6 +205,18 @@ class Updater:
         else:
             self._step(i, due)
         self.stepped.append(i)
+
+    def kept(self) -> tuple:
+        """The kept gradients, one dict per stage in the params' structure: a tied parameter's sum in
+        each of its uses, ``None`` where there is none (frozen or unused)."""
+        out = []
+        for i, stage in enumerate(self.params):
+            grads = {}
+            for name in stage:
+                owner_stage, owner_name = self.members[i, name][1][0] if (i, name) in self.members else (i, name)
+                grads[name] = self.due.get(owner_stage, {}).get(owner_name)
+            out.append(grads)
+        return tuple(out)
 
     def _step(self, i: int, due: dict) -> None:
         targets = [self.targets[i, name] for name in due]
@@ -198,8 +231,11 @@ class Updater:
                 p.grad = None
 
     def finish(self) -> None:
-        """After the last stage: each optimizer's ``step()`` once, with no gradient left to apply, so
-        its hooks and schedulers count one step."""
+        """After the last stage: the reductions still on the wire waited for and used, then each
+        optimizer's ``step()`` once, with no gradient left to apply, so its hooks and schedulers count
+        one step."""
+        for j, averaged in self.reducer.ready(wait=True) if self.reducer is not None else ():
+            self._use(j, averaged)
         for optimizer in self.spec.optimizers:
             optimizer.step()
 

@@ -109,3 +109,50 @@ def _wait(work, timeout: datetime.timedelta, what: str) -> None:
         raise PeerError(
             f"rank {dist.get_rank()}: {what} failed or timed out ({timeout.total_seconds():g} s): {e}"
         ) from e
+
+
+class Reducer:
+    """The fold's gradients averaged over the replicas of ``group`` as soon as each stage has them.
+
+    ``start(i, grads)`` divides stage i's gradients by R, flattens them into one bucket per dtype
+    and launches an asynchronous ``all_reduce`` (sum) of each: DDP's arithmetic, so the result is
+    bitwise DDP's average; the fold goes on to the next stage's recompute while the bucket is on the
+    wire. ``ready(wait)`` hands back ``(i, averaged grads)`` of the launched stages in launch order,
+    those already finished (all of them with ``wait``). ``stats``: bytes sent per rank (as a ring
+    moves them) and the seconds spent waiting.
+    """
+
+    def __init__(self, group: Any):
+        self.group, self.size = group, dist.get_world_size(group)
+        self.launched: list = []
+        self.stats = {"bytes_sent": 0, "wait_s": 0.0, "buckets": 0}
+
+    def start(self, i: int, grads: dict) -> None:
+        names, buckets = list(grads), []
+        for dtype in dict.fromkeys(g.dtype for g in grads.values()):
+            members = [n for n in names if grads[n].dtype == dtype]
+            bucket = torch.cat([grads[n].reshape(-1) for n in members]).div_(self.size)
+            work = dist.all_reduce(bucket, group=self.group, async_op=True)
+            buckets.append((members, bucket, work))
+            self.stats["bytes_sent"] += 2 * (self.size - 1) * bucket.numel() * bucket.element_size() // self.size
+            self.stats["buckets"] += 1
+        self.launched.append((i, {n: grads[n].shape for n in names}, buckets))
+
+    def ready(self, wait: bool) -> list[tuple[int, dict]]:
+        done = []
+        while self.launched and (wait or all(work.is_completed() for _, _, work in self.launched[0][2])):
+            i, shapes, buckets = self.launched.pop(0)
+            start = time.perf_counter()
+            averaged = {}
+            for members, bucket, work in buckets:
+                try:
+                    work.wait()
+                except RuntimeError as e:
+                    raise PeerError(
+                        f"rank {dist.get_rank()}: the all_reduce of stage {i}'s gradients failed or timed out: {e}"
+                    ) from e
+                pieces = bucket.split([shapes[n].numel() for n in members])
+                averaged.update({n: piece.view(shapes[n]) for n, piece in zip(members, pieces)})
+            self.stats["wait_s"] += time.perf_counter() - start
+            done.append((i, {n: averaged[n] for n in shapes}))
+        return done

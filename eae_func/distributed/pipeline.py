@@ -291,6 +291,11 @@ class Pipeline:
                 "every microbatch (and every rank's use of a tied tensor) before it steps; run the "
                 "pipeline unfused and step the optimizer on res.grads"
             )
+        if opts.data_parallel:
+            raise ValueError(
+                "Pipeline.sweep: data_parallel= is for ef.sweep; across pipelines, average res.grads over "
+                "the replicas with D.average_gradients(res.grads, mesh.data_group)"
+            )
         if opts.estimator is not None and getattr(opts.estimator, "scope", "model") != "stage" and p > 1:
             raise ValueError(
                 f"Pipeline.sweep: estimator={opts.estimator!r} probes the whole chain from its input, "

@@ -1,0 +1,111 @@
+"""``data_parallel=`` and DDP models (2 gloo ranks on 127.0.0.1): each stage's gradients are
+averaged over the replicas as the fold makes them, bitwise DDP's average; fused updates step
+on the average; the DDP model trains on normally afterwards; a multi-process sweep without
+``data_parallel=`` is warned that its gradients are local."""
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import eae_func as ef
+import eae_func.distributed as D
+
+F64 = torch.float64
+
+
+def _model():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4)
+    )
+    model[4].weight = model[2].weight  # tied: one parameter in two stages
+    return model.double()
+
+
+def _batch(rank, n=6):
+    g = torch.Generator().manual_seed(10 + rank)
+    return torch.randn(n, 8, generator=g, dtype=F64), torch.randn(n, 4, generator=g, dtype=F64)
+
+
+def _max_error(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys()
+    return max((got[n] - want[n]).abs().max().item() for n in want)
+
+
+def _equivalence():
+    rank = dist.get_rank()
+    x, y = _batch(rank)
+    reference = DDP(_model())
+    F.mse_loss(reference(x), y).backward()
+    want = {n: p.grad.clone() for n, p in reference.named_parameters()}
+
+    ddp = DDP(_model())
+    out = {}
+    grads = ef.grad(ddp, dict(ddp.named_parameters()), x, y, loss=F.mse_loss)
+    out["ddp"] = _max_error(grads, want)
+    plain = _model()
+    local = {n[len("module.") :]: g for n, g in want.items()}
+    grads = ef.grad(plain, dict(plain.named_parameters()), x, y, loss=F.mse_loss, data_parallel=dist.group.WORLD)
+    out["data_parallel"] = _max_error(grads, local)
+    grads = ef.grad(plain, dict(plain.named_parameters()), x, y, loss=F.mse_loss, data_parallel=False)
+    out["local"] = _max_error(grads, local)  # this rank's own gradients: not the average
+    grads = ef.grad(ddp, dict(ddp.named_parameters()), x, y, loss=F.mse_loss, microbatches=2)
+    out["microbatches"] = _max_error(grads, want)
+    res = ef.sweep(ddp, dict(ddp.named_parameters()), x, y, loss=F.mse_loss)
+    out["bytes"] = res.stats["data_parallel"]["bytes_sent"]
+
+    ef.write_grads(ddp, res.grads)  # then a plain optimizer step, and DDP trains on
+    torch.optim.SGD(ddp.parameters(), lr=0.1).step()
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference_opt.step()
+    out["stepped"] = _max_error(dict(ddp.named_parameters()), dict(reference.named_parameters()))
+    for model in (ddp, reference):
+        model.zero_grad()
+        F.mse_loss(model(x), y).backward()
+    out["ddp_after"] = _max_error(
+        {n: p.grad for n, p in ddp.named_parameters()}, {n: p.grad for n, p in reference.named_parameters()}
+    )
+
+    fused = DDP(_model())
+    opt = torch.optim.AdamW(fused.parameters(), lr=0.01)
+    ef.sweep(fused, dict(fused.named_parameters()), x, y, loss=F.mse_loss, update=opt)
+    unfused = DDP(_model())
+    opt2 = torch.optim.AdamW(unfused.parameters(), lr=0.01)
+    ef.write_grads(unfused, ef.grad(unfused, dict(unfused.named_parameters()), x, y, loss=F.mse_loss))
+    opt2.step()
+    out["fused"] = _max_error(dict(fused.named_parameters()), dict(unfused.named_parameters()))
+    replicas = [torch.empty(0)] * 2
+    dist.all_gather_object(replicas, [p.detach() for p in fused.parameters()])
+    out["replicas_agree"] = all(torch.equal(a, b) for a, b in zip(*replicas))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ef.grad(plain, dict(plain.named_parameters()), x, y, loss=F.mse_loss)
+        ef.grad(plain, dict(plain.named_parameters()), x, y, loss=F.mse_loss, data_parallel=False)
+    out["warnings"] = [str(w.message) for w in caught]
+    return out
+
+
+def test_data_parallel_is_bitwise_ddp_and_a_ddp_model_trains_on():
+    for out in D.run(_equivalence, 2, timeout=240, pg_timeout=120):
+        assert out["ddp"] == 0.0 and out["data_parallel"] == 0.0 and out["local"] > 1e-3
+        assert out["microbatches"] < 1e-12
+        assert out["stepped"] == 0.0 and out["ddp_after"] == 0.0
+        assert out["fused"] < 1e-12 and out["replicas_agree"]
+        n_params = sum(p.numel() for p in _model().parameters())
+        assert out["bytes"] == n_params * 8  # 2 (R-1)/R of every float64 gradient, once
+        assert len(out["warnings"]) == 1 and "gradients are this rank's batch alone" in out["warnings"][0]
+
+
+def test_data_parallel_takes_a_group_or_a_1d_mesh():
+    with pytest.raises(TypeError, match="data_parallel= takes a torch.distributed process group or a 1-D DeviceMesh"):
+        ef.Options(data_parallel="world")
+    model = _model()
+    x, y = _batch(0)
+    grads = ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, data_parallel=False)
+    assert all(g is not None for g in grads.values())
