@@ -52,6 +52,7 @@ EVERY_OPTION = dict(
     recompute=remat.budget(1 << 10),
     keep_costates=True,
     timers=True,
+    data_parallel=False,
 )
 
 
