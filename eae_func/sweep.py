@@ -126,6 +126,10 @@ def sweep(
     timers:         ``False`` leaves out the per-stage timers and profiler ranges (``stats`` then
                     hold no ``*_s`` seconds); ``grad`` and ``value_and_grad`` return no stats and
                     run without them.
+    data_parallel:  a process group (or 1-D ``DeviceMesh``) of replicas: each stage's gradients are
+                    averaged over it by an asynchronous all-reduce as soon as the fold has them (DDP's
+                    arithmetic; a DDP model means its own group); ``stats["data_parallel"]`` has the
+                    bytes sent and the seconds waited. ``False``: local gradients, on purpose.
     """
     return run(chain, params, x, loss_args, loss, split_at, pass_state, buffers, make("sweep", options))
 
