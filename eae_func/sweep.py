@@ -151,6 +151,8 @@ def run(
             "sweep: called under torch.inference_mode(), which forbids the autograd graphs the reverse sweep "
             "builds stage by stage; call it outside inference_mode (the forward sweep itself runs without a graph)"
         )
+    if isinstance(chain, nn.Module):
+        refuse_fsdp(chain)
     if isinstance(chain, DistributedDataParallel):
         return _on_ddp(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
     if isinstance(chain, types.FunctionType | functools.partial | types.MethodType):
@@ -336,6 +338,21 @@ def _on_model(
         buffers=flat_dict(res.buffers),
         params=flat_dict(res.params),
     )
+
+
+def refuse_fsdp(model: nn.Module) -> None:
+    """Refuse a model with ``fully_shard`` (FSDP2) modules before anything runs on it: its sharded
+    parameters cannot be substituted stage by stage, and a sweep must not leave its FSDP state broken."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [name or "(the model)" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if sharded:
+        raise TypeError(
+            f"sweep: {type(model).__name__} has fully_shard (FSDP2) modules ({', '.join(sharded[:4])}"
+            f"{', ...' if len(sharded) > 4 else ''}), which eae_func does not run yet; the model is left as it "
+            f"was. Replicate it and average with data_parallel=group (or wrap it in DDP), or train it with "
+            f"FSDP2's own backward"
+        )
 
 
 def _on_ddp(
