@@ -389,6 +389,7 @@ def split(
     inputs that are not the user's come from; ``flatten`` turns the first piece's input into the graph's
     user inputs (their layout is fixed to ``example``'s)."""
     module, signature = program.graph_module, program.graph_signature
+    _keep_casts(module, stage_of)
     user_inputs = [s.arg.name for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
     user_outputs = [s.arg.name for s in signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
     if len(user_outputs) != len(signature.output_specs):
@@ -438,3 +439,26 @@ def split(
         )
         for k, (graph, inputs, outputs) in enumerate(graphs)
     ]
+
+
+def _keep_casts(module: Any, stage_of: dict) -> None:
+    """Put back the dtype conversions the capture dropped as no-ops. Where the model asked for
+    ``x.to(torch.float32)`` (an RMSNorm's upcast, ``logits.float()``) and ``x`` was float32 already,
+    the graph keeps only ``_assert_tensor_metadata(x, dtype=float32)``; under ``autocast`` ``x`` is
+    bfloat16 there and the conversion matters. Each such assertion becomes ``x.to(dtype)``, used in
+    ``x``'s place by every later node (a no-op where the dtype is already right), in the assertion's stage."""
+    graph = module.graph
+    order = {node: k for k, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.aten._assert_tensor_metadata.default or node.kwargs.get("dtype") is None:
+            continue
+        source = node.args[0]
+        with graph.inserting_after(node):
+            cast = graph.call_function(torch.ops.aten.to.dtype, (source, node.kwargs["dtype"]))
+        cast.meta = dict(source.meta)
+        stage_of[cast] = stage_of.pop(node)
+        later = [user for user in source.users if user is not cast and order.get(user, len(order)) > order[node]]
+        for user in later:
+            user.replace_input_with(source, cast)
+        graph.erase_node(node)
+    module.recompile()

@@ -404,10 +404,11 @@ def _target(owner: nn.Module, name: str, label: str, value: Any, what: str, kind
     return target
 
 
-def write_grads(model: nn.Module | Sequence, grads: Any) -> None:
-    """Set ``.grad`` of ``model``'s parameters from ``grads`` (overwriting, like ``optimizer.zero_grad`` + backward):
-    one dict per stage, or a flat ``{name: grad}`` dict as ``ef.grad(model, dict(model.named_parameters()), ...)``
-    returns. A tied parameter appears in several stages' dicts with the summed gradient; it is written once.
+def write_grads(model: nn.Module | Sequence, grads: Any, accumulate: bool = False) -> None:
+    """Set ``.grad`` of ``model``'s parameters from ``grads`` (overwriting, like ``optimizer.zero_grad`` + backward;
+    ``accumulate=True``: added to the ``.grad`` there, as ``backward`` does, for gradient accumulation): one dict per
+    stage, or a flat ``{name: grad}`` dict as ``ef.grad(model, dict(model.named_parameters()), ...)`` returns. A tied
+    parameter appears in several stages' dicts with the summed gradient; it is written once.
     """
     pairs = [
         (_target(owner, name, label, g, "write_grads", "parameter"), g)
@@ -415,9 +416,18 @@ def write_grads(model: nn.Module | Sequence, grads: Any) -> None:
     ]  # every check before any write
     written: set[int] = set()
     for p, g in pairs:
-        if id(p) not in written:  # None: no gradient (frozen or unused), as autograd leaves .grad
-            p.grad = None if g is None else g.detach().to(dtype=p.dtype, device=p.device).clone()
-            written.add(id(p))
+        if id(p) in written:
+            continue
+        written.add(id(p))
+        if g is None:  # no gradient (frozen or unused): as autograd leaves .grad
+            if not accumulate:
+                p.grad = None
+            continue
+        g = g.detach().to(dtype=p.dtype, device=p.device)
+        if accumulate and p.grad is not None:
+            p.grad.add_(g)
+        else:
+            p.grad = g.clone()
 
 
 def write_buffers(model: nn.Module | Sequence, buffers: Any) -> None:

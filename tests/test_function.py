@@ -266,6 +266,8 @@ def test_fused_updates_pure_over_the_params_tree_and_torch_optim():
     assert res.grads is None
     assert_trees_close(res.params, want, atol=1e-12)
     assert_trees_close(res.update_state, want_state, atol=1e-12)
+    with pytest.raises(TypeError, match="fused: with a function, state is one tree in params' structure"):
+        ef.sweep(model_fn, params, x, y, loss=F.mse_loss, update=ef.fused(sgd, [None, None]))
 
     leaves = [t.clone().requires_grad_() for t in optree.tree_leaves(params, namespace=NAMESPACE)]
     trainable = optree.tree_unflatten(optree.tree_structure(params, namespace=NAMESPACE), leaves)

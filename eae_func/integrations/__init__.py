@@ -1,0 +1,1 @@
+"""Where users train: ``eae_func.integrations.transformers.EAETrainer`` (Hugging Face Trainer)."""
