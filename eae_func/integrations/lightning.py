@@ -1,0 +1,84 @@
+"""Lightning manual optimization with the reverse sweep in place of ``manual_backward``.
+
+    class Lit(L.LightningModule):
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.automatic_optimization = model, False
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return manual_step(self, self.model, x, y, loss=F.cross_entropy, gradient_clip_val=0.5)
+
+``manual_step`` unfused: ``ef.value_and_grad``, the gradients written to ``.grad``, Lightning's own
+``clip_gradients`` and ``optimizer.step()``, which is what ``manual_backward`` + ``clip_gradients``
++ ``step()`` do (precision plugins' autocast included, as it wraps ``training_step``). Fused
+(``fused=True``): the sweep with the optimizer's update fused into the fold runs as the closure of
+``optimizer.step(closure=...)``, so Lightning counts the step (``global_step``, ``max_steps``) and
+runs its hooks around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..chain import write_grads
+from ..sweep import sweep, value_and_grad
+from ..update import fused as fused_update
+
+
+def manual_step(
+    module: Any,
+    model: nn.Module,
+    x: Any,
+    *loss_args: Any,
+    loss: Callable,
+    split_at: Sequence[str] | None = None,
+    optimizer: Any = None,
+    gradient_clip_val: float | None = None,
+    gradient_clip_algorithm: str | None = None,
+    fused: bool = False,
+    **options: Any,
+) -> torch.Tensor:
+    """One optimizer step of ``module`` (a ``LightningModule`` with ``automatic_optimization =
+    False``) on ``model`` (a part of it, or itself) from ``ef.sweep``'s gradients; returns the loss.
+    ``optimizer``: one of ``module.optimizers()`` (default: the only one); ``options``: the sweep's.
+    Fused, a clip is per stage (``max_norm=``, as ``ef.fused`` clips), and fp16's loss scaler (which
+    needs ``.grad`` to check) is refused."""
+    opt = optimizer if optimizer is not None else module.optimizers()
+    params = dict(model.named_parameters())
+    if not fused:
+        value, grads = value_and_grad(model, params, x, *loss_args, loss=loss, split_at=split_at, **options)
+        opt.zero_grad()
+        write_grads(model, grads)
+        if gradient_clip_val is not None:
+            module.clip_gradients(
+                opt, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm
+            )
+        opt.step()
+        return value.detach()
+    if gradient_clip_val is not None:
+        raise ValueError(
+            "manual_step: fused=True clips per stage: give max_norm= (ef.fused's per-stage clip) instead of "
+            "gradient_clip_val, which needs every gradient before the first update"
+        )
+    if getattr(module.trainer, "precision", None) == "16-mixed":
+        raise ValueError(
+            "manual_step: fused=True under precision='16-mixed': the loss scaler checks .grad for infs before "
+            "it steps, and fused updates leave none; use bf16-mixed, or fused=False"
+        )
+    max_norm = options.pop("max_norm", None)
+    out: dict[str, torch.Tensor] = {}
+
+    def closure() -> torch.Tensor:
+        update = fused_update(opt.optimizer, max_norm=max_norm)
+        res = sweep(model, params, x, *loss_args, loss=loss, split_at=split_at, update=update, **options)
+        out["loss"] = res.loss.detach()
+        return out["loss"]
+
+    opt.zero_grad(set_to_none=True)  # a fused step refuses stale .grad
+    opt.step(closure=closure)
+    return out["loss"]

@@ -1,0 +1,75 @@
+"""``eae_func.integrations.lightning.manual_step`` trains a LightningModule as ``manual_backward``
+does (fp32 and bf16-mixed, with Lightning's clipping), and fused inside ``optimizer.step(closure)``
+so ``global_step`` counts and ``max_steps`` stops."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+L = pytest.importorskip("lightning.pytorch")
+
+from eae_func.integrations.lightning import manual_step  # noqa: E402
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(24, 8, generator=g), torch.randint(0, 3, (24,), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=6)
+
+
+class Lit(L.LightningModule):
+    def __init__(self, how, clip=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 3))
+        self.automatic_optimization, self.how, self.clip = False, how, clip
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.how == "autograd":
+            opt = self.optimizers()
+            opt.zero_grad()
+            loss = F.cross_entropy(self.model(x), y)
+            self.manual_backward(loss)
+            if self.clip is not None:
+                self.clip_gradients(opt, gradient_clip_val=self.clip)
+            opt.step()
+            return loss.detach()
+        fused = self.how == "fused"
+        return manual_step(self, self.model, x, y, loss=F.cross_entropy, gradient_clip_val=self.clip, fused=fused)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _fit(how, precision="32-true", clip=None):
+    module = Lit(how, clip)
+    trainer = L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, _data())
+    return module, trainer
+
+
+@pytest.mark.parametrize("precision, clip", [("32-true", None), ("32-true", 0.5), ("bf16-mixed", 0.5)])
+def test_manual_step_trains_as_manual_backward_does(precision, clip):
+    want, _ = _fit("autograd", precision, clip)
+    got, trainer = _fit("eae", precision, clip)
+    assert trainer.global_step == 3
+    worst = max((a - b).abs().max().item() for a, b in zip(want.parameters(), got.parameters()))
+    assert worst <= 1e-6, worst
+
+
+def test_fused_manual_step_counts_the_step_and_equals_the_unfused_one():
+    unfused, _ = _fit("eae")
+    fused, trainer = _fit("fused")
+    assert trainer.global_step == 3  # max_steps stopped it
+    worst = max((a - b).abs().max().item() for a, b in zip(unfused.parameters(), fused.parameters()))
+    assert worst <= 1e-6, worst
