@@ -37,7 +37,7 @@ all graphs kept, beside ``torch.utils.checkpoint.checkpoint_sequential`` with 1.
 writes examples/bench_train_curve.png.
 
     python examples/bench_train.py --depths 12               # both blocks, depth 12
-    python examples/bench_train.py --depths 6 12 24 --curve  # the README's tables and plot
+    python examples/bench_train.py --depths 6 12 24 --curve  # the tables and plot of docs/benchmarks.md
     python examples/bench_train.py --quick                   # smoke run
 """
 
