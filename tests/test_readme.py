@@ -9,6 +9,7 @@ checks that the command and its flags work, not the numbers.
 """
 
 import importlib.util
+import os
 import pathlib
 import re
 import shlex
@@ -62,5 +63,7 @@ def test_shell_commands_run(words):
         words = [sys.executable, *words[1:]]
     if any(w.startswith("examples/bench") for w in words):
         words = [*words, "--quick"]
-    done = subprocess.run(words, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    tools = str(pathlib.Path(sys.executable).parent)  # this environment's ruff, pyright, mkdocs (and its python)
+    env = {**os.environ, "PATH": tools + os.pathsep + os.environ.get("PATH", "")}
+    done = subprocess.run(words, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
