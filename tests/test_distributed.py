@@ -264,6 +264,12 @@ def four_rank_checks():
         ),
         "bytes": stats["bytes_sent"],
     }
+    local = ef.grad(chain, params, x[rows], y[rows], data_parallel=False)
+    after, _ = D.average_gradients(local, m.data_group)
+    during = ef.grad(chain, params, x[rows], y[rows], data_parallel=m.device_mesh["dp"])
+    out["mesh dp sweep"] = max(
+        (during[i][n] - after[i][n]).abs().max().item() for i in range(len(after)) for n in after[i]
+    )
     int8_grads, int8_stats = D.average_gradients(res.grads, m.data_group, codec=D.codecs.int8())
     largest = torch.tensor(max(g.abs().max().item() for s in res.grads for g in s.values()))
     dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=m.data_group)  # the largest int8 scale * 127
@@ -302,6 +308,7 @@ def test_pipeline_runs_the_single_process_engine_on_random_splits(two_ranks, fou
 def test_pipeline_x_data_parallel_equals_the_full_batch(four_ranks):
     for rank, _, _, out in four_ranks:
         assert out["mesh raw"]["grad_err"] < 1e-6, rank
+        assert out["mesh dp sweep"] == 0.0, rank  # data_parallel= on the mesh's "dp" dimension: the same average
 
 
 def test_compressed_gradient_average_is_identical_on_replicas_and_within_the_int8_bound(four_ranks):

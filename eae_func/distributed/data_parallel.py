@@ -1,5 +1,5 @@
-"""Data parallelism: replicas of a stage range average their parameter gradients, and a
-pipeline x data-parallel mesh of ranks.
+"""Data parallelism: replicas of a stage range average their parameter gradients (after the sweep,
+or stage by stage as the fold makes them: ``Reducer``), and a pipeline x data-parallel mesh of ranks.
 
     average_gradients(grads, group):   g <- (1/R) sum_r g_r        (one all_reduce)
     with a codec:                      g <- (1/R) sum_r decode(encode(g_r))   (all_gather of payloads)
@@ -18,6 +18,7 @@ from typing import Any
 import optree
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from ..adjoint import NAMESPACE
 from .codecs import Codec, Encoded
@@ -26,10 +27,12 @@ from .wire import PeerError
 
 @dataclasses.dataclass(frozen=True)
 class Mesh:
-    """``pp x dp`` ranks: global rank ``d * pp + s`` is pipeline position ``s`` of replica ``d``.
+    """``pp x dp`` ranks on a ``torch.distributed`` ``DeviceMesh`` of shape ``(dp, pp)`` (dimensions
+    ``"dp"`` and ``"pp"``): global rank ``d * pp + s`` is pipeline position ``s`` of replica ``d``.
 
     pipeline_ranks: the ranks of this rank's pipeline (pass them to ``Pipeline(ranks=...)``).
-    data_group:     the process group of the replicas of this rank's stage range.
+    data_group:     the process group of the replicas of this rank's stage range
+                    (``device_mesh.get_group("dp")``; ``data_parallel=device_mesh["dp"]`` for a sweep).
     """
 
     pp: int
@@ -39,18 +42,30 @@ class Mesh:
     pipeline_ranks: tuple
     data_ranks: tuple
     data_group: Any
+    device_mesh: Any
 
 
 def mesh(pp: int, dp: int | None = None) -> Mesh:
-    """Split the world into ``dp`` pipelines of ``pp`` ranks (``dp`` defaults to world / pp).
-    Collective: every rank must call it, with the same arguments."""
+    """Split the world into ``dp`` pipelines of ``pp`` ranks (``dp`` defaults to world / pp) with
+    ``init_device_mesh`` (on ``cuda`` under NCCL, else ``cpu``). Collective: every rank must call it,
+    with the same arguments."""
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = world // pp if dp is None else dp
     if pp < 1 or dp < 1 or pp * dp != world:
         raise ValueError(f"mesh: pp x dp = {pp} x {dp} does not match the world size {world}")
-    groups = [dist.new_group([d * pp + s for d in range(dp)]) for s in range(pp)]  # every rank creates every group
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    grid = init_device_mesh(device, (dp, pp), mesh_dim_names=("dp", "pp"))
     s, d = rank % pp, rank // pp
-    return Mesh(pp, dp, s, d, tuple(d * pp + i for i in range(pp)), tuple(i * pp + s for i in range(dp)), groups[s])
+    return Mesh(
+        pp,
+        dp,
+        s,
+        d,
+        tuple(grid["pp"].mesh.tolist()),
+        tuple(grid["dp"].mesh.tolist()),
+        grid.get_group("dp"),
+        grid,
+    )
 
 
 def average_gradients(grads: Any, group: Any = None, codec: Codec | None = None, timeout: float = 60.0):
