@@ -169,7 +169,7 @@ def run(
     meter = Meter(chain, opts.physical, opts.budget)
     groups = tie_groups(chain, params)
     hold = min(opts.physical) if opts.budget is not None and opts.physical else None
-    reducer = replicas(opts.data_parallel)
+    reducer = reducer_of(opts.data_parallel)
     updater = (  # checked first
         Updater(opts.update, chain, params, groups, hold, reducer)
         if opts.update is not None or reducer is not None
@@ -221,7 +221,7 @@ def run(
     )
 
 
-def replicas(group: Any) -> Any:
+def reducer_of(group: Any) -> Any:
     """The ``Reducer`` of ``data_parallel=group`` (``None``: none); a multi-process run without
     ``data_parallel=`` is warned that its gradients are this rank's alone (``False`` says so on purpose)."""
     if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
