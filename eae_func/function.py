@@ -148,10 +148,10 @@ def captured(fn: Callable, params: Any, inputs: tuple) -> Captured:
 
 
 def _layout(tree: Any) -> tuple:
+    """A capture's cache key for ``tree``: its structure, ``capture.layout`` of its leaves, their devices."""
     leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
-    return spec, tuple(
-        (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else _hashable(t) for t in leaves
-    )
+    devices = tuple(t.device for t in leaves if isinstance(t, torch.Tensor))
+    return spec, tuple(_hashable(v) for v in capture.layout(leaves)), devices
 
 
 def _hashable(value: Any) -> Any:

@@ -28,6 +28,7 @@ from . import function
 from . import microbatch as M
 from .adjoint import Measurements
 from .capture import canonical_names, fingerprint
+from .capture import layout as capture_layout
 from .chain import Chain, from_module
 from .options import Options, make
 from .physical import Meter
@@ -262,10 +263,7 @@ def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Seque
     else:
         if not isinstance(model, nn.Module):
             raise TypeError(f"sweep: split_at cuts a model's own forward, got a {type(model).__name__}")
-        layout = tuple(
-            (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
-            for t in optree.tree_leaves(x, namespace=NAMESPACE)
-        )
+        layout = tuple(capture_layout(optree.tree_leaves(x, namespace=NAMESPACE)))
         cache = _CAPTURED.setdefault(model, {})
         cache_key, now = (tuple(split_at), layout), fingerprint(model)
         if cache_key not in cache or cache[cache_key][0] != now:
