@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from . import capture
+from . import capture, fsdp
 from .tree import NAMESPACE
 
 
@@ -32,6 +32,8 @@ class Stage:
     default), so running stats are returned, never written into the caller's
     tensors. ``physical``: a black box to the sweep (its reverse step comes from an estimator);
     ``differentiable=False``: nothing may differentiate it (only forward-only estimators).
+    ``sharded``: an FSDP2 module's own sharded parameters (``param_names`` order); it runs through
+    FSDP at them, never at given tensors (``eae_func.fsdp``).
     """
 
     fn: Callable | None
@@ -42,6 +44,7 @@ class Stage:
     param_names: tuple[str, ...] | None = None
     param_layout: tuple[tuple[torch.Size, torch.dtype], ...] = ()
     aliased: bool = True
+    sharded: tuple[nn.Parameter, ...] | None = None
 
     def call(self, params: Any, buffers: Mapping[str, torch.Tensor], h: Any):
         """``(h', updated_buffers)``: the stage applied to ``h``; ``buffers`` are not modified.
@@ -51,6 +54,9 @@ class Stage:
         if self.module is None:
             assert self.fn is not None  # a function stage
             return self.fn(params, h), {}
+        if self.sharded is not None:
+            with module_lock(self.module):
+                return fsdp.call(self.module, buffers, h), buffers
         fresh = {name: b.clone() for name, b in buffers.items()}
         tensors = {**params, **fresh}
         with module_lock(self.module):  # the module holds the given tensors for the call: one thread at a time
@@ -314,7 +320,8 @@ def from_module(
     storage with the module's parameters, so an optimizer stepping the module
     is seen by the next sweep. A parameter shared by two stages is the same
     tensor object in both dicts and recorded in ``chain.ties``. Parameter-free
-    plain functions ``f(h)`` may appear in the list too.
+    plain functions ``f(h)`` may appear in the list too. A child that is an FSDP2 module
+    (``fully_shard``) becomes a stage that runs through FSDP (``eae_func.fsdp``).
     """
     if split_at is not None:
         if example is None:
@@ -324,12 +331,15 @@ def from_module(
             )
         if not isinstance(model, nn.Module):
             raise TypeError(f"from_module: split_at cuts a model's own forward, got a {type(model).__name__}")
+        fsdp.refuse_capture(model)
         stages, names = capture.cut_model(model, example, split_at)
         named_children = list(zip(names, stages))
     else:
         named_children = (
             list(model.named_children()) if isinstance(model, nn.Sequential) else [(None, c) for c in _children(model)]
         )
+        if isinstance(model, nn.Module):
+            fsdp.lazy_init(model)  # the root's, before its FSDP children run one by one
     detached: dict[int, torch.Tensor] = {}
     positions: dict[int, list] = {}
     stages, params = [], []
@@ -341,7 +351,15 @@ def from_module(
             tensors = [*child.named_parameters(remove_duplicate=False), *child.named_buffers(remove_duplicate=False)]
             aliased = len({id(t) for _, t in tensors}) < len(tensors)
             stages.append(
-                Stage(fn=None, name=name, module=child, param_names=names, param_layout=layout, aliased=aliased)
+                Stage(
+                    fn=None,
+                    name=name,
+                    module=child,
+                    param_names=names,
+                    param_layout=layout,
+                    aliased=aliased,
+                    sharded=fsdp.sharded_params(child),
+                )
             )
             stage_params = {}
             for n, p in child.named_parameters():

@@ -27,7 +27,7 @@ import torch
 from torch.profiler import record_function
 
 from . import boundary as B
-from . import remat
+from . import fsdp, remat
 from .adjoint import AdjointState, fold_in
 from .chain import Chain
 from .lazy import event_seconds
@@ -266,7 +266,10 @@ def local_vjp(
     and records no double-backward graph. The output is still attached to the graph. ``check(output
     leaves, inputs)`` sees the graph before that. Only trainable parameters are differentiated: one
     named in ``frozen`` (``requires_grad=False`` in its module), an integer one and one the stage never
-    reads get ``None``, as plain autograd leaves their ``.grad``."""
+    reads get ``None``, as plain autograd leaves their ``.grad``. An FSDP stage runs FSDP's backward
+    (``eae_func.fsdp.local_vjp``)."""
+    if stage.sharded is not None:
+        return fsdp.local_vjp(stage, buffers, floats, rebuild)
     if frozen:
         paths, leaves, spec = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
         trainable = [B.is_differentiable(t) and path[0] not in frozen for path, t in zip(paths, leaves)]
@@ -457,7 +460,11 @@ def run_stage(
     versions = [t._version for t in inputs]
     try:
         with timer(opts, stats, "forward_s", f"eae/{s.name}/forward", device), autocast(opts.autocast, device):
-            if i in opts.physical or plan.rebuilds(i, chain.names[i]):
+            if s.sharded is not None:  # through FSDP at its own parameters; its reverse step rebuilds its graph
+                with torch.no_grad():
+                    out, tape.buffers[i] = s.call(params, buffers, h)
+                flat = B.leaves(out, f"output of {chain.where(i)}")
+            elif i in opts.physical or plan.rebuilds(i, chain.names[i]):
                 with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
                     out, tape.buffers[i] = s.call(params, buffers, h)
                 flat = B.leaves(out, f"output of {chain.where(i)}")

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import fold as F
-from . import function
+from . import fsdp, function
 from . import microbatch as M
 from .adjoint import Measurements
 from .capture import canonical_names, fingerprint
@@ -152,8 +152,6 @@ def run(
             "sweep: called under torch.inference_mode(), which forbids the autograd graphs the reverse sweep "
             "builds stage by stage; call it outside inference_mode (the forward sweep itself runs without a graph)"
         )
-    if isinstance(chain, nn.Module):
-        refuse_fsdp(chain)
     if isinstance(chain, DistributedDataParallel):
         return _on_ddp(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
     if isinstance(chain, types.FunctionType | functools.partial | types.MethodType):
@@ -165,12 +163,15 @@ def run(
     params = chain.check_params(params)
     buffers = chain.check_buffers(buffers)
     opts = opts.bind(chain)
+    sharded = any(s.sharded is not None for s in chain.stages)
+    if sharded:
+        fsdp.check(chain, params, buffers, opts)
     state = opts.passes.init() if pass_state is None else pass_state
     device = F.device_of(params, x)
     meter = Meter(chain, opts.physical, opts.budget)
     groups = tie_groups(chain, params)
     hold = min(opts.physical) if opts.budget is not None and opts.physical else None
-    reducer = reducer_of(opts.data_parallel)
+    reducer = reducer_of(False if sharded else opts.data_parallel)  # FSDP stages reduce-scatter their own
     updater = (  # checked first
         Updater(opts.update, chain, params, groups, hold, reducer)
         if opts.update is not None or reducer is not None
@@ -181,19 +182,21 @@ def run(
     losses: list[torch.Tensor] = []
     grads, traces, all_stats = [], [], []
     try:
-        for j, mb in enumerate(pieces):
-            last = j == len(pieces) - 1
-            if updater is not None and last and grads:  # the last fold updates, the earlier folds' gradients added
-                updater.carry = M.sum_grads(grads)
-            piece = whole.run(buffers, mb, state, updater if last else None)
-            buffers, state = piece.buffers, piece.pass_state
-            assert piece.loss is not None  # the range ends the chain
-            losses.append(piece.loss)
-            grads.append(piece.grads)
-            traces.append(piece.trace)
-            all_stats.append(piece.stats)
-        if updater is not None:
-            updater.finish()
+        with fsdp.Sweep(chain) if sharded else F.NULL as on_fsdp:
+            for j, mb in enumerate(pieces):
+                last = j == len(pieces) - 1
+                if updater is not None and last and grads:  # the last fold updates, the earlier folds' grads added
+                    updater.carry = M.sum_grads(grads)
+                with on_fsdp.fold(last) if on_fsdp is not None else F.NULL:
+                    piece = whole.run(buffers, mb, state, updater if last else None)
+                buffers, state = piece.buffers, piece.pass_state
+                assert piece.loss is not None  # the range ends the chain
+                losses.append(piece.loss)
+                grads.append(piece.grads)
+                traces.append(piece.trace)
+                all_stats.append(piece.stats)
+            if updater is not None:
+                updater.finish()
     except BaseException as e:  # KeyboardInterrupt too: say which stages a fused update already stepped
         if updater is not None:
             updater.note(e)
@@ -336,21 +339,6 @@ def _on_model(
         buffers=flat_dict(res.buffers),
         params=flat_dict(res.params),
     )
-
-
-def refuse_fsdp(model: nn.Module) -> None:
-    """Refuse a model with ``fully_shard`` (FSDP2) modules before anything runs on it: its sharded
-    parameters cannot be substituted stage by stage, and a sweep must not leave its FSDP state broken."""
-    from torch.distributed.fsdp import FSDPModule
-
-    sharded = [name or "(the model)" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if sharded:
-        raise TypeError(
-            f"sweep: {type(model).__name__} has fully_shard (FSDP2) modules ({', '.join(sharded[:4])}"
-            f"{', ...' if len(sharded) > 4 else ''}), which eae_func does not run yet; the model is left as it "
-            f"was. Replicate it and average with data_parallel=group (or wrap it in DDP), or train it with "
-            f"FSDP2's own backward"
-        )
 
 
 def _on_ddp(

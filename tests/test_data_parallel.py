@@ -109,30 +109,3 @@ def test_data_parallel_takes_a_group_or_a_1d_mesh():
     x, y = _batch(0)
     grads = ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, data_parallel=False)
     assert all(g is not None for g in grads.values())
-
-
-def _fsdp_refused():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (2,))
-    model = _model().float()
-    model[4].weight = nn.Parameter(model[4].weight.detach().clone())  # FSDP2 shards no tied weight
-    for i in (0, 2, 4, 5):
-        fully_shard(model[i], mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    x, y = (t.float() for t in _batch(dist.get_rank()))
-    out = {}
-    try:
-        ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss)
-    except TypeError as e:
-        out["error"] = str(e)
-    F.mse_loss(model(x), y).backward()  # FSDP2 training still works
-    out["trained"] = all(p.grad is not None for p in model.parameters())
-    return out
-
-
-def test_an_fsdp2_model_is_refused_before_anything_runs_and_still_trains():
-    for out in D.run(_fsdp_refused, 2, timeout=240, pg_timeout=120):
-        assert "has fully_shard (FSDP2) modules ((the model), 0, 2, 4" in out["error"]
-        assert out["trained"]

@@ -1,0 +1,235 @@
+"""Stages that are FSDP2 modules (``torch.distributed.fsdp.fully_shard``), run on FSDP's own engine.
+
+An FSDP stage is never given tensors: it runs at its own sharded parameters, through its module,
+so FSDP all-gathers them in its pre-forward and reshards them after, with its mixed-precision
+policy. The forward sweep calls it under ``no_grad``; its reverse step rebuilds its graph from
+the saved boundary (parameters kept unsharded from that recompute to its backward) and runs
+
+    torch.autograd.backward(x_l, p_l)          p_{l-1} = x_{l-1}.grad
+
+so FSDP's post-backward reduce-scatters (and averages) the parameter gradients into the sharded
+``.grad`` and reshards, as in ``loss.backward()``. The sweep takes them from there: they come
+back as DTensors sharded like the parameters (``torch.optim`` and ``clip_grad_norm_`` take them
+as they are), and ``.grad`` is left as it was. With microbatches, every fold but the last runs
+without gradient sync (``set_requires_gradient_sync``): FSDP accumulates the unsharded gradients
+and reduce-scatters their sum once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import optree
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from .tree import NAMESPACE
+
+
+def sharded_params(module: nn.Module) -> tuple[nn.Parameter, ...] | None:
+    """The sharded parameters of an FSDP2 ``module`` (a stage) in ``named_parameters`` order, ``None``
+    for another module; the module must be at rest (resharded: its parameters are DTensors). A
+    stage holding sharded parameters that is not itself an FSDP module is refused: they belong to
+    an enclosing ``fully_shard``, whose all-gather a stage by stage sweep never runs."""
+    own = list(module.named_parameters())
+    if not isinstance(module, FSDPModule):
+        inside = [n for n, p in own if isinstance(p, DTensor)]
+        if inside:
+            raise TypeError(
+                f"from_module: the parameters {inside[:3]} of a {type(module).__name__} stage are sharded by an "
+                f"enclosing fully_shard, which a sweep does not run stage by stage; apply fully_shard to "
+                f"this stage's module too (each stage with parameters its own FSDP module, then the root)"
+            )
+        return None
+    unsharded = [n for n, p in own if not isinstance(p, DTensor)]
+    if unsharded:
+        raise ValueError(
+            f"from_module: the parameters {unsharded[:3]} of the FSDP module {type(module).__name__} are not "
+            f"sharded (not DTensors): it is unsharded, or holds parameters outside FSDP; call reshard() first"
+        )
+    return tuple(p for _, p in own)
+
+
+def lazy_init(model: nn.Module) -> None:
+    """FSDP's lazy initialisation from ``model`` as its root, as the root's first forward does, so
+    that calling its FSDP submodules one by one finds them initialised (not each its own root)."""
+    if isinstance(model, FSDPModule):
+        model._get_fsdp_state()._lazy_init()  # what fully_shard's root pre-forward runs first
+
+
+def refuse_capture(model: nn.Module) -> None:
+    """Refuse to capture a model with FSDP2 modules (``split_at``): its sharded parameters are
+    all-gathered by module hooks that a captured graph does not run."""
+    sharded = [name or "(the model)" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if sharded:
+        raise TypeError(
+            f"split_at: {type(model).__name__} has fully_shard (FSDP2) modules ({', '.join(sharded[:4])}"
+            f"{', ...' if len(sharded) > 4 else ''}), which a graph capture cannot run; the model is left as "
+            f"it was. A sweep runs FSDP modules as the stages of an nn.Sequential or nn.ModuleList "
+            f"(each stage with parameters its own fully_shard, then the root)"
+        )
+
+
+def check(chain: Any, params: tuple, buffers: tuple, opts: Any) -> None:
+    """Refuse what an FSDP stage cannot run: params or buffers other than its module's own, options
+    whose arithmetic FSDP does itself (``data_parallel=``) or that need to write the parameters
+    (a pure fused update), and a physical FSDP stage."""
+    stages = [i for i, s in enumerate(chain.stages) if s.sharded is not None]
+    if not stages:
+        return
+    if opts.data_parallel not in (None, False):
+        raise TypeError(
+            "sweep: data_parallel= averages replicated gradients; FSDP stages reduce-scatter their own "
+            "over their mesh: leave data_parallel= out"
+        )
+    if opts.update is not None and opts.update.fn is not None:
+        raise TypeError(
+            "fused: a pure update returns new parameters, but FSDP stages keep their own sharded ones; "
+            "fuse a torch.optim optimizer over the model's parameters (update=optimizer)"
+        )
+    for i in stages:
+        s = chain.stages[i]
+        if i in opts.physical:
+            raise TypeError(f"{chain.where(i)}: an FSDP module cannot be a physical stage (its reverse step is FSDP's)")
+        own = dict(zip(s.param_names, s.sharded))
+        for name, t in params[i].items():
+            if not _same(own[name], t):
+                raise ValueError(
+                    f"params of {chain.where(i)}: {name!r} is not the FSDP module's own sharded parameter; an "
+                    f"FSDP stage runs at its own parameters (give dict(model.named_parameters()) or "
+                    f"ef.from_module(model)'s params)"
+                )
+        for name, b in buffers[i].items():
+            if not _same(s.module.get_buffer(name), b):
+                raise ValueError(
+                    f"buffers of {chain.where(i)}: {name!r} is not the FSDP module's own buffer; an FSDP "
+                    f"stage runs with its own buffers"
+                )
+
+
+def _same(own: torch.Tensor, used: torch.Tensor) -> bool:
+    local = (lambda t: t.to_local()) if isinstance(own, DTensor) else (lambda t: t)
+    if isinstance(own, DTensor) != isinstance(used, DTensor) or own.shape != used.shape:
+        return False
+    return not own.numel() or local(own).data_ptr() == local(used).data_ptr()
+
+
+def call(module: nn.Module, buffers: Mapping[str, torch.Tensor], h: Any) -> Any:
+    """``module(h)`` through FSDP; refused if it writes its buffers (BatchNorm's running statistics),
+    which the recompute would write a second time."""
+    versions = [b._version for b in buffers.values()]
+    out = module(h)
+    if [b._version for b in buffers.values()] != versions:
+        raise ValueError(
+            f"{type(module).__name__} (fully_shard) updated its buffers in place (running statistics); an "
+            f"FSDP stage runs at its own buffers, and the sweep's recompute would update them twice"
+        )
+    return out
+
+
+@contextlib.contextmanager
+def unsharded_until_backward(module: nn.Module) -> Iterator[None]:
+    """Keep ``module``'s parameters unsharded after this forward (its backward follows at once, and
+    would all-gather them again); FSDP's own setting is put back after."""
+    groups = _groups(module)
+    before = [(g, g.post_forward_mesh_info) for g in groups]
+    module.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        for g, info in before:
+            g.post_forward_mesh_info = info
+
+
+def local_vjp(stage: Any, buffers: Mapping, floats: list, rebuild: Callable) -> tuple:
+    """``fold.local_vjp`` of an FSDP stage: ``(output, pullback, buffers)``; ``pullback(cotangents,
+    inputs_too)`` runs FSDP's backward and returns the stage's gradients taken from the sharded
+    ``.grad`` (``None`` where FSDP left none: frozen, or no sync in this fold) and ``J_x^T p``."""
+    module = stage.module
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_() for t in floats]
+        with unsharded_until_backward(module):
+            out = stage.call({}, buffers, rebuild(inputs))[0]
+    outputs = [t for t in optree.tree_leaves(out, namespace=NAMESPACE) if isinstance(t, torch.Tensor)]
+
+    def pullback(cotangents: list, inputs_too: bool = True) -> tuple:
+        differentiable = [t for t in outputs if t.is_floating_point() or t.is_complex()]
+        connected = [(o, c) for o, c in zip(differentiable, cotangents) if o.requires_grad]
+        if connected:  # FSDP's post-backward reduce-scatters into the sharded .grad and reshards
+            with _synced(module):
+                torch.autograd.backward([o for o, _ in connected], [c for _, c in connected])
+        else:
+            module.reshard()  # type: ignore[operator]
+        grads = {}
+        for name, p in zip(stage.param_names, stage.sharded):
+            grads[name], p.grad = p.grad, None
+        if not inputs_too:
+            return grads, None
+        return grads, [torch.zeros_like(t) if t.grad is None else t.grad for t in inputs]
+
+    return out, pullback, buffers
+
+
+class Sweep:
+    """What a sweep does to its chain's FSDP stages, undone after: their sharded ``.grad`` set aside
+    (FSDP writes this sweep's gradients there and the fold takes them; ``.grad`` is then put back
+    as it was), and their gradient sync off, except for one stage's own backward in the last
+    microbatch's fold (``fold(last)``), which gets the module's own setting. FSDP finalises every
+    group at the end of each ``autograd.backward``, so with sync on elsewhere a stage's gradients
+    accumulated over the earlier folds would be reduce-scattered before its own backward added the
+    last fold's."""
+
+    def __init__(self, chain: Any):
+        stages = [s for s in chain.stages if s.sharded is not None]
+        self.params = [p for s in stages for p in s.sharded]
+        self.sync = {s.module: [(g, g.reduce_grads, g.all_reduce_grads) for g in _groups(s.module)] for s in stages}
+
+    def __enter__(self) -> Sweep:
+        self.kept = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        for module in self.sync:
+            module.set_requires_gradient_sync(False, recurse=False)  # type: ignore[operator]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for p, g in zip(self.params, self.kept):
+            p.grad = g
+        for settings in self.sync.values():
+            for g, reduce, all_reduce in settings:
+                g.reduce_grads, g.all_reduce_grads = reduce, all_reduce
+
+    @contextlib.contextmanager
+    def fold(self, last: bool) -> Iterator[None]:
+        """One microbatch's fold: the last one syncs each stage in its own backward."""
+        token = _SYNCED.set(self.sync if last else {})
+        try:
+            yield
+        finally:
+            _SYNCED.reset(token)
+
+
+_SYNCED: contextvars.ContextVar[Mapping] = contextvars.ContextVar("eae_func_fsdp_synced", default=MappingProxyType({}))
+
+
+def _groups(module: nn.Module) -> list:
+    return module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+
+
+@contextlib.contextmanager
+def _synced(module: nn.Module) -> Iterator[None]:
+    """The module's own gradient sync during its backward in the last fold (``Sweep.fold``)."""
+    settings = _SYNCED.get().get(module, ())
+    for g, reduce, all_reduce in settings:
+        g.reduce_grads, g.all_reduce_grads = reduce, all_reduce
+    try:
+        yield
+    finally:
+        for g, _, _ in settings:
+            g.reduce_grads = g.all_reduce_grads = False
