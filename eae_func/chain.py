@@ -358,7 +358,7 @@ def from_module(
                     param_names=names,
                     param_layout=layout,
                     aliased=aliased,
-                    sharded=fsdp.sharded_params(child),
+                    sharded=fsdp.sharded_params(child, own),
                 )
             )
             stage_params = {}

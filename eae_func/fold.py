@@ -586,6 +586,8 @@ def make_step(
                         _, closure, _ = local_vjp(s, params[i], entry.buffers, floats, rebuild, None, entry.frozen)
                 with timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device):
                     grads, g_in = closure(cotangent(costate, entry.out_layout), i > 0 or observed)
+                if s.sharded is not None:
+                    fsdp.prefetch_below(chain, i)
                 costate_in = None if g_in is None else costate_like(g_in)
         except Exception as e:
             note(e, f"the reverse step of {chain.where(i)}")

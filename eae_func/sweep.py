@@ -82,7 +82,9 @@ def sweep(
                     module paths ``split_at`` by graph capture (once per input layout and mode);
                     or a function ``model_fn(params, x)`` with ``loss=`` (``model_fn(params, x,
                     *loss_args)`` returning the loss without it), cut at its ``ef.cut`` marks
-                    (``eae_func.function``).
+                    (``eae_func.function``). Stages that are FSDP2 (``fully_shard``) modules run
+                    through FSDP at their own sharded parameters, their gradients FSDP's
+                    reduce-scattered shards (``eae_func.fsdp``).
     params:         one dict per stage, or, with a model, a flat ``{qualified name: tensor}``
                     dict as ``dict(model.named_parameters())`` gives, or, with a function, any
                     pytree; ``grads`` (and ``buffers``) come back in the structure given, a tied

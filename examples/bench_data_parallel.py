@@ -1,11 +1,19 @@
-"""Data parallel on 2 CPU processes (gloo): DDP, DDP with a checkpoint per block, eae_func's
-sweep followed by ``D.average_gradients``, and eae_func on the DDP model (``data_parallel=``:
-each stage's gradients all-reduced as the fold makes them, overlapped with the next stages).
+"""Data parallel on 2 CPU processes (gloo). Replicated: DDP, DDP with a checkpoint per block,
+eae_func's sweep followed by ``D.average_gradients``, and eae_func on the DDP model
+(``data_parallel=``: each stage's gradients all-reduced as the fold makes them, overlapped with
+the next stages). Sharded: FSDP2 (``fully_shard`` per block and on the root), FSDP2 with a
+checkpoint per block, and eae_func on the FSDP2 model (each block's forward, recompute and
+backward through FSDP; on an accelerator the next block's all-gather prefetched).
 
 Per method, on every rank: the step (loss and averaged gradients, no optimizer), interleaved
-over the rounds, the slowest rank's median and its ratio to DDP; the peak resident set above
-the set before the step (``VmHWM`` after resetting it through ``/proc/self/clear_refs``); the
-bytes each rank sends per step. The gradients of every method are checked against DDP's.
+over the rounds, the slowest rank's median and its ratio to DDP; the peak resident set of a
+step above the set before it (``VmHWM`` after resetting it through ``/proc/self/clear_refs``),
+in fresh processes per method, for the first step (with what it leaves allocated for the next
+ones: DDP's buckets, FSDP's buffers) and for the second (without that), no gradients kept from a
+step before, glibc's ``M_MMAP_THRESHOLD`` at 64 KiB so that it maps every tensor above that on
+its own and unmaps it when freed (RSS follows live memory); the
+bytes each replicated rank sends per step. The gradients of every method are checked against
+DDP's (the sharded ones: this rank's shard of them).
 
     python examples/bench_data_parallel.py --blocks 8 --width 256 --seq 256 --batch 4 --rounds 7
 """
@@ -13,6 +21,8 @@ bytes each rank sends per step. The gradients of every method are checked agains
 from __future__ import annotations
 
 import argparse
+import copy
+import ctypes
 import re
 import statistics
 import time
@@ -28,7 +38,15 @@ import eae_func as ef
 import eae_func.distributed as D
 from eae_func.models import Block
 
-METHODS = ("ddp", "ddp + checkpoint", "eae + average_gradients", "eae data_parallel=")
+METHODS = (
+    "ddp",
+    "ddp + checkpoint",
+    "eae + average_gradients",
+    "eae data_parallel=",
+    "fsdp2",
+    "fsdp2 + checkpoint",
+    "eae on fsdp2",
+)
 
 
 class Checkpointed(nn.Module):
@@ -51,11 +69,25 @@ def reset_peak() -> None:
         f.write("5")
 
 
+def sharded(blocks: list, wrap=lambda b: b) -> nn.Sequential:
+    """``fully_shard`` on each (copied, wrapped) block, then on the root, over all ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = nn.Sequential(*[fully_shard(wrap(copy.deepcopy(b)), mesh=mesh) for b in blocks])
+    return fully_shard(model, mesh=mesh)
+
+
 def worker(args) -> dict:
     torch.set_num_threads(1)
+    if args.peak_of is not None:  # glibc maps every tensor above 64 KiB on its own, unmapped when freed
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
     rank = dist.get_rank()
     torch.manual_seed(0)
     blocks = [Block(args.width, 8, 4, 4 * args.width) for _ in range(args.blocks)]
+    fsdp, fsdp_checkpointed = sharded(blocks), sharded(blocks, Checkpointed)
+    fsdp_params = dict(fsdp.named_parameters())
     model = nn.Sequential(*blocks)
     ddp = DDP(model)
     checkpointed = DDP(nn.Sequential(*[Checkpointed(b) for b in blocks]))  # the same weights
@@ -79,14 +111,40 @@ def worker(args) -> dict:
         stats["reducer"] = res.stats["data_parallel"]
         return res.grads
 
+    def fsdp_autograd(net):
+        net.zero_grad(set_to_none=True)
+        F.mse_loss(net(x), y).backward()
+        return {"module." + n.replace(".block.", "."): p.grad.full_tensor() for n, p in net.named_parameters()}
+
+    def eae_on_fsdp():
+        grads = ef.grad(fsdp, fsdp_params, x, y, loss=F.mse_loss)
+        return {"module." + n: g.full_tensor() for n, g in grads.items()}
+
     runs = dict(
-        zip(METHODS, (lambda: autograd(ddp), lambda: autograd(checkpointed), sweep_then_average, data_parallel))
+        zip(
+            METHODS,
+            (
+                lambda: autograd(ddp),
+                lambda: autograd(checkpointed),
+                sweep_then_average,
+                data_parallel,
+                lambda: fsdp_autograd(fsdp),
+                lambda: fsdp_autograd(fsdp_checkpointed),
+                eae_on_fsdp,
+            ),
+        )
     )
-    if args.peak_of is not None:  # a fresh pair of processes per method: the allocator has kept nothing yet
-        before = _status_kb("VmRSS")
-        reset_peak()
-        runs[args.peak_of]()
-        return {"peak_mb": (_status_kb("VmHWM") - before) / 1024}
+    if args.peak_of is not None:  # a fresh pair of processes per method: its first step, then a second one
+        peaks = []
+        for _ in range(2):
+            for net in (ddp, checkpointed, fsdp, fsdp_checkpointed):  # no gradients kept from a step before
+                net.zero_grad(set_to_none=True)
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            before = _status_kb("VmRSS")
+            reset_peak()
+            runs[args.peak_of]()
+            peaks.append((_status_kb("VmHWM") - before) / 1024)
+        return {"peak_mb": peaks}
     reference = {n: g.clone() for n, g in runs["ddp"]().items()}
     errors = {}
     for name, run in runs.items():
@@ -130,11 +188,14 @@ def main(argv=None):
         for r, p in zip(results, peaks):
             r.setdefault("peak_mb", {})[name] = p["peak_mb"]
     base = results[0]["time"]["ddp"]
-    print(f"{'method':<26} {'step / ddp':>10} {'peak MB r0':>10} {'peak MB r1':>10} {'max |g - ddp|':>13}")
+    print(
+        f"{'method':<26} {'step / ddp':>10} {'1st step MB r0 / r1':>20} {'2nd step MB r0 / r1':>20} {'max |g - ddp|':>13}"
+    )
     for name in METHODS:
         ratio = results[0]["time"][name] / base
-        peaks = [r["peak_mb"][name] for r in results]
-        print(f"{name:<26} {ratio:>9.2f}x {peaks[0]:>10.1f} {peaks[1]:>10.1f} {results[0]['error'][name]:>13.1e}")
+        (a0, b0), (a1, b1) = (r["peak_mb"][name] for r in results)
+        first, second = f"{a0:.1f} / {a1:.1f}", f"{b0:.1f} / {b1:.1f}"
+        print(f"{name:<26} {ratio:>9.2f}x {first:>20} {second:>20} {results[0]['error'][name]:>13.1e}")
     b = results[0]["bytes"]
     print(
         f"bytes sent per rank per step: average_gradients {b['ddp']}, data_parallel= {b['eae data_parallel=']} "

@@ -4,6 +4,7 @@ FSDP's ``loss.backward()`` (with microbatches, FSDP's no-sync accumulation), sha
 parameters; ``.grad`` is left as it was; the passes see the full costates; a fused AdamW equals
 the unfused step; and the model trains on with FSDP's own backward afterwards."""
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -21,17 +22,20 @@ def _plain():
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).double()
 
 
-def _sharded(root_too: bool = True, model: nn.Module | None = None):
+def _sharded(root_too: bool = True, model: nn.Module | None = None, **options):
+    """FSDP2 over every rank (2 ranks), or HSDP (4 ranks: 2 replicas of 2 shards)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    shape, names = ((world,), None) if world == 2 else ((2, world // 2), ("replicate", "shard"))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model = _plain() if model is None else model
     for m in model:
         if any(True for _ in m.parameters()):
-            fully_shard(m, mesh=mesh)
+            fully_shard(m, mesh=mesh, **options)
     if root_too:
-        fully_shard(model, mesh=mesh)
+        fully_shard(model, mesh=mesh, **options)
     return model
 
 
@@ -60,7 +64,10 @@ def _reference(microbatches: int = 1) -> dict:
     return _local({n: p.grad for n, p in model.named_parameters()})
 
 
-def _equivalence():
+def _equivalence(prefetch: bool):
+    from eae_func import fsdp
+
+    fsdp.PREFETCH_ON_CPU = prefetch  # the next stage's all-gather started early, as on an accelerator
     rank = dist.get_rank()
     x, y = _batch(rank)
     want = _reference()
@@ -115,13 +122,72 @@ def _equivalence():
     return out
 
 
-def test_fsdp2_stages_give_fsdp2s_gradients_and_the_model_trains_on():
-    for out in D.run(_equivalence, 2, timeout=300, pg_timeout=120):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_fsdp2_stages_give_fsdp2s_gradients_and_the_model_trains_on(prefetch):
+    for out in D.run(_equivalence, 2, prefetch, timeout=300, pg_timeout=120):
         assert out["grads"] == 0.0 and out["dtensor"] and out["grad_left"]
         assert out["microbatches"] < 1e-12 and out["chain"] == 0.0
         assert out["costates"] == 0.0
         assert out["stepped"] == 0.0 and out["trains_on"] == 0.0
         assert out["fused"] < 1e-12
+
+
+def _mixed_precision_and_a_failed_sweep():
+    """bf16 compute, fp32 reduction (FSDP's MixedPrecisionPolicy); then a sweep whose pass raises
+    halfway, after which FSDP2 trains on as if it had not run."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    x, y = (t.float() for t in _batch(dist.get_rank()))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def loss(out, y):
+        return F.mse_loss(out.float(), y)
+
+    reference, model = (_sharded(model=_plain().float(), mp_policy=policy) for _ in range(2))
+    loss(reference(x), y).backward()
+    out = {
+        "grads": _max_error(
+            _local(ef.grad(model, dict(model.named_parameters()), x, y, loss=loss)),
+            _local({n: p.grad for n, p in reference.named_parameters()}),
+        )
+    }
+
+    def fail(adj):
+        if adj.index == 2:
+            raise RuntimeError("a pass failed")
+        return adj
+
+    try:
+        ef.grad(model, dict(model.named_parameters()), x, y, loss=loss, passes=fail)
+    except RuntimeError as e:
+        out["failed"] = str(e)
+    reference.zero_grad()
+    for m in (model, reference):
+        loss(m(x), y).backward()
+    out["trains_on"] = _max_error(
+        _local({n: p.grad for n, p in model.named_parameters()}),
+        _local({n: p.grad for n, p in reference.named_parameters()}),
+    )
+    return out
+
+
+def test_fsdp2_mixed_precision_and_a_failed_sweep_leave_fsdp_as_it_was():
+    for out in D.run(_mixed_precision_and_a_failed_sweep, 2, timeout=300, pg_timeout=120):
+        assert out["grads"] == 0.0
+        assert out["failed"] == "a pass failed"
+        assert out["trains_on"] == 0.0
+
+
+def _hsdp():
+    x, y = _batch(dist.get_rank())
+    model = _sharded()
+    grads = ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, microbatches=2)
+    return {"microbatches": _max_error(_local(grads), _reference(microbatches=2))}
+
+
+def test_hsdp_replicas_of_shards_give_fsdp2s_gradients():
+    for out in D.run(_hsdp, 4, timeout=300, pg_timeout=120):
+        assert out["microbatches"] < 1e-12
 
 
 def _refusals():
