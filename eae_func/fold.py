@@ -27,7 +27,7 @@ import torch
 from torch.profiler import record_function
 
 from . import boundary as B
-from . import fsdp, remat
+from . import compiled, fsdp, remat
 from .adjoint import AdjointState, fold_in
 from .chain import Chain
 from .lazy import event_seconds
@@ -466,7 +466,10 @@ def run_stage(
                 flat = B.leaves(out, f"output of {chain.where(i)}")
             elif i in opts.physical or plan.rebuilds(i, chain.names[i]):
                 with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
-                    out, tape.buffers[i] = s.call(params, buffers, h)
+                    if compiled.eligible(s, i, opts, h):
+                        out, tape.buffers[i] = compiled.forward(s, opts, params, buffers, h)
+                    else:
+                        out, tape.buffers[i] = s.call(params, buffers, h)
                 flat = B.leaves(out, f"output of {chain.where(i)}")
                 check_closed_over(chain, i, flat[0])
             else:
@@ -577,15 +580,31 @@ def make_step(
             else:
                 floats, rebuild, costate_like = B.split_as(entry.boundary, entry.layout)
                 closure = entry.closure
-                if closure is None:
+                if closure is None and compiled.eligible(s, i, opts, entry.boundary):  # recompute + vjp: one graph
                     with (
-                        timer(opts, stats, "recompute_s", f"eae/{s.name}/recompute", device),
+                        timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device),
                         replay_rng(entry.rng, device),
                         autocast(opts.autocast, device),
                     ):
-                        _, closure, _ = local_vjp(s, params[i], entry.buffers, floats, rebuild, None, entry.frozen)
-                with timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device):
-                    grads, g_in = closure(cotangent(costate, entry.out_layout), i > 0 or observed)
+                        grads, g_in = compiled.reverse(
+                            s,
+                            opts,
+                            params[i],
+                            entry.buffers,
+                            entry.boundary,
+                            cotangent(costate, entry.out_layout),
+                            entry.frozen,
+                        )
+                else:
+                    if closure is None:
+                        with (
+                            timer(opts, stats, "recompute_s", f"eae/{s.name}/recompute", device),
+                            replay_rng(entry.rng, device),
+                            autocast(opts.autocast, device),
+                        ):
+                            _, closure, _ = local_vjp(s, params[i], entry.buffers, floats, rebuild, None, entry.frozen)
+                    with timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device):
+                        grads, g_in = closure(cotangent(costate, entry.out_layout), i > 0 or observed)
                 if s.sharded is not None:
                     fsdp.prefetch_below(chain, i)
                 costate_in = None if g_in is None else costate_like(g_in)

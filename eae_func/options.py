@@ -54,6 +54,10 @@ class Options:
                     (a ``torch.distributed`` process group or a 1-D ``DeviceMesh``; after
                     ``__post_init__``, the group); ``False``: this rank's gradients only, said
                     on purpose (no warning in a multi-process run).
+    compile:        ``torch.compile`` each digital stage's forward and its reverse step (the recompute
+                    and the local vjp as one graph; ``eae_func.compiled``): ``True``, a mode string or a
+                    dict of ``torch.compile``'s keyword arguments; after ``__post_init__``, that dict
+                    (``None``: off).
     """
 
     passes: Any = None
@@ -71,6 +75,7 @@ class Options:
     update: Any = None
     timers: bool = True
     data_parallel: Any = None
+    compile: Any = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -110,6 +115,7 @@ class Options:
         if self.update is not None and not isinstance(self.update, Fused):
             set_(self, "update", fused(self.update))
         set_(self, "data_parallel", replicas(self.data_parallel))
+        set_(self, "compile", compiling(self.compile))
 
     @property
     def boundary(self) -> Policy:
@@ -174,6 +180,23 @@ def replicas(given: Any) -> Any:
     return given
 
 
+def compiling(given: Any) -> dict | None:
+    """``compile=`` as ``torch.compile``'s keyword arguments: ``None`` / ``False`` off, ``True`` the
+    defaults, a mode string (``"max-autotune"``) or a dict of them."""
+    if given is None or given is False:
+        return None
+    if given is True:
+        return {}
+    if isinstance(given, str):
+        return {"mode": given}
+    if isinstance(given, Mapping) and all(isinstance(k, str) for k in given):
+        return dict(given)
+    raise TypeError(
+        f"sweep: compile= takes True, a torch.compile mode (e.g. 'max-autotune') or a dict of torch.compile "
+        f"keyword arguments, got {type(given).__name__}"
+    )
+
+
 class SweepOptions(TypedDict, total=False):
     """``Options``' fields as keyword arguments (``**options: Unpack[SweepOptions]``)."""
 
@@ -192,6 +215,7 @@ class SweepOptions(TypedDict, total=False):
     update: Any
     timers: bool
     data_parallel: Any
+    compile: bool | str | Mapping[str, Any] | None
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(Options))

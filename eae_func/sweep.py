@@ -133,6 +133,10 @@ def sweep(
                     averaged over it by an asynchronous all-reduce as soon as the fold has them (DDP's
                     arithmetic; a DDP model means its own group); ``stats["data_parallel"]`` has the
                     bytes sent and the seconds waited. ``False``: local gradients, on purpose.
+    compile:        ``torch.compile`` each digital stage's forward and its reverse step, the recompute
+                    and the local vjp as one graph (``True``, a mode, or ``torch.compile``'s keyword
+                    arguments; ``eae_func.compiled``): stages running the same code on the same shapes
+                    share their graphs, dropout is replayed as without it.
     """
     return run(chain, params, x, loss_args, loss, split_at, pass_state, buffers, make("sweep", options))
 

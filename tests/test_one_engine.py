@@ -53,6 +53,7 @@ EVERY_OPTION = dict(
     keep_costates=True,
     timers=True,
     data_parallel=False,
+    compile=None,
 )
 
 
