@@ -43,6 +43,12 @@ if TYPE_CHECKING:
     from .options import SweepOptions
 
 
+def _python(entry: Callable) -> Callable:
+    """An entry point that ``torch.compile`` around it runs as Python (the fold between stages, with
+    its passes, RNG replay and checks, is not one graph); ``compile=`` compiles the stages instead."""
+    return functools.wraps(entry)(torch.compiler.disable(entry, recursive=True))
+
+
 @dataclasses.dataclass(frozen=True)
 class SweepResult:
     """loss: the scalar loss; grads: same tree as params (``None`` with fused updates: consumed
@@ -64,6 +70,7 @@ class SweepResult:
     update_state: Any = None
 
 
+@_python
 def sweep(
     chain: Chain | nn.Module,
     params: Sequence | Mapping,
@@ -458,6 +465,7 @@ def _per_leaf(fn: Callable) -> Callable:
     return update
 
 
+@_python
 def value_and_grad(
     chain: Chain | nn.Module,
     params: Sequence | Mapping,
@@ -477,6 +485,7 @@ def value_and_grad(
     return res.loss, res.grads
 
 
+@_python
 def grad(
     chain: Chain | nn.Module,
     params: Sequence | Mapping,

@@ -53,3 +53,18 @@ def test_compile_takes_true_a_mode_or_torch_compile_options():
     assert ef.Options(compile=False).compile is None
     with pytest.raises(TypeError, match="compile= takes True, a torch.compile mode"):
         ef.Options(compile=3)
+
+
+def test_torch_compile_around_the_sweep_runs_it_as_python():
+    chain, params = _chain()
+    x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 4)
+    torch.manual_seed(0)
+    got = torch.compile(lambda p, x, y: ef.value_and_grad(chain, p, x, y))(params, x, y)
+    torch.manual_seed(0)
+    want = ef.value_and_grad(chain, params, x, y)
+    assert torch.equal(got[0], want[0])
+    assert all(
+        (g is None and w is None) or torch.equal(g, w)
+        for gs, ws in zip(got[1], want[1])
+        for g, w in zip(gs.values(), ws.values())
+    )
