@@ -13,8 +13,9 @@ the checks and the fold stay in Python between stages. Random ops run as eager A
 the graphs (inductor's ``fallback_random``), so dropout draws from the global RNG exactly as the
 uncompiled stage does and the recompute replays its masks bit for bit.
 
-Compiled: module and function stages whose input boundary is one floating tensor; physical and
-FSDP stages, and other boundaries, run as without ``compile=``.
+Compiled: module and function stages whose input boundary is one floating tensor and whose graph
+the remat policy rebuilds; physical and FSDP stages, kept graphs and other boundaries run as
+without ``compile=``.
 """
 
 from __future__ import annotations

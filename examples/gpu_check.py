@@ -10,6 +10,8 @@
         with no passes, none with offload; with ``check_finite`` + ``clip_by_global_norm``, counted
     (e) ``torch.cuda.max_memory_allocated`` of the memory benchmark's workload (12 blocks of width
         256, batch 8, seq 256) for autograd, checkpoint and eae_func
+    (f) ``compile=``: gradients against autograd with dropout 0.1 replayed inside the compiled
+        graphs, and its steady step time beside the eager sweep's
 
     python examples/gpu_check.py                       # on a machine with CUDA
     python examples/gpu_check.py --device cpu --quick  # the same checks' logic on the CPU, small
@@ -119,6 +121,32 @@ def check_gradients(device, depth, dim, batch, seq) -> None:
     amp = torch.cat([g.float().flatten() for g in autograd_grads(net, x, target, seed=1, autocast=True)])
     err = relative(got, amp)
     report("(a) autocast bf16", err < 5e-2, f"relative gradient error to autograd under autocast {err:.2e}")
+
+
+def check_compiled(device, depth, dim, batch, seq) -> None:
+    """(f): compile= (each stage's forward, and its recompute + vjp as one graph) against autograd, dropout
+    0.1 replayed inside the compiled graphs; its steady step time beside the eager sweep's."""
+    net = model(depth, dim, device, 0.1)
+    x, target = torch.randn(batch, seq, dim, device=device), torch.randn(batch, seq, dim, device=device)
+    chain, params = ef.from_module(net, loss=mse)
+    reference = torch.cat([g.flatten() for g in autograd_grads(net, x, target, seed=3)])
+    seconds = {}
+    for label, options in (("eager", {}), ("compile=", {"compile": True})):
+        for _ in range(2):  # the first compiles
+            torch.manual_seed(3)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            grads = flat(ef.grad(chain, params, x, target, **options))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds[label] = time.perf_counter() - start
+    err = relative(grads, reference)
+    report(
+        "(f) compile=",
+        err < 1e-4,
+        f"relative gradient error {err:.2e}; steady step {seconds['compile='] / seconds['eager']:.2f}x the eager sweep's",
+    )
 
 
 def check_input_on_cpu(device, dim, batch, seq) -> None:
@@ -238,6 +266,7 @@ def main(argv=None) -> int:
     check_gradients(device, depth, dim, batch, seq)
     check_input_on_cpu(device, dim, batch, seq)
     check_physical_under_autocast(device, dim, batch, seq)
+    check_compiled(device, depth, dim, batch, seq)
     if device.type == "cuda":
         check_syncs(device, dim, batch, seq)
         check_memory(device, 12, 256, 8, 256)

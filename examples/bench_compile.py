@@ -1,0 +1,177 @@
+"""torch.compile and the sweep, side by side: eager autograd, eager checkpoint per block,
+``torch.compile`` + autograd, ``torch.compile`` + checkpoint per block, eae_func eager and eae_func
+``compile=True`` (each stage's forward, and its recompute + local vjp as one graph).
+
+Model: ``--depth`` ``models.Block(256, 8, 4, 1024)``, seq 128, batch 4, fp32, the loss and every
+parameter gradient. Per method: the one-time compile seconds (the first step's time minus a
+steady step's), the step time interleaved over ``--rounds`` rounds (A B C ... A B C ...), its
+median as a ratio to eager autograd, and the peak resident set of a steady step above the set
+before it, in a fresh process per method (one warm-up step first, glibc mapping every tensor above
+64 KiB on its own so RSS follows live memory). The gradients are checked against eager autograd's.
+
+    python examples/bench_compile.py --depth 6 --rounds 11
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+METHODS = ("autograd", "checkpoint", "compile + autograd", "compile + checkpoint", "eae_func", "eae_func compile=")
+
+
+def build(args):
+    import torch
+
+    from eae_func.models import Block
+
+    torch.manual_seed(0)
+    blocks = [Block(256, 8, 4, 1024) for _ in range(args.depth)]
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(args.batch, args.seq, 256, generator=g), torch.randn(args.batch, args.seq, 256, generator=g)
+    return blocks, x, y
+
+
+def steps(blocks, x, y) -> dict:
+    """One function per method running a step and returning its gradients (in the blocks' order)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    import eae_func as ef
+
+    model = nn.Sequential(*blocks)
+    params = list(model.parameters())
+
+    class Checkpointed(nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, h):
+            return checkpoint(self.block, h, use_reentrant=False)
+
+    checkpointed = nn.Sequential(*[Checkpointed(b) for b in blocks])  # the same weights
+    compiled, compiled_checkpointed = torch.compile(model), torch.compile(checkpointed)
+
+    def autograd(net):
+        def step():
+            for p in params:
+                p.grad = None
+            F.mse_loss(net(x), y).backward()
+            return [p.grad for p in params]
+
+        return step
+
+    flat = dict(model.named_parameters())
+
+    def sweep(**options):
+        def step():
+            grads = ef.grad(model, flat, x, y, loss=F.mse_loss, **options)
+            return list(grads.values())
+
+        return step
+
+    return dict(
+        zip(
+            METHODS,
+            (
+                autograd(model),
+                autograd(checkpointed),
+                autograd(compiled),
+                autograd(compiled_checkpointed),
+                sweep(),
+                sweep(compile=True),
+            ),
+        )
+    )
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
+    return int(match.group(1)) if match else 0
+
+
+def peak_worker(args) -> None:
+    """One method's steady-step peak RSS above the set before it, printed as JSON."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    blocks, x, y = build(args)
+    step = steps(blocks, x, y)[args.peak_of]
+    step()  # the warm-up (and the compile)
+    for p in (p for b in blocks for p in b.parameters()):
+        p.grad = None  # no gradients kept from the warm-up: every method's step holds its own
+    before = _status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    step()
+    print(json.dumps({"peak_mb": (_status_kb("VmHWM") - before) / 1024}))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 blocks, seq 16, 1 round, no peaks")
+    parser.add_argument("--peak-of", choices=METHODS, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.depth, args.seq, args.batch, args.rounds = 2, 16, 2, 1
+    if args.peak_of is not None:
+        return peak_worker(args)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    blocks, x, y = build(args)
+    runs = steps(blocks, x, y)
+    first, reference, errors = {}, None, {}
+    for name, step in runs.items():
+        start = time.perf_counter()
+        grads = step()
+        first[name] = time.perf_counter() - start
+        reference = reference or [g.clone() for g in grads]
+        errors[name] = max((g - r).abs().max().item() for g, r in zip(grads, reference))
+    times = {name: [] for name in runs}
+    for _ in range(args.rounds):
+        for name, step in runs.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    median = {n: statistics.median(t) for n, t in times.items()}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    peaks = dict.fromkeys(METHODS, float("nan"))  # --quick: not measured
+    for name in () if args.quick else METHODS:
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            *(argv if argv is not None else sys.argv[1:]),
+            "--peak-of",
+            name,
+        ]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+        peaks[name] = json.loads(out.strip().splitlines()[-1])["peak_mb"]
+    print(f"{args.depth} x models.Block(256, 8, 4, 1024), seq {args.seq}, batch {args.batch}, {args.threads} threads")
+    print(f"{'method':<22} {'step / autograd':>15} {'compile s':>10} {'peak MB':>8} {'max |g - autograd|':>19}")
+    for name in METHODS:
+        compile_s = max(first[name] - median[name], 0.0) if "compile" in name else 0.0
+        print(
+            f"{name:<22} {median[name] / median['autograd']:>14.2f}x {compile_s:>10.1f} "
+            f"{peaks[name]:>8.1f} {errors[name]:>19.1e}"
+        )
+
+
+if __name__ == "__main__":
+    main()
