@@ -296,6 +296,12 @@ class Pipeline:
                 "Pipeline.sweep: data_parallel= is for ef.sweep; across pipelines, average res.grads over "
                 "the replicas with D.average_gradients(res.grads, mesh.data_group)"
             )
+        sharded = [chain.where(i) for i in range(self.lo, self.hi) if chain.stages[i].sharded is not None]
+        if sharded:
+            raise TypeError(
+                f"Pipeline.sweep: {', '.join(sharded)} are FSDP2 (fully_shard) modules, which ef.sweep runs on "
+                f"FSDP's own engine; a pipeline does not yet"
+            )
         if opts.estimator is not None and getattr(opts.estimator, "scope", "model") != "stage" and p > 1:
             raise ValueError(
                 f"Pipeline.sweep: estimator={opts.estimator!r} probes the whole chain from its input, "
