@@ -21,7 +21,6 @@ without ``compile=``.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,14 +61,16 @@ def _reverse(target: Any, trainable: dict, frozen: dict, buffers: dict, h: torch
     return pullback(cotangents)
 
 
-@functools.cache
-def _compiled(kwargs: tuple) -> tuple:
-    """The compiled forward and reverse for one set of ``torch.compile`` keyword arguments."""
-    return torch.compile(_run, **dict(kwargs)), torch.compile(_reverse, **dict(kwargs))
+_COMPILED: dict[str, tuple] = {}
 
 
-def _key(opts: Any) -> tuple:
-    return tuple(sorted(opts.compile.items()))
+def _compiled(opts: Any) -> tuple:
+    """The compiled forward and reverse for ``opts.compile`` (``torch.compile``'s keyword arguments,
+    whose values may be dicts: keyed by their repr)."""
+    key = repr(sorted(opts.compile.items()))
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(_run, **opts.compile), torch.compile(_reverse, **opts.compile)
+    return _COMPILED[key]
 
 
 def _target(stage: Any) -> Any:
@@ -78,7 +79,7 @@ def _target(stage: Any) -> Any:
 
 def forward(stage: Any, opts: Any, params: Any, buffers: Mapping, h: torch.Tensor) -> tuple[Any, dict]:
     """``stage.call(params, buffers, h)``, compiled."""
-    fn = _compiled(_key(opts))[0]
+    fn = _compiled(opts)[0]
     with _eager_random(), _lock(stage):
         return fn(_target(stage), dict(params), dict(buffers), h)
 
@@ -91,7 +92,7 @@ def reverse(
     differentiated: ``frozen`` ones (``requires_grad=False`` in the module) and integer ones get ``None``."""
     train = {n: t for n, t in params.items() if n not in frozen and t.is_floating_point()}
     rest = {n: t for n, t in params.items() if n not in train}
-    fn = _compiled(_key(opts))[1]
+    fn = _compiled(opts)[1]
     with _eager_random(), _lock(stage):
         grads, g_in = fn(_target(stage), train, rest, dict(buffers), h, list(cotangents))
     return {n: grads.get(n) for n in params}, [g_in]

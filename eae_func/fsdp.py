@@ -29,13 +29,12 @@ from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
-import optree
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from .tree import NAMESPACE
+from . import boundary as B
 
 
 def sharded_params(module: nn.Module, own: list[tuple[str, nn.Parameter]]) -> tuple[nn.Parameter, ...] | None:
@@ -178,11 +177,10 @@ def local_vjp(stage: Any, buffers: Mapping, floats: list, rebuild: Callable) -> 
         inputs = [t.detach().requires_grad_() for t in floats]
         with unsharded_until_backward(module):
             out = stage.call({}, buffers, rebuild(inputs))[0]
-    outputs = [t for t in optree.tree_leaves(out, namespace=NAMESPACE) if isinstance(t, torch.Tensor)]
+    outputs = [t for t in B.leaves(out, "output of an FSDP stage")[0] if B.is_differentiable(t)]
 
     def pullback(cotangents: list, inputs_too: bool = True) -> tuple:
-        differentiable = [t for t in outputs if t.is_floating_point() or t.is_complex()]
-        connected = [(o, c) for o, c in zip(differentiable, cotangents) if o.requires_grad]
+        connected = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
         if connected:  # FSDP's post-backward reduce-scatters into the sharded .grad and reshards
             with _synced(module):
                 torch.autograd.backward([o for o, _ in connected], [c for _, c in connected])
