@@ -258,6 +258,8 @@ def local_vjp(
     rebuild: Callable,
     check: Callable | None = None,
     frozen: frozenset[str] = frozenset(),
+    params_too: bool = True,
+    inputs_too: bool = True,
 ) -> tuple:
     """``(output, pullback, updated buffers)`` of one stage run with its local autograd graph, the
     graph ``torch.utils.checkpoint`` builds: ``pullback(cotangents, inputs_too=True)`` is
@@ -266,20 +268,21 @@ def local_vjp(
     and records no double-backward graph. The output is still attached to the graph. ``check(output
     leaves, inputs)`` sees the graph before that. Only trainable parameters are differentiated: one
     named in ``frozen`` (``requires_grad=False`` in its module), an integer one and one the stage never
-    reads get ``None``, as plain autograd leaves their ``.grad``. An FSDP stage runs FSDP's backward
-    (``eae_func.fsdp.local_vjp``)."""
+    reads get ``None``, as plain autograd leaves their ``.grad``. ``params_too=False`` / ``inputs_too=False``
+    build the graph of the inputs alone / the parameters alone (the I and W halves of a zero-bubble
+    backward). An FSDP stage runs FSDP's backward (``eae_func.fsdp.local_vjp``)."""
     if stage.sharded is not None:
         return fsdp.local_vjp(stage, buffers, floats, rebuild)
     if frozen:
         paths, leaves, spec = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
-        trainable = [B.is_differentiable(t) and path[0] not in frozen for path, t in zip(paths, leaves)]
+        trainable = [params_too and B.is_differentiable(t) and path[0] not in frozen for path, t in zip(paths, leaves)]
     else:
         leaves, spec = optree.tree_flatten(params, namespace=NAMESPACE)
-        trainable = [B.is_differentiable(t) for t in leaves]
+        trainable = [params_too and B.is_differentiable(t) for t in leaves]
     n = len(leaves)
     with torch.enable_grad():
         inputs = [t.detach().requires_grad_(m) for t, m in zip(leaves, trainable)]
-        inputs += [t.detach().requires_grad_() for t in floats]
+        inputs += [t.detach().requires_grad_(inputs_too) for t in floats]
         out, updated = stage.call(spec.unflatten(inputs[:n]), buffers, rebuild(inputs[n:]))
     flat_out = optree.tree_leaves(out, namespace=NAMESPACE)
     if check is not None:
@@ -544,8 +547,22 @@ def boundary_condition(
     return loss.detach(), Carry(adj, pass_state)
 
 
+@dataclasses.dataclass(frozen=True)
+class Deferred:
+    """A stage's parameter gradients ``J_W^T p``, computed when ``compute()`` is called (the W half
+    of a zero-bubble backward: the stage rebuilt from its boundary with the input detached)."""
+
+    compute: Callable[[], Any]
+
+
 def make_step(
-    chain: Chain, params: tuple, opts: Options, device: torch.device, problem: Any = None, updater: Any = None
+    chain: Chain,
+    params: tuple,
+    opts: Options,
+    device: torch.device,
+    problem: Any = None,
+    updater: Any = None,
+    defer_weights: bool = False,
 ) -> Callable[[Carry, Entry], tuple[Carry, StepOut]]:
     """The reverse step ``(carry, entry) -> (carry, out)`` of one stage.
 
@@ -554,7 +571,9 @@ def make_step(
     (``stage_vjp(problem, prepared, i, h_in, costate)``, fresh randomness, no replay); with
     physical stages, ``opts.estimator.prepare(problem)`` runs here, once. With an ``updater``
     (fused updates), ``updater.apply(i, grads)`` consumes the stage's gradients at once and the
-    step emits none.
+    step emits none. With ``defer_weights`` a digital stage that is rebuilt from its boundary
+    computes ``J_x^T p`` alone and emits its parameter gradients as ``Deferred`` (the I/W split of
+    zero-bubble schedules: the same numbers, the weight half run later).
     """
     prepared = opts.estimator.prepare(problem) if opts.physical else None
     observed = opts.keep_costates or not opts.no_passes  # p_0, the chain input's costate, is read by someone
@@ -595,6 +614,11 @@ def make_step(
                             cotangent(costate, entry.out_layout),
                             entry.frozen,
                         )
+                elif closure is None and defer_weights and s.sharded is None:
+                    cot = cotangent(costate, entry.out_layout)
+                    grads, g_in = deferred_vjp(
+                        s, params[i], entry, floats, rebuild, cot, i > 0 or observed, opts, stats, device
+                    )
                 else:
                     if closure is None:
                         with (
@@ -624,6 +648,43 @@ def make_step(
         return Carry(adj, pass_state), StepOut(grads, traced(adj, opts), stats)
 
     return step
+
+
+def deferred_vjp(
+    s: Any,
+    params: Any,
+    entry: Entry,
+    floats: list,
+    rebuild: Callable,
+    cot: list,
+    inputs_too: bool,
+    opts: Options,
+    stats: dict,
+    device: torch.device,
+) -> tuple:
+    """``(Deferred J_W^T p, J_x^T p)`` of one stage: the input half now (the stage rebuilt with its
+    parameters detached; ``None`` without ``inputs_too``), the weight half when the ``Deferred`` is
+    computed (rebuilt with its input detached), both under the replayed RNG state."""
+
+    def pullback(weights: bool) -> Callable:
+        with (
+            timer(opts, stats, "recompute_s", f"eae/{s.name}/recompute", device),
+            replay_rng(entry.rng, device),
+            autocast(opts.autocast, device),
+        ):
+            inputs = [f.detach() for f in floats] if weights else floats
+            return local_vjp(s, params, entry.buffers, inputs, rebuild, None, entry.frozen, weights, not weights)[1]
+
+    def weights() -> Any:
+        rebuilt = pullback(True)
+        with timer(opts, stats, "weight_s", f"eae/{s.name}/weights", device):
+            return rebuilt(cot, False)[0]
+
+    if not inputs_too:
+        return Deferred(weights), None
+    rebuilt = pullback(False)
+    with timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device):
+        return Deferred(weights), rebuilt(cot, True)[1]
 
 
 def reverse(

@@ -33,9 +33,10 @@ from .update import Updater
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """One microbatch's results over a range: the loss times its scale (``None`` where the range
-    does not end the chain), one gradient entry per stage (``None`` each with fused updates), the
-    trace (record L first if the range ends the chain, then hi-1 down to lo), the updated buffers
-    of the range's stages, the pass state and the stats."""
+    does not end the chain), one gradient entry per stage (``None`` each with fused updates; a
+    ``fold.Deferred`` with ``defer_weights``), the trace (record L first if the range ends the
+    chain, then hi-1 down to lo), the updated buffers of the range's stages, the pass state, the
+    stats and p_lo after the passes (what a pipeline rank sends back, kept whatever the trace keeps)."""
 
     loss: torch.Tensor | None
     grads: tuple
@@ -43,6 +44,7 @@ class Piece:
     buffers: tuple
     pass_state: Any
     stats: dict
+    costate: Any = None
 
 
 def merge_counters(*counters: dict) -> dict:
@@ -88,9 +90,11 @@ class Range:
         pass_state: Any,
         received: Any = None,
         updater: Updater | None = None,
+        defer_weights: bool = False,
     ) -> Piece:
         """The reverse fold of ``tape`` from the loss (the range ends the chain) or from the
-        ``received`` costate p_hi; ``buffers`` are those the forward ran with."""
+        ``received`` costate p_hi; ``buffers`` are those the forward ran with. ``defer_weights``:
+        the parameter gradients of stages rebuilt from their boundary come as ``fold.Deferred``."""
         chain, lo, hi, opts = self.chain, self.lo, self.hi, self.at(mb)
         stats: dict = {}
         if hi == len(chain):
@@ -105,7 +109,8 @@ class Range:
             F.check_costate(chain, hi, adj, tape.entries[-1].out_layout)
             loss, head, carry = None, (), F.Carry(adj, pass_state)
         problem = self.problem(tape, buffers, mb) if opts.physical else None
-        carry, outs = F.reverse(F.make_step(chain, self.params, opts, self.device, problem, updater), carry, tape)
+        step = F.make_step(chain, self.params, opts, self.device, problem, updater, defer_weights)
+        carry, outs = F.reverse(step, carry, tape)
         trace = head + tuple(o.record for o in reversed(outs))
         stats.update(
             {chain.names[i]: merge_counters(tape.stats[chain.names[i]], o.stats) for i, o in zip(range(lo, hi), outs)}
@@ -118,6 +123,7 @@ class Range:
             tuple(tape.buffers[i] for i in range(lo, hi)),
             carry.pass_state,
             stats,
+            carry.adj.value,
         )
 
     def run(self, buffers: tuple, mb: Microbatch, pass_state: Any, updater: Updater | None = None) -> Piece:

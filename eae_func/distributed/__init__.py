@@ -3,7 +3,7 @@
 
     import eae_func.distributed as D
     D.init()                                            # under torchrun: gloo on CPU, NCCL on GPUs
-    pipe = D.Pipeline(chain, params=params, costate_codec=D.codecs.int8(), schedule="1f1b")
+    pipe = D.Pipeline(chain, params=params, costate_codec=D.codecs.int8(), schedule="zero_bubble")
     res = pipe.sweep(params, x, targets, microbatches=8, passes=..., key=step)
     res.loss, res.grads (this rank's stages), res.stats["wire"], res.stats["schedule"]
 
@@ -12,18 +12,18 @@
     grads, stats = D.average_gradients(res.grads, m.data_group)
 """
 
-from . import codecs, schedule, wire
+from . import codecs
 from .codecs import Codec
 from .data_parallel import Mesh, average_gradients, mesh
-from .launch import Outcome, default_backend, free_port, init, run, spawn
-from .pipeline import Pipeline, PipelineResult, balance
-from .wire import PeerError
+from .launch import Outcome, PeerError, default_backend, free_port, init, run, spawn
+from .pipeline import SCHEDULES, Pipeline, PipelineResult, balance
 
 __all__ = [
     "Codec",
     "Mesh",
     "Outcome",
     "PeerError",
+    "SCHEDULES",
     "Pipeline",
     "PipelineResult",
     "average_gradients",
@@ -34,7 +34,5 @@ __all__ = [
     "init",
     "mesh",
     "run",
-    "schedule",
     "spawn",
-    "wire",
 ]

@@ -68,6 +68,10 @@ class Codec:
     def layout(self, shape: tuple, dtype: torch.dtype, arg: int) -> tuple:
         raise NotImplementedError
 
+    def arg_for(self, shape: tuple) -> int:
+        """The ``arg`` of every encoding of a tensor of ``shape`` (what a receiver allocates for)."""
+        return 0
+
     def _encoded(self, t: torch.Tensor, payload: tuple, arg: int = 0) -> Encoded:
         return Encoded(self, tuple(t.shape), t.dtype, arg, tuple(p.contiguous() for p in payload))
 
@@ -202,6 +206,9 @@ class TopK(Codec):
 
     def layout(self, shape, dtype, arg):
         return (((arg,), self._index_dtype(math.prod(shape))), ((arg,), dtype))
+
+    def arg_for(self, shape):
+        return Q.kept(self.ratio, math.prod(shape))
 
 
 def raw() -> Codec:

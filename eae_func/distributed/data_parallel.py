@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ..adjoint import NAMESPACE
 from .codecs import Codec, Encoded
-from .wire import PeerError
+from .launch import PeerError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+class PeerError(RuntimeError):
+    """A transfer between ranks failed or timed out (a peer died, stalled, or disagrees)."""
+
+
 def default_backend(local_world_size: int) -> str:
     """``"nccl"`` when CUDA has a device for each local process, else ``"gloo"``."""
     if torch.cuda.is_available() and dist.is_nccl_available() and torch.cuda.device_count() >= local_world_size:

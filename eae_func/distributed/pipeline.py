@@ -1,25 +1,38 @@
-"""Pipeline parallelism: each rank owns a contiguous stage range and runs the EAE sweep of
-its range on a pipeline schedule; boundary states go forward and costates go back with
-point-to-point ops, the costate optionally encoded by a wire codec.
+"""Pipeline parallelism on ``torch.distributed.pipelining``: its schedules, our stage ranges and costates.
 
-Rank k owns stages ``[lo_k, hi_k)`` and runs the engine's own parts on them
-(``eae_func.fold``: ``forward``, ``boundary_condition``, ``reverse``; microbatches cut by
-``eae_func.microbatch``). For microbatch j it receives x_{lo_k}, runs its forward, sends
-x_{hi_k}; later it receives p_{hi_k}, runs the reverse fold (passes at boundaries
-hi_k-1..lo_k, and at L on the last rank) and sends p_{lo_k}, encoded. So
+The chain is cut into ``p * v`` contiguous stage ranges; range r runs on pipeline rank ``r mod p``
+(``v`` ranges per rank for the interleaved schedule). Each range is a pipelining stage whose
+compute is the engine's one runner (``eae_func.distributed.stage.RangeStage``): for microbatch j
+it runs the forward of its range from the received x_lo and sends x_hi; later, from the received
+costate p_hi (or the loss, on the last range), the reverse fold with the passes at boundaries
+hi-1..lo (and L) and sends p_lo, encoded by the costate codec. Pipelining's schedule decides the
+order:
 
-    grads on every rank = those of ef.sweep(whole chain, same passes, key, microbatches)
+    gpipe             all forwards, then all backwards
+    1f1b              one forward, one backward in the steady state (m >= p)
+    interleaved_1f1b  1F1B over v ranges per rank, looping (bubble ~ (p-1) / (v m + p - 1))
+    zero_bubble       pipelining's ZB1P: each backward split into I (costates: J_x^T p, the passes)
+                      and W (weights: J_W^T p, deferred into the bubbles), both rebuilt from the
+                      boundary under the replayed RNG
 
-with ``codec.as_pass()`` appended to the passes at the cut boundaries when a costate
-codec is used. Tied parameters whose uses sit on different ranks (embedding and head)
-get the sum of all uses' gradients by exchanging their partial sums.
+Each microbatch's loss is scaled by its share of the batch inside the runner (pipelining's
+``scale_grads`` is off), so with every option, passes included,
+
+    grads on every rank = those of ef.sweep(chain, same options, microbatches=m)
+
+bit for bit, with ``codec.as_pass()`` at the cut boundaries when a costate codec is used. Tied
+tensors whose uses sit on several ranks (embedding and head) get the sum of all uses' gradients.
+The ranks agree on the plan when the pipeline is made and on the options before every step; all
+traffic runs on the pipeline's own process group, whose timeout turns a dead or stalled peer
+into ``PeerError``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
+import datetime
+import functools
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import optree
 import torch
 import torch.distributed as dist
+from torch.distributed import pipelining
 
 from .. import fold as F
 from .. import microbatch as M
@@ -36,16 +50,24 @@ from ..options import Options, make
 from ..physical import Meter
 from ..runner import Range
 from ..sweep import SweepResult, metered
-from ..ties import tie_grads, tie_groups
+from ..ties import tie_groups
 from ..tree import NAMESPACE
-from . import schedule as S
-from .codecs import Codec, Raw, round_trip
-from .wire import PeerError, Wire
+from .codecs import Codec, Raw
+from .launch import PeerError
+from .stage import RangeStage, Step
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from ..options import SweepOptions
+
+SCHEDULES = {
+    "gpipe": pipelining.ScheduleGPipe,
+    "1f1b": pipelining.Schedule1F1B,
+    "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B,
+    "zero_bubble": pipelining.ScheduleInterleavedZeroBubble,
+}
+SINGLE = ("gpipe", "1f1b")  # one stage range per rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,17 +76,18 @@ class PipelineResult(SweepResult):
 
     loss:       the full loss (sent to every rank by the last one).
     grads:      gradients of this rank's stages ``stages`` (one dict per stage).
-    adjoints:   the boundary records this rank produced, after passes and wire codec:
-                L (last rank) and hi-1 down to lo; all ranks' together are the single-process trace.
+    adjoints:   the boundary records this rank produced, after passes and wire codec: L (last
+                rank), then each of its ranges' boundaries, highest first; all ranks' together are
+                the single-process trace.
     buffers:    this rank's stages' updated buffers.
     pass_state: the pass state threaded through this rank's boundaries.
     stats:      per-stage counters as ``SweepResult.stats``, plus ``stats["wire"]`` (bytes and
                 messages sent / received, per kind) and ``stats["schedule"]`` (busy and step seconds,
                 measured and ideal bubble fraction).
-    stages:     the range of stage indices this rank owns.
+    stages:     the stage indices this rank owns.
     """
 
-    stages: range = range(0)
+    stages: tuple = ()
 
 
 def balance(params: Sequence, parts: int) -> tuple[tuple[int, int], ...]:
@@ -98,18 +121,22 @@ def balance(params: Sequence, parts: int) -> tuple[tuple[int, int], ...]:
 class Pipeline:
     """A chain split over ranks; every rank of the pipeline builds one with the same arguments.
 
-    chain:          the whole chain (every rank knows every stage; each runs its own range).
-    ranges:         one ``(lo, hi)`` per pipeline rank, contiguous, covering the chain; ``None``:
-                    ``balance(params, len(ranks))``.
-    params:         the chain's params, only used to balance.
-    ranks:          the global ranks forming this pipeline, first stage first (default: all).
-    schedule:       ``"1f1b"`` (at most p - k microbatches in flight on rank k) or ``"gpipe"``.
-    costate_codec:  how costates cross rank boundaries (``codecs.int8()``, ...; ``None``: raw).
-    boundary_codec: how boundary states cross them going forward (``None``: raw; any other
-                    codec changes what the next rank computes, so gradients change too).
-    timeout:        seconds any receive may wait before this rank raises ``PeerError``.
-    device:         where received tensors go (default: the current CUDA device under NCCL,
-                    else the CPU).
+    chain:           the whole chain (every rank knows every stage; each runs its own ranges).
+    ranges:          ``p * v`` contiguous ``(lo, hi)`` covering the chain, range r on pipeline rank
+                     ``r mod p``; ``None``: ``balance(params, p * v)``.
+    params:          the chain's params, only used to balance.
+    ranks:           the global ranks forming this pipeline, first stage first (default: all).
+    schedule:        ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zero_bubble"``
+                     (pipelining's ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+                     ``ScheduleInterleavedZeroBubble``).
+    ranges_per_rank: ``v`` (default 2 for ``interleaved_1f1b``, else 1; gpipe and 1f1b take 1).
+    costate_codec:   how costates cross rank boundaries (``codecs.int8()``, ...; ``None``: raw).
+    boundary_codec:  how boundary states cross them going forward (``None``: raw; any other codec
+                     changes what the next rank computes, so gradients change too).
+    timeout:         seconds any transfer may wait before this rank raises ``PeerError`` (the
+                     timeout of the pipeline's process group).
+    device:          where this rank computes and receives (default: the current CUDA device
+                     under NCCL, else the CPU).
     """
 
     def __init__(
@@ -120,6 +147,7 @@ class Pipeline:
         params: Sequence | None = None,
         ranks: Sequence[int] | None = None,
         schedule: str = "1f1b",
+        ranges_per_rank: int | None = None,
         costate_codec: Codec | None = None,
         boundary_codec: Codec | None = None,
         timeout: float = 60.0,
@@ -129,31 +157,40 @@ class Pipeline:
             raise RuntimeError(
                 "Pipeline: call torch.distributed.init_process_group (or eae_func.distributed.init) first"
             )
-        self.chain = chain
+        if schedule not in SCHEDULES:
+            raise ValueError(f"Pipeline: schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
+        v = ranges_per_rank if ranges_per_rank is not None else 2 if schedule == "interleaved_1f1b" else 1
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or (schedule in SINGLE and v != 1):
+            raise ValueError(
+                f"Pipeline: ranges_per_rank must be a positive int (1 for {' and '.join(SINGLE)}), got {v!r}"
+            )
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"Pipeline: timeout must be a finite number of seconds > 0, got {timeout!r}")
+        self.chain, self.schedule, self.ranges_per_rank, self.timeout = chain, schedule, v, float(timeout)
         self.ranks = tuple(range(dist.get_world_size())) if ranks is None else tuple(int(r) for r in ranks)
         self.rank = dist.get_rank()
         if self.rank not in self.ranks:
             raise ValueError(f"Pipeline: rank {self.rank} is not one of the pipeline's ranks {self.ranks}")
         self.position = self.ranks.index(self.rank)
+        p = len(self.ranks)
         if ranges is None:
             if params is None:
                 raise ValueError("Pipeline: give the stage ranges, or params to balance them by parameter count")
-            ranges = balance(params, len(self.ranks))
-        self.ranges = _check_ranges(ranges, len(chain), len(self.ranks))
-        self.lo, self.hi = self.ranges[self.position]
-        if schedule not in S.NAMES:
-            raise ValueError(f"Pipeline: schedule must be one of {S.NAMES}, got {schedule!r}")
-        self.schedule = schedule
+            ranges = balance(params, p * v)
+        self.ranges = _check_ranges(ranges, len(chain), p * v, v)
+        self.owned = tuple(range(self.position, p * v, p))
+        self.stages = tuple(i for r in self.owned for i in range(*self.ranges[r]))
         self.costate_codec = costate_codec or Raw()
         self.boundary_codec = boundary_codec or Raw()
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-            raise ValueError(f"Pipeline: timeout must be a finite number of seconds > 0, got {timeout!r}")
-        self.timeout = float(timeout)
         if device is None:
             nccl = dist.get_backend() == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = device
+        self.group = dist.new_group(
+            list(self.ranks), timeout=datetime.timedelta(seconds=self.timeout), use_local_synchronization=True
+        )
         self.failure: str | None = None
+        self._schedules: dict = {}
         self._agree()
 
     def plan(self) -> dict:
@@ -175,8 +212,7 @@ class Pipeline:
         }
 
     def _agree(self) -> None:
-        """Exchange ``plan()`` with both neighbours and raise ``PeerError`` naming what differs."""
-        differences = self._exchange("plan", self.plan())
+        differences = self._differences(self._gather(self.plan(), "the plan"))
         if differences:
             raise PeerError(
                 f"rank {self.rank} ({self.where(self.rank)}): the ranks of the pipeline disagree before "
@@ -184,10 +220,11 @@ class Pipeline:
                 + "; ".join(differences)
             )
 
-    def _agree_on_step(self, opts: Options, groups: list) -> None:
-        """Exchange this step's options (and the tied tensors found in params) with both neighbours
-        before the step, and raise ``PeerError`` naming what differs: a rank with another key, an
-        extra pass or another boundary dtype would compute gradients no single sweep gives."""
+    def _agree_on_step(self, opts: Options, groups: list, pieces: list) -> list:
+        """Gather this step's options, the tied tensors found in params and (from the first rank)
+        the microbatches' shapes, and raise ``PeerError`` naming what differs: a rank with another
+        key, an extra pass or another boundary dtype would compute gradients no single sweep gives.
+        Returns the first rank's microbatch shapes."""
         mine = {
             "key": opts.key,
             "microbatches": opts.microbatches,
@@ -195,61 +232,57 @@ class Pipeline:
             "passes": opts.passes.name,
             "boundary_dtype": str(opts.boundary_dtype),
             "autocast": str(opts.autocast),
+            "keep_costates": opts.keep_costates,
             "estimator": repr(opts.estimator),
             "physical": list(opts.physical),
             "ties": [[[i, list(map(str, path))] for i, path in group] for group in groups],
         }
-        differences = self._exchange("options", mine)
+        everyone = self._gather({**mine, "inputs": _shapes(pieces) if self.position == 0 else None}, "the options")
+        differences = self._differences([{k: v for k, v in theirs.items() if k != "inputs"} for theirs in everyone])
         if differences:
             raise PeerError(
                 f"rank {self.rank} ({self.where(self.rank)}): the ranks of the pipeline were given different "
                 f"options for this step; give every rank the same Pipeline.sweep options (and the whole params, "
                 f"or chain.ties, for tensors shared across ranks): " + "; ".join(differences)
             )
+        return everyone[0]["inputs"]
 
-    def _exchange(self, kind: str, mine: dict) -> list:
-        """Send ``mine`` to both neighbours and receive theirs (every rank sends its own whatever it
-        receives, so every rank of a disagreeing pair raises); the differences, each naming the key."""
-        wire = Wire(self.rank, self.where, self.timeout, self.device)
-        payload = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8).to(self.device)
-        differences = []
-        k = self.position
-        for peer, first_send in ((k - 1, False), (k + 1, True)):  # the lower rank of a pair sends first
-            if not 0 <= peer < len(self.ranks):
-                continue
-            rank = self.ranks[peer]
-            if first_send:
-                wire.send(rank, kind, 0, Raw().encode(payload))
-            theirs = json.loads(bytes(received(wire.recv(rank, kind, 0, Raw()), f"the {kind}").cpu().tolist()).decode())
-            if not first_send:
-                wire.send(rank, kind, 0, Raw().encode(payload))
-            differences += [
-                f"{key}: {mine[key]} here, {theirs.get(key)} on rank {rank}"
-                for key in mine
-                if mine[key] != theirs.get(key)
-            ]
-        wire.flush()
-        return differences
+    def _gather(self, mine: Any, what: str) -> list:
+        """Every pipeline rank's ``mine``, in pipeline order."""
+        everyone: list = [None] * len(self.ranks)
+        try:
+            dist.all_gather_object(everyone, mine, group=self.group)
+        except RuntimeError as e:
+            raise PeerError(
+                f"rank {self.rank} ({self.where(self.rank)}): exchanging {what} failed within the timeout "
+                f"({self.timeout:g} s); a peer died, stalled or is not in this pipeline: {e}"
+            ) from e
+        return everyone
 
-    @property
-    def stages(self) -> range:
-        """The stage indices this rank owns."""
-        return range(self.lo, self.hi)
+    def _differences(self, everyone: list) -> list:
+        mine = everyone[self.position]
+        return [
+            f"{key}: {mine[key]} here, {theirs.get(key)} on rank {rank}"
+            for rank, theirs in zip(self.ranks, everyone)
+            for key in mine
+            if mine[key] != theirs.get(key)
+        ]
 
     def where(self, rank: int) -> str:
         """``"stages 2-3 ('b2'..'b3')"``: what global ``rank`` runs in this pipeline."""
         if rank not in self.ranks:
             return "not in this pipeline"
-        lo, hi = self.ranges[self.ranks.index(rank)]
+        p = len(self.ranks)
+        return ", ".join(self._range_name(r) for r in range(self.ranks.index(rank), len(self.ranges), p))
+
+    def _range_name(self, r: int) -> str:
+        lo, hi = self.ranges[r]
         names = self.chain.names
         return (
             f"stage {lo} ({names[lo]!r})"
             if hi - lo == 1
             else f"stages {lo}-{hi - 1} ({names[lo]!r}..{names[hi - 1]!r})"
         )
-
-    def _owner(self, stage: int) -> int:
-        return next(k for k, (lo, hi) in enumerate(self.ranges) if lo <= stage < hi)
 
     def sweep(
         self,
@@ -269,7 +302,9 @@ class Pipeline:
                  in ``chain.ties``.
         x:       the input batch, needed on the first rank; ``loss_args`` on the last rank
                  (other ranks may pass them too: they are ignored, except that the last rank
-                 weighs its microbatches by x's rows when no loss arg has a batch dim).
+                 weighs its microbatches by x's rows when no loss arg has a batch dim). The
+                 microbatches must have equal shapes: a pipelining stage receives into buffers
+                 of one shape.
         options: those of ``ef.sweep``; a pass with state sees this rank's boundaries only, in the
                  same order as in one process; ``budget`` counts this rank's physical stages.
                  Not across ranks: ``update`` (a fused step needs every microbatch's and every
@@ -282,41 +317,19 @@ class Pipeline:
                 f"rank {self.rank}: an earlier step of this pipeline failed ({self.failure}); its links "
                 f"may be closed: re-create the process group and the pipeline"
             )
-        chain, lo, hi, p, k = self.chain, self.lo, self.hi, len(self.ranks), self.position
+        chain, p, k = self.chain, len(self.ranks), self.position
         first, last = k == 0, k == p - 1
         opts = make("Pipeline.sweep", options).bind(chain)
-        if opts.update is not None:
-            raise ValueError(
-                "Pipeline.sweep: update= cannot cross ranks: a fused step needs the gradient summed over "
-                "every microbatch (and every rank's use of a tied tensor) before it steps; run the "
-                "pipeline unfused and step the optimizer on res.grads"
-            )
-        if opts.data_parallel:
-            raise ValueError(
-                "Pipeline.sweep: data_parallel= is for ef.sweep; across pipelines, average res.grads over "
-                "the replicas with D.average_gradients(res.grads, mesh.data_group)"
-            )
-        sharded = [chain.where(i) for i in range(self.lo, self.hi) if chain.stages[i].sharded is not None]
-        if sharded:
-            raise TypeError(
-                f"Pipeline.sweep: {', '.join(sharded)} are FSDP2 (fully_shard) modules, which ef.sweep runs on "
-                f"FSDP's own engine; a pipeline does not yet"
-            )
-        if opts.estimator is not None and getattr(opts.estimator, "scope", "model") != "stage" and p > 1:
-            raise ValueError(
-                f"Pipeline.sweep: estimator={opts.estimator!r} probes the whole chain from its input, "
-                f"which no single rank has; across ranks use an estimator that needs only its stage "
-                f"(zbp, exact, twin, frozen)"
-            )
+        self._refuse(opts)
         params = chain.check_params(params, self.stages)
         buffers = chain.check_buffers(buffers)
         if first and x is None:
             raise ValueError(f"Pipeline.sweep: rank {self.rank} runs the first stage and needs the input x")
-        microbatches = opts.microbatches
+        m = opts.microbatches
         pieces = M.split(
             x if first or last else None,  # the last rank may weigh its pieces by x's rows (a loss without targets)
             loss_args if last else None,
-            microbatches,
+            m,
             opts.reduction,
             opts.key,
             where="Pipeline.sweep",
@@ -328,74 +341,170 @@ class Pipeline:
                 f"a batched loss arg, or microbatches=1"
             )
         state = opts.passes.init() if pass_state is None else pass_state
-        device = F.device_of(params[lo:hi], x if first else None, default=self.device)
-        meter = Meter(chain, tuple(i for i in opts.physical if lo <= i < hi), opts.budget)
-        mine = Range(chain, lo, hi, params, opts, device, meter)
+        device = F.device_of([params[i] for i in self.stages], x if first else None, default=self.device)
+        meter = Meter(chain, tuple(i for i in opts.physical if i in self.stages), opts.budget)
         groups = tie_groups(chain, params)
         with self._guard():
-            self._agree_on_step(opts, groups)
-
-        with self._guard():  # a failed step leaves the ranks out of step: no later step may reuse them
-            wire = Wire(self.rank, self.where, self.timeout, self.device)
-            prev = self.ranks[k - 1] if not first else -1  # -1: no such neighbour (never used)
-            nxt = self.ranks[k + 1] if not last else -1
-            inbox, outbox, tapes, costates, outgoing, ran_with = {}, {}, {}, {}, {}, {}
-            grads, losses, traces, all_stats = [], [], {}, {}
-            busy, step_start = 0.0, time.perf_counter()
-            for op in S.schedule(self.schedule, p, microbatches)[k]:
-                j = op.microbatch
-                mb = pieces[j]
-                if op.kind == "recv_activation":
-                    inbox[j] = wire.recv(prev, "activation", j, self.boundary_codec)
-                elif op.kind == "send_activation":
-                    wire.send(nxt, "activation", j, self.boundary_codec.encode(outbox.pop(j)))
-                elif op.kind == "recv_costate":
-                    like = tapes[j].entries[-1].out_layout
-                    costates[j] = wire.recv(nxt, "costate", j, self.costate_codec, shape=like.shapes[0])
-                elif op.kind == "send_costate":
-                    wire.send(prev, "costate", j, outgoing.pop(j))
-                else:
-                    start = time.perf_counter()
-                    try:
-                        if op.kind == "forward":
-                            ran_with[j] = buffers
-                            tapes[j] = mine.forward(buffers, mb, None if first else inbox.pop(j))
-                            buffers = buffers[:lo] + tuple(tapes[j].buffers[i] for i in self.stages) + buffers[hi:]
-                            if not last:
-                                outbox[j] = tapes[j].take_output()
-                                _check_tensor(outbox[j], f"output of {chain.where(hi - 1)}, sent to rank {nxt}")
-                        else:
-                            tape = tapes.pop(j)
-                            input_shape = tape.entries[0].layout.shapes[0]
-                            piece = mine.backward(tape, ran_with.pop(j), mb, state, costates.pop(j, None))
-                            state, trace = piece.pass_state, piece.trace
-                            if not first:
-                                outgoing[j], trace = self._encode_costate(trace, input_shape)
-                            losses.append(piece.loss)
-                            grads.append(piece.grads)
-                            traces[j], all_stats[j] = trace, piece.stats
-                    except Exception as e:
-                        e.add_note(f"(on rank {self.rank}, {self.where(self.rank)}, {op.kind} of microbatch {j})")
-                        raise
-                    busy += time.perf_counter() - start
-            loss = self._share_loss(wire, losses)
-            grads = self._tie(wire, params, tie_grads(params, M.sum_grads(grads), groups, lo), groups)
-            wire.flush()
-        step = time.perf_counter() - step_start
-
-        stats = metered(M.sum_stats([all_stats[j] for j in range(microbatches)]), chain, meter)
-        stats["wire"] = dict(wire.counts)
+            shapes = self._agree_on_step(opts, groups, pieces)
+        if len({repr(s) for s in shapes}) > 1:
+            raise ValueError(
+                f"Pipeline.sweep: microbatches={m} cuts the first rank's input into pieces of shapes {shapes}; "
+                f"a pipelining stage receives into buffers of one shape: give a batch whose rows divide by {m}"
+            )
+        stages, schedule = self._schedule_for(shapes[0], m, device)
+        if _stateful(state) and not self._in_one_process_order(schedule):
+            raise ValueError(
+                f"Pipeline.sweep: passes {opts.passes.name!r} keep state, and schedule {self.schedule!r} runs the "
+                f"backwards of rank {self.rank}'s ranges out of one process's order; use one range per rank "
+                f"(gpipe, 1f1b, zero_bubble) or stateless passes"
+            )
+        step = Step(pieces, buffers, state)
+        for stage in stages:
+            stage.begin(Range(chain, stage.lo, stage.hi, params, opts, device, meter), step)
+        index = torch.arange(m, device=device).unsqueeze(1)  # microbatch j's "input": its index
+        with self._guard():
+            began = time.perf_counter()
+            try:
+                schedule.step(*((index,) if first else ()), target=index if last else None, return_outputs=False)
+            except Exception as e:
+                if step.failed_here:
+                    raise
+                raise PeerError(
+                    f"rank {self.rank} ({self.where(self.rank)}): a transfer of the pipeline step failed within the "
+                    f"timeout ({self.timeout:g} s); a peer died, stalled or disagrees: {e}"
+                ) from e
+            wall = time.perf_counter() - began
+            loss, grads, trace, stats = self._collect(stages, m)
+            loss = self._share_loss(loss)
+            grads = self._tie(params, grads, groups)
+        stats = metered(stats, chain, meter)
+        stats["wire"] = dict(step.counts)
         stats["schedule"] = {
             "name": self.schedule,
             "ranks": p,
-            "microbatches": microbatches,
-            "busy_s": busy,
-            "step_s": step,
-            "bubble": 1 - busy / step if step > 0 else 0.0,
-            "ideal_bubble": S.ideal_bubble(p, microbatches),
+            "ranges_per_rank": self.ranges_per_rank,
+            "microbatches": m,
+            "busy_s": step.busy_s,
+            "step_s": wall,
+            "bubble": 1 - step.busy_s / wall if wall > 0 else 0.0,
+            "ideal_bubble": ideal_bubble(self.schedule, p, m, self.ranges_per_rank, schedule),
         }
-        trace = M.join_adjoints([traces[j] for j in range(microbatches)])
-        return PipelineResult(loss, grads, trace, buffers[lo:hi], state, Measurements(stats), stages=self.stages)
+        own_buffers = tuple(step.buffers[i] for i in self.stages)
+        return PipelineResult(loss, grads, trace, own_buffers, step.pass_state, Measurements(stats), stages=self.stages)
+
+    def _refuse(self, opts: Options) -> None:
+        if opts.update is not None:
+            raise ValueError(
+                "Pipeline.sweep: update= cannot cross ranks: a fused step needs the gradient summed over "
+                "every microbatch (and every rank's use of a tied tensor) before it steps; run the "
+                "pipeline unfused and step the optimizer on res.grads"
+            )
+        if opts.data_parallel:
+            raise ValueError(
+                "Pipeline.sweep: data_parallel= is for ef.sweep; across pipelines, average res.grads over "
+                "the replicas with D.average_gradients(res.grads, mesh.data_group)"
+            )
+        sharded = [self.chain.where(i) for i in self.stages if self.chain.stages[i].sharded is not None]
+        if sharded:
+            raise TypeError(
+                f"Pipeline.sweep: {', '.join(sharded)} are FSDP2 (fully_shard) modules, which ef.sweep runs on "
+                f"FSDP's own engine; a pipeline does not yet"
+            )
+        if opts.estimator is not None and getattr(opts.estimator, "scope", "model") != "stage" and len(self.ranks) > 1:
+            raise ValueError(
+                f"Pipeline.sweep: estimator={opts.estimator!r} probes the whole chain from its input, "
+                f"which no single rank has; across ranks use an estimator that needs only its stage "
+                f"(zbp, exact, twin, frozen)"
+            )
+        if self.schedule == "1f1b" and opts.microbatches < len(self.ranges):
+            raise ValueError(
+                f"Pipeline.sweep: schedule '1f1b' needs at least as many microbatches as stage ranges "
+                f"({len(self.ranges)}), got microbatches={opts.microbatches}; use more, or 'gpipe'"
+            )
+
+    def _schedule_for(self, shape: Any, m: int, device: torch.device) -> tuple:
+        """This rank's stages and pipelining's schedule for microbatches of ``shape`` (built once
+        per shape and count: pipelining infers what crosses each cut on the first step)."""
+        key = (repr(shape), m, str(device))
+        if key not in self._schedules:
+            stages = [
+                RangeStage(
+                    r,
+                    len(self.ranges),
+                    *self.ranges[r],
+                    device,
+                    self.group,
+                    (self.boundary_codec, self.costate_codec),
+                    f"rank {self.rank}, {self._range_name(r)}",
+                )
+                for r in self.owned
+            ]
+            cls = SCHEDULES[self.schedule]
+            chosen = stages[0] if self.schedule in SINGLE else stages
+            self._schedules[key] = stages, cls(chosen, m, loss_fn=_no_loss, scale_grads=False)
+        return self._schedules[key]
+
+    def _in_one_process_order(self, schedule: Any) -> bool:
+        """Whether this rank's backwards (B or I actions) visit its boundaries as one process does:
+        microbatch by microbatch, each from the highest range down."""
+        order = getattr(schedule, "pipeline_order", None)
+        if not order:  # gpipe and 1f1b: one range, microbatches in order
+            return True
+        kinds = {"B", "I"}  # full backward, backward of the inputs
+        ran = [
+            (a.microbatch_index, -a.stage_index)
+            for a in order[self.position]
+            if a is not None and str(a.computation_type) in kinds
+        ]
+        return ran == sorted(ran)
+
+    def _collect(self, stages: list, m: int) -> tuple:
+        """``(loss on the last rank else None, grads per stage, trace, stats)`` from the stages' pieces."""
+        grads, trace, stats, loss = [], (), {}, None
+        for stage in stages:
+            pieces = [stage.done[j] for j in range(m)]
+            grads += list(M.sum_grads([piece.grads for piece in pieces]))
+            trace = M.join_adjoints([piece.trace for piece in pieces]) + trace  # the highest range first
+            for name, entry in M.sum_stats([piece.stats for piece in pieces]).items():
+                stats[name] = {**stats.get(name, {}), **entry}
+            if stage.is_last:
+                losses = [piece.loss for piece in pieces]
+                loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+        return loss, tuple(grads), trace, stats
+
+    def _share_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """The last rank's summed loss, on every rank."""
+        held = [loss]
+        try:
+            dist.broadcast_object_list(held, src=self.ranks[-1], group=self.group)
+        except RuntimeError as e:
+            raise PeerError(f"rank {self.rank}: receiving the loss from rank {self.ranks[-1]} failed: {e}") from e
+        return held[0].to(self.device)
+
+    def _tie(self, params: tuple, grads: tuple, groups: list) -> tuple:
+        """Give every use of a tied tensor (``groups`` from ``tie_groups``) the sum of all uses'
+        gradients: each rank sums its own uses in order, and where a group spans ranks the partial
+        sums are gathered and added in rank order, so every owner holds bit-identical totals."""
+        if not groups:
+            return grads
+        where = {i: n for n, i in enumerate(self.stages)}
+        flat = [optree.tree_flatten(g, none_is_leaf=True, namespace=NAMESPACE) for g in grads]
+        leaves = [list(f) for f, _ in flat]
+        paths = {i: optree.tree_paths(params[i], namespace=NAMESPACE) for i in self.stages}
+        mine = [[(where[i], paths[i].index(path)) for i, path in group if i in where] for group in groups]
+        partial = {n: functools.reduce(M.add, [leaves[a][b] for a, b in uses]) for n, uses in enumerate(mine) if uses}
+        spans = any(len({self._owner(i) for i, _ in group}) > 1 for group in groups)
+        everyone = self._gather(partial, "tied gradients") if spans else [partial]
+        for n, uses in enumerate(mine):
+            if uses:
+                total = functools.reduce(M.add, [theirs[n] for theirs in everyone if n in theirs])
+                for a, b in uses:
+                    leaves[a][b] = total
+        return tuple(spec.unflatten(f) for (_, spec), f in zip(flat, leaves))
+
+    def _owner(self, stage: int) -> int:
+        r = next(r for r, (lo, hi) in enumerate(self.ranges) if lo <= stage < hi)
+        return r % len(self.ranks)
 
     @contextlib.contextmanager
     def _guard(self):
@@ -406,68 +515,14 @@ class Pipeline:
             self.failure = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
             raise
 
-    def _encode_costate(self, trace: tuple, shape: tuple) -> tuple:
-        """``(the costate p_lo to send, encoded; the trace with boundary lo's record as its round trip)``."""
-        adj = trace[-1]
-        if adj.value is None:
-            return None, trace
-        what = f"rank {self.rank}: costate at boundary {self.lo} (input of {self.where(self.rank)})"
-        _check_tensor(adj.value, what)
-        if adj.value.shape != shape:
-            raise ValueError(
-                f"{what} has shape {tuple(adj.value.shape)} after the passes, the boundary state "
-                f"has shape {tuple(shape)}; rank {self.ranks[self.position - 1]} cannot use it"
-            )
-        if isinstance(self.costate_codec, Raw):
-            return self.costate_codec.encode(adj.value), trace
-        record, enc = round_trip(self.costate_codec, adj)
-        return enc, trace[:-1] + (record,)
 
-    def _share_loss(self, wire: Wire, losses: list) -> torch.Tensor:
-        """The last rank sends the summed loss to every other rank of the pipeline."""
-        if self.position == len(self.ranks) - 1:
-            loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-            for r in self.ranks[:-1]:
-                wire.send(r, "loss", 0, Raw().encode(loss))
-            return loss
-        return received(wire.recv(self.ranks[-1], "loss", 0, Raw(), shape=()), "the loss")
-
-    def _tie(self, wire: Wire, params: tuple, grads: tuple, groups: list) -> tuple:
-        """Give every use of a tied tensor whose uses sit on several ranks (``groups`` from
-        ``tie_groups``; those within this rank are summed already) the sum of all uses' gradients.
-
-        Each owner sums its own uses, sends that partial sum to the other owners and adds
-        theirs in rank order, so every owner ends with bit-identical totals. Of each pair,
-        the lower position sends first (a consistent order for blocking transports).
-        """
-        flat = [optree.tree_flatten(g, none_is_leaf=True, namespace=NAMESPACE) for g in grads]
-        leaves = [list(f) for f, _ in flat]
-        paths = [optree.tree_paths(params[i], namespace=NAMESPACE) for i in self.stages]
-        for n, group in enumerate(groups):
-            owners = sorted({self._owner(i) for i, _ in group})
-            mine = [(i - self.lo, paths[i - self.lo].index(path)) for i, path in group if self.lo <= i < self.hi]
-            if len(owners) == 1 or not mine:
-                continue
-            partials: dict[int, torch.Tensor] = {self.position: sum(leaves[a][b] for a, b in mine)}  # type: ignore[dict-item]
-            shape = tuple(partials[self.position].shape)
-            for o in owners:
-                if o == self.position:
-                    continue
-                if self.position < o:
-                    wire.send(self.ranks[o], "tie", n, Raw().encode(partials[self.position]))
-                partials[o] = received(wire.recv(self.ranks[o], "tie", n, Raw(), shape=shape), "a tied gradient")
-                if self.position > o:
-                    wire.send(self.ranks[o], "tie", n, Raw().encode(partials[self.position]))
-            total = sum(partials[o] for o in owners)
-            for a, b in mine:
-                leaves[a][b] = total
-        return tuple(spec.unflatten(f) for (_, spec), f in zip(flat, leaves))
-
-
-def _check_ranges(ranges: Sequence, stages: int, parts: int) -> tuple:
+def _check_ranges(ranges: Sequence, stages: int, parts: int, per_rank: int) -> tuple:
     ranges = tuple((int(lo), int(hi)) for lo, hi in ranges)
     if len(ranges) != parts:
-        raise ValueError(f"Pipeline: {len(ranges)} stage ranges for {parts} ranks; give one (lo, hi) per rank")
+        raise ValueError(
+            f"Pipeline: {len(ranges)} stage ranges for {parts // per_rank} ranks x {per_rank} per rank; "
+            f"give {parts} (lo, hi)"
+        )
     expected = 0
     for lo, hi in ranges:
         if lo != expected or hi <= lo:
@@ -478,13 +533,34 @@ def _check_ranges(ranges: Sequence, stages: int, parts: int) -> tuple:
     return ranges
 
 
-def received(value: torch.Tensor | None, what: str) -> torch.Tensor:
-    """A received tensor that cannot be missing (only a costate may be ``None``: no costate)."""
-    if value is None:
-        raise PeerError(f"received no tensor for {what}")
-    return value
+def ideal_bubble(name: str, ranks: int, microbatches: int, per_rank: int = 1, schedule: Any = None) -> float:
+    """The idle fraction with uniform stages: ``(p-1) / (v m + p-1)`` for gpipe, 1f1b and
+    interleaved 1f1b; for zero_bubble, the idle slots of pipelining's own plan of unit-time actions."""
+    if name == "zero_bubble" and schedule is not None:
+        slots = [a for rank in schedule.pipeline_order.values() for a in rank]
+        return sum(a is None for a in slots) / len(slots)
+    return (ranks - 1) / (per_rank * microbatches + ranks - 1)
 
 
-def _check_tensor(value: Any, what: str) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{what}: only a single tensor can cross a rank boundary, got {type(value).__name__}")
+def _no_loss(output: Any, target: Any) -> None:
+    """Pipelining's loss hook: the last range computes the loss itself, inside the runner."""
+    return None
+
+
+def _shapes(pieces: list) -> list:
+    """Per microbatch, the shapes and dtypes of its input's tensor leaves."""
+    return [
+        [
+            [list(t.shape), str(t.dtype)]
+            for t in optree.tree_leaves(mb.x, namespace=NAMESPACE)
+            if isinstance(t, torch.Tensor)
+        ]
+        for mb in pieces
+    ]
+
+
+def _stateful(state: Any) -> bool:
+    """Whether a pass state holds anything (stateless passes: ``None``, composed: tuples of ``None``)."""
+    if isinstance(state, tuple):
+        return any(_stateful(s) for s in state)
+    return state is not None
