@@ -1,4 +1,4 @@
-"""Single-process properties of eae_func.distributed: wire codecs, pipeline schedules, balancing."""
+"""Single-process properties of eae_func.distributed: wire codecs, the zero-bubble split, balancing."""
 
 import itertools
 import math
@@ -8,11 +8,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import eae_func as ef
+from eae_func import fold as Fold
+from eae_func import microbatch as M
 from eae_func import passes as P
 from eae_func.adjoint import AdjointState
 from eae_func.distributed import balance
 from eae_func.distributed import codecs as K
-from eae_func.distributed import schedule as S
+from eae_func.distributed.pipeline import ideal_bubble
+from eae_func.options import make
+from eae_func.runner import Range
 
 CODECS_AND_PASSES = [
     (K.int8(), P.int8()),
@@ -55,6 +60,7 @@ def test_codec_layout_is_what_the_receiver_allocates(codec, t):
     """The payload's shapes and dtypes follow from (shape, dtype, arg) alone, and its size is
     n entries of the stated width (+ a float32 scale; top-k: k int32 indices and k values)."""
     enc = codec.encode(t)
+    assert enc.arg == codec.arg_for(tuple(t.shape))  # known to a receiver from the shape alone
     assert [(tuple(p.shape), p.dtype) for p in enc.payload] == [
         (tuple(s), d) for s, d in codec.layout(enc.shape, enc.dtype, enc.arg)
     ]
@@ -83,61 +89,50 @@ def test_codec_rejects_bad_arguments():
         K.int8().as_pass().apply(AdjointState((torch.ones(2), None), 1, "s"))
 
 
-SIZES = [(p, m) for p in range(1, 6) for m in range(1, 9)]
-
-
-@pytest.mark.parametrize("name", S.NAMES)
-def test_schedules_run_every_microbatch_once_forward_before_backward(name):
-    for p, m in SIZES:
-        for ops in S.schedule(name, p, m):
-            f = [o.microbatch for o in ops if o.kind == "forward"]
-            b = [o.microbatch for o in ops if o.kind == "backward"]
-            assert sorted(f) == sorted(b) == list(range(m))
-            assert all(ops.index(S.Op("forward", j)) < ops.index(S.Op("backward", j)) for j in range(m))
-
-
-@pytest.mark.parametrize("name", S.NAMES)
-def test_neighbours_see_the_same_sequence_of_transfers(name):
-    """Between ranks r and r+1 both sides post the same transfers in the same order, so even
-    blocking (rendezvous) point-to-point cannot deadlock, and the simulated bubble is the
-    ideal (p-1)/(m+p-1)."""
-    mirror = {"send_activation": "recv_activation", "recv_costate": "send_costate"}
-    for p, m in SIZES:
-        ops = S.schedule(name, p, m)
-        for r in range(p - 1):
-            mine = [(mirror[o.kind], o.microbatch) for o in ops[r] if o.kind in mirror]
-            theirs = [(o.kind, o.microbatch) for o in ops[r + 1] if o.kind in mirror.values()]
-            assert mine == theirs
-        for rendezvous in (False, True):
-            sim = S.simulate(ops, rendezvous=rendezvous)
-            assert sim["bubble"] == pytest.approx(S.ideal_bubble(p, m))
-
-
-def test_1f1b_bounds_the_microbatches_in_flight():
-    """At any time rank r of 1F1B holds at most p - r microbatches (forward done, backward not);
-    GPipe holds all m."""
-    for p, m in SIZES:
-        for name, bound in (("1f1b", lambda r, p=p, m=m: min(p - r, m)), ("gpipe", lambda r, m=m: m)):
-            for r, ops in enumerate(S.schedule(name, p, m)):
-                live = peak = 0
-                for o in ops:
-                    live += {"forward": 1, "backward": -1}.get(o.kind, 0)
-                    peak = max(peak, live)
-                assert peak == bound(r)
-
-
-def test_simulate_detects_a_deadlock():
-    bad = (
-        (S.Op("recv_costate", 0), S.Op("forward", 0), S.Op("send_activation", 0), S.Op("backward", 0)),
-        (S.Op("recv_activation", 0), S.Op("forward", 0), S.Op("backward", 0), S.Op("send_costate", 0)),
+@given(
+    widths=st.lists(st.integers(1, 6), min_size=2, max_size=5),
+    seed=st.integers(0, 2**16),
+    passes=st.booleans(),
+    rows=st.integers(1, 4),
+)
+def test_the_zero_bubble_split_gives_the_full_backward_bit_for_bit(widths, seed, passes, rows):
+    """The I half (costates, passes) now and the W half (weights) later, each rebuilt from the
+    boundary under the replayed RNG, give exactly the full reverse step's gradients, trace and
+    pass state, dropout included: what lets pipelining's zero-bubble schedule run our stages."""
+    g = torch.Generator().manual_seed(seed)
+    stages = [
+        ef.stage(lambda p, h: torch.nn.functional.dropout(torch.tanh(h @ p["w"] + p["b"]), 0.3), name=f"s{i}")
+        for i in range(len(widths) - 1)
+    ]
+    params = tuple(
+        {"w": torch.randn(a, b, generator=g), "b": torch.randn(b, generator=g)} for a, b in zip(widths, widths[1:])
     )
-    with pytest.raises(RuntimeError, match="deadlocks"):
-        S.simulate(bad)
+    chain = ef.Chain(stages, loss=lambda out, y: (out - y).square().mean())
+    x, y = torch.randn(rows, widths[0], generator=g), torch.randn(rows, widths[-1], generator=g)
+    opts = make("test", {"key": seed, "passes": P.clip_by_global_norm(0.1) if passes else None}).bind(chain)
+    runner = Range(chain, 0, len(chain), params, opts, torch.device("cpu"))
+    mb = M.split(x, (y,), 1, "mean", seed)[0]
+    buffers = chain.check_buffers(None)
+    pieces = []
+    for defer in (False, True):
+        torch.manual_seed(seed)
+        piece = runner.backward(runner.forward(buffers, mb), buffers, mb, opts.passes.init(), defer_weights=defer)
+        grads = tuple(g.compute() if isinstance(g, Fold.Deferred) else g for g in piece.grads)
+        pieces.append((piece, grads))
+    (full, full_grads), (split, split_grads) = pieces
+    assert all(isinstance(g, Fold.Deferred) for g in split.grads)
+    for a, b in zip(full_grads, split_grads):
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert torch.equal(full.loss, split.loss) and torch.equal(full.costate, split.costate)
+    assert [r.history for r in full.trace] == [r.history for r in split.trace]
+    assert all(torch.equal(a.value, b.value) for a, b in zip(full.trace, split.trace))
 
 
-def test_unknown_schedule_is_an_error():
-    with pytest.raises(ValueError, match="gpipe"):
-        S.schedule("zero-bubble", 2, 2)
+def test_ideal_bubbles():
+    """(p-1)/(v m + p-1) for gpipe, 1f1b and interleaved 1f1b."""
+    assert ideal_bubble("1f1b", 4, 4) == pytest.approx(3 / 7)
+    assert ideal_bubble("gpipe", 2, 3) == pytest.approx(1 / 4)
+    assert ideal_bubble("interleaved_1f1b", 4, 4, 2) == pytest.approx(3 / 11)
 
 
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=7), st.integers(1, 7))

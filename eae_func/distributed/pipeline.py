@@ -275,6 +275,14 @@ class Pipeline:
         p = len(self.ranks)
         return ", ".join(self._range_name(r) for r in range(self.ranks.index(rank), len(self.ranges), p))
 
+    def _neighbours(self) -> str:
+        """The ranks this one exchanges boundaries with, and what they run."""
+        p = len(self.ranks)
+        peers = sorted(
+            {(r + d) % p for r in self.owned for d in (-1, 1) if 0 <= r + d < len(self.ranges)} - {self.position}
+        )
+        return "; ".join(f"rank {self.ranks[k]}: {self.where(self.ranks[k])}" for k in peers)
+
     def _range_name(self, r: int) -> str:
         lo, hi = self.ranges[r]
         names = self.chain.names
@@ -371,7 +379,7 @@ class Pipeline:
                     raise
                 raise PeerError(
                     f"rank {self.rank} ({self.where(self.rank)}): a transfer of the pipeline step failed within the "
-                    f"timeout ({self.timeout:g} s); a peer died, stalled or disagrees: {e}"
+                    f"timeout ({self.timeout:g} s); a neighbour died, stalled or disagrees ({self._neighbours()}): {e}"
                 ) from e
             wall = time.perf_counter() - began
             loss, grads, trace, stats = self._collect(stages, m)
