@@ -221,7 +221,7 @@ class Chain:
         """``"stage i ('name')"``, as errors name a stage."""
         return self.labels[i]
 
-    def check_params(self, params: Any, stages: range | None = None) -> tuple:
+    def check_params(self, params: Any, stages: Sequence[int] | None = None) -> tuple:
         """``params`` as a tuple with one entry per stage, those of ``stages`` (default: all)
         checked (a dict of exactly the module's parameter names, shapes and dtypes, tensor leaves
         only) and detached (one tensor given twice stays one tensor: ties are kept)."""

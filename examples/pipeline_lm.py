@@ -47,7 +47,9 @@ def single_process_error(chain, params, x, y, pipe, res, args) -> float:
         passes = ef.compose(passes, P.only(codec.as_pass(), indices=[lo for lo, _ in pipe.ranges[1:]]))
     ref = ef.sweep(chain, params, x, y, passes=passes, microbatches=args.microbatches, key=0)
     return max(
-        (res.grads[i - pipe.lo][n] - ref.grads[i][n]).abs().max().item() for i in pipe.stages for n in ref.grads[i]
+        (res.grads[pipe.stages.index(i)][n] - ref.grads[i][n]).abs().max().item()
+        for i in pipe.stages
+        for n in ref.grads[i]
     )
 
 
@@ -56,7 +58,7 @@ def main(argv=None):
     parser.add_argument("--pp", type=int, default=None, help="pipeline ranks (default: all; the rest is data parallel)")
     parser.add_argument("--codec", default="none", choices=sorted(CODECS), help="costate codec on the wire")
     parser.add_argument("--grad-codec", default="none", choices=sorted(CODECS), help="data-parallel gradient codec")
-    parser.add_argument("--schedule", default="1f1b", choices=D.schedule.NAMES)
+    parser.add_argument("--schedule", default="1f1b", choices=tuple(D.SCHEDULES))
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--width", type=int, default=128)
@@ -83,7 +85,7 @@ def main(argv=None):
         costate_codec=CODECS[args.codec](),
         timeout=args.timeout,
     )
-    mine = list(model)[pipe.lo : pipe.hi]
+    mine = [list(model)[i] for i in pipe.stages]
     opt = torch.optim.AdamW([p for m in mine for p in m.parameters()], lr=args.lr, weight_decay=0.1)
     if rank == 0:
         print(
@@ -132,8 +134,8 @@ def check_tied_copies(pipe, mine, chain) -> None:
     first, last = pipe.ranks[0], pipe.ranks[-1]
     if first == last or dist.get_rank() not in (first, last):
         return
-    (i, name), *_ = [(i, n) for group in chain.ties for i, n in group if pipe.lo <= i < pipe.hi]
-    weight = dict(mine[i - pipe.lo].named_parameters())[name].detach()
+    (i, name), *_ = [(i, n) for group in chain.ties for i, n in group if i in pipe.stages]
+    weight = dict(mine[pipe.stages.index(i)].named_parameters())[name].detach()
     other = torch.empty_like(weight)
     peer = last if dist.get_rank() == first else first
     ops = [dist.P2POp(dist.isend, weight.contiguous(), peer), dist.P2POp(dist.irecv, other, peer)]

@@ -186,7 +186,7 @@ class Pipeline:
             nccl = dist.get_backend() == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = device
-        self.group = dist.new_group(
+        self.group: Any = dist.new_group(
             list(self.ranks), timeout=datetime.timedelta(seconds=self.timeout), use_local_synchronization=True
         )
         self.failure: str | None = None
@@ -439,7 +439,8 @@ class Pipeline:
                 RangeStage(
                     r,
                     len(self.ranges),
-                    *self.ranges[r],
+                    self.ranges[r][0],
+                    self.ranges[r][1],
                     device,
                     self.group,
                     (self.boundary_codec, self.costate_codec),
@@ -482,7 +483,7 @@ class Pipeline:
 
     def _share_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The last rank's summed loss, on every rank."""
-        held = [loss]
+        held: list = [loss]
         try:
             dist.broadcast_object_list(held, src=self.ranks[-1], group=self.group)
         except RuntimeError as e:

@@ -87,11 +87,13 @@ class RangeStage(PipelineStage):
         self.tapes: dict[int, F.Tape] = {}
         self.ran_with: dict[int, tuple] = {}
         self.done: dict[int, Piece] = {}
-        self.inbox: dict[int, Any] = {}
-        self.outbox: dict[int, Any] = {}
+        self.inbox: dict[int, Any] = {}  # boundary states received, encoded
+        self.outbox: dict[int, Any] = {}  # boundary states to send
+        self.costates_in: dict[int, tuple] = {}  # (flag, encoded) received
+        self.costates_out: dict[int, tuple] = {}  # (flag, encoded) to send
 
     def begin(self, runner: Range, step: Step) -> None:
-        for d in (self.tapes, self.ran_with, self.done, self.inbox, self.outbox):
+        for d in (self.tapes, self.ran_with, self.done, self.inbox, self.outbox, self.costates_in, self.costates_out):
             d.clear()
         self.runner, self.step = runner, step
 
@@ -117,7 +119,7 @@ class RangeStage(PipelineStage):
         with step.computing(f"the backward of microbatch {j} on {self.where}"):
             received = None
             if not self.is_last:
-                flag, enc = self.inbox.pop(("costate", j))
+                flag, enc = self.costates_in.pop(j)
                 received = enc.decode() if flag.item() else None
             piece = runner.backward(
                 self.tapes.pop(j),
@@ -142,13 +144,13 @@ class RangeStage(PipelineStage):
     def _send_costate(self, j: int, piece: Piece) -> Piece:
         """Queue p_lo for the previous range, encoded; the trace's record of boundary lo becomes
         the round trip (what the previous range receives)."""
-        meta = self._stage_meta.inputs[0]
+        meta = self._crossing("inputs")
         codec = self.codecs[1]
         p = piece.costate
         flag = torch.ones(1, dtype=torch.uint8, device=self.device)
         if p is None:
             flag.zero_()
-            self.outbox[("costate", j)] = flag, self._empty(codec, meta)
+            self.costates_out[j] = flag, self._empty(codec, meta)
             return piece
         what = f"the costate at boundary {self.lo} (the input of {self.where})"
         single_tensor(p, what)
@@ -159,12 +161,12 @@ class RangeStage(PipelineStage):
             )
         p = p.to(meta.dtype)
         if isinstance(codec, Raw):
-            self.outbox[("costate", j)] = flag, codec.encode(p)
+            self.costates_out[j] = flag, codec.encode(p)
             return piece
         record, enc = round_trip(codec, piece.trace[-1].replace(value=p))
         if not self._runner.opts.keep_costates:
             record = record.replace(value=None)
-        self.outbox[("costate", j)] = flag, enc
+        self.costates_out[j] = flag, enc
         return dataclasses.replace(piece, trace=piece.trace[:-1] + (record,))
 
     # -- messages
@@ -172,7 +174,7 @@ class RangeStage(PipelineStage):
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
         if self.is_first:
             return []
-        enc = self.inbox[fwd_chunk_id] = self._empty(self.codecs[0], self._stage_meta.inputs[0])
+        enc = self.inbox[fwd_chunk_id] = self._empty(self.codecs[0], self._crossing("inputs"))
         return self._ops(dist.irecv, enc.payload, self.stage_index - 1, "activation", "received")
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
@@ -185,14 +187,14 @@ class RangeStage(PipelineStage):
         if self.is_last or not self.has_backward:
             return []
         flag = torch.zeros(1, dtype=torch.uint8, device=self.device)
-        enc = self._empty(self.codecs[1], self._stage_meta.outputs[0])
-        self.inbox[("costate", bwd_chunk_id)] = flag, enc
+        enc = self._empty(self.codecs[1], self._crossing("outputs"))
+        self.costates_in[bwd_chunk_id] = flag, enc
         return self._ops(dist.irecv, (flag, *enc.payload), self.stage_index + 1, "costate", "received")
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
         if self.is_first or not self.has_backward:
             return []
-        flag, enc = self.outbox.pop(("costate", bwd_chunk_id))
+        flag, enc = self.costates_out.pop(bwd_chunk_id)
         return self._ops(dist.isend, (flag, *enc.payload), self.stage_index - 1, "costate", "sent")
 
     def _ops(self, op, tensors: Sequence[torch.Tensor], peer_range: int, kind: str, direction: str) -> list:
@@ -225,6 +227,12 @@ class RangeStage(PipelineStage):
     def _compute_input_grads(self, outputs: list, all_fwd_inputs: list, grad_outputs: list | None = None) -> tuple:
         """A costate of each floating input's shape and dtype (the runner computes the real ones)."""
         return tuple(torch.zeros_like(t) if t.is_floating_point() else None for t in all_fwd_inputs)
+
+    def _crossing(self, side: str) -> Any:
+        """Pipelining's metadata (shape, dtype) of what enters (``"inputs"``) or leaves this range."""
+        metas = getattr(self._stage_meta, side)
+        assert metas is not None, "pipelining infers the metadata on the first step"
+        return metas[0]
 
     @property
     def _step(self) -> Step:
