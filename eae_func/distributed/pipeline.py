@@ -9,7 +9,7 @@ hi-1..lo (and L) and sends p_lo, encoded by the costate codec. Pipelining's sche
 order:
 
     gpipe             all forwards, then all backwards
-    1f1b              one forward, one backward in the steady state (m >= p)
+    1f1b              one forward, one backward in the steady state (GPipe's order when m < p)
     interleaved_1f1b  1F1B over v ranges per rank, looping (bubble ~ (p-1) / (v m + p - 1))
     zero_bubble       pipelining's ZB1P: each backward split into I (costates: J_x^T p, the passes)
                       and W (weights: J_W^T p, deferred into the bubbles), both rebuilt from the
@@ -424,11 +424,6 @@ class Pipeline:
                 f"which no single rank has; across ranks use an estimator that needs only its stage "
                 f"(zbp, exact, twin, frozen)"
             )
-        if self.schedule == "1f1b" and opts.microbatches < len(self.ranges):
-            raise ValueError(
-                f"Pipeline.sweep: schedule '1f1b' needs at least as many microbatches as stage ranges "
-                f"({len(self.ranges)}), got microbatches={opts.microbatches}; use more, or 'gpipe'"
-            )
 
     def _schedule_for(self, shape: Any, m: int, device: torch.device) -> tuple:
         """This rank's stages and pipelining's schedule for microbatches of ``shape`` (built once
@@ -448,7 +443,9 @@ class Pipeline:
                 )
                 for r in self.owned
             ]
-            cls = SCHEDULES[self.schedule]
+            # 1F1B with fewer microbatches than ranges warms up with all of them: GPipe's order,
+            # which pipelining's Schedule1F1B refuses and ScheduleGPipe runs
+            cls = SCHEDULES["gpipe" if self.schedule == "1f1b" and m < len(self.ranges) else self.schedule]
             chosen = stages[0] if self.schedule in SINGLE else stages
             self._schedules[key] = stages, cls(chosen, m, loss_fn=_no_loss, scale_grads=False)
         return self._schedules[key]
