@@ -57,7 +57,6 @@ class Codec:
     what the receiver allocates before the payload arrives."""
 
     name = "codec"
-    code = -1  # identifies the codec in wire headers
 
     def encode(self, t: torch.Tensor) -> Encoded:
         raise NotImplementedError
@@ -104,7 +103,7 @@ def round_trip(codec: Codec, adj: AdjointState) -> tuple[AdjointState, Encoded]:
 class Raw(Codec):
     """The tensor itself."""
 
-    name, code = "raw", 0
+    name = "raw"
 
     def encode(self, t):
         return self._encoded(t, (t,))
@@ -119,12 +118,10 @@ class Raw(Codec):
 class Cast(Codec):
     """``t.to(dtype)`` on the wire, cast back on arrival (float16 or bfloat16)."""
 
-    code_of = {torch.float16: 1, torch.bfloat16: 2}
-
     def __init__(self, dtype: torch.dtype):
-        if dtype not in self.code_of:
+        if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"cast: dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
-        self.dtype, self.code, self.name = dtype, self.code_of[dtype], f"cast({str(dtype).removeprefix('torch.')})"
+        self.dtype, self.name = dtype, f"cast({str(dtype).removeprefix('torch.')})"
 
     def encode(self, t):
         return self._encoded(t, (t.to(self.dtype),))
@@ -144,7 +141,7 @@ class Int8(Codec):
     """Symmetric per-tensor int8: ``s = max|t| / 127``, ``q = clamp(round(t / s), -127, 127)``
     (int8) plus ``s`` (float32; float64 for float64 tensors); decodes to ``q * s``. 1 byte per entry + 4."""
 
-    name, code = "int8", 3
+    name = "int8"
 
     def encode(self, t):
         q, s = Q.int8_encode(t)
@@ -162,12 +159,10 @@ class FP8(Codec):
     """Scaled float8, per tensor: ``s = max|t| / finfo(dtype).max``, ``q = dtype(clamp(t / s))``,
     sent as q's bytes (uint8) plus ``s`` (float32); decodes to ``float(q) * s``."""
 
-    code_of = {torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
-
     def __init__(self, dtype: torch.dtype = torch.float8_e4m3fn):
-        if dtype not in self.code_of:
+        if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise ValueError(f"fp8: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype!r}")
-        self.dtype, self.code = dtype, self.code_of[dtype]
+        self.dtype = dtype
         self.name, self.fmax = f"fp8({str(dtype).removeprefix('torch.')})", torch.finfo(dtype).max
 
     def encode(self, t):
@@ -185,8 +180,6 @@ class FP8(Codec):
 class TopK(Codec):
     """The ``k = ceil(ratio n)`` entries of largest ``|t|`` (at least one), sent as int32 flat
     indices (int64 beyond 2^31 entries) and their values; decodes to zeros elsewhere."""
-
-    code = 6
 
     def __init__(self, ratio: float):
         self.ratio = check_ratio("topk", ratio)
@@ -229,17 +222,3 @@ def fp8(dtype: torch.dtype = torch.float8_e4m3fn) -> Codec:
 
 def topk(ratio: float) -> Codec:
     return TopK(ratio)
-
-
-def by_code(code: int) -> str:
-    """A readable name for a codec code seen in a header (for error messages)."""
-    names = {
-        0: "raw",
-        1: "cast(float16)",
-        2: "cast(bfloat16)",
-        3: "int8",
-        4: "fp8(float8_e4m3fn)",
-        5: "fp8(float8_e5m2)",
-        6: "topk",
-    }
-    return names.get(code, f"unknown codec {code}")

@@ -363,7 +363,7 @@ class Pipeline:
         if _stateful(state) and not self._in_one_process_order(schedule):
             raise ValueError(
                 f"Pipeline.sweep: passes {opts.passes.name!r} keep state, and schedule {self.schedule!r} runs the "
-                f"backwards of rank {self.rank}'s ranges out of one process's order; use one range per rank "
+                f"backwards of a rank's ranges out of one process's order; use one range per rank "
                 f"(gpipe, 1f1b, zero_bubble) or stateless passes"
             )
         step = Step(pieces, buffers, state)
@@ -451,18 +451,21 @@ class Pipeline:
         return self._schedules[key]
 
     def _in_one_process_order(self, schedule: Any) -> bool:
-        """Whether this rank's backwards (B or I actions) visit its boundaries as one process does:
-        microbatch by microbatch, each from the highest range down."""
+        """Whether every rank's backwards (B or I actions) visit its boundaries as one process does:
+        microbatch by microbatch, each from the highest range down (the same answer on every rank)."""
         order = getattr(schedule, "pipeline_order", None)
         if not order:  # gpipe and 1f1b: one range, microbatches in order
             return True
-        kinds = {"B", "I"}  # full backward, backward of the inputs
-        ran = [
-            (a.microbatch_index, -a.stage_index)
-            for a in order[self.position]
-            if a is not None and str(a.computation_type) in kinds
-        ]
-        return ran == sorted(ran)
+        kinds = ("FULL_BACKWARD", "BACKWARD_INPUT")
+        for actions in order.values():
+            ran = [
+                (a.microbatch_index, -a.stage_index)
+                for a in actions
+                if a is not None and a.computation_type.name in kinds
+            ]
+            if ran != sorted(ran):
+                return False
+        return True
 
     def _collect(self, stages: list, m: int) -> tuple:
         """``(loss on the last rank else None, grads per stage, trace, stats)`` from the stages' pieces."""
