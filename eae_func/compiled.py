@@ -13,14 +13,16 @@ the checks and the fold stay in Python between stages. Random ops run as eager A
 the graphs (inductor's ``fallback_random``), so dropout draws from the global RNG exactly as the
 uncompiled stage does and the recompute replays its masks bit for bit.
 
-Compiled: module and function stages whose input boundary is one floating tensor and whose graph
-the remat policy rebuilds; physical and FSDP stages, kept graphs and other boundaries run as
-without ``compile=``.
+Compiled: module and function stages whose graph the remat policy rebuilds, on any boundary of
+tensors in tuples, lists, dicts or namedtuples (the graphs flatten it as ``torch.utils._pytree``
+does; the costates are put back in the fold's order); physical and FSDP stages, kept graphs and
+containers ``torch.utils._pytree`` does not know run as without ``compile=``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,16 +33,29 @@ from torch.func import functional_call, vjp
 from .chain import module_lock
 
 
-def eligible(stage: Any, i: int, opts: Any, h: Any) -> bool:
-    """Whether stage i runs compiled: ``compile=`` given, a digital module or function stage, on one
-    floating tensor."""
+def eligible(stage: Any, i: int, opts: Any, layout: Any) -> bool:
+    """Whether stage i runs compiled: ``compile=`` given, a digital module or function stage, on a
+    boundary of ``layout`` whose containers ``torch.utils._pytree`` knows."""
     return (
-        opts.compile is not None
-        and stage.sharded is None
-        and i not in opts.physical
-        and isinstance(h, torch.Tensor)
-        and h.is_floating_point()
+        opts.compile is not None and stage.sharded is None and i not in opts.physical and in_order(layout) is not None
     )
+
+
+def in_order(layout: Any) -> tuple | None:
+    """The fold's index (optree's order) of each leaf of a boundary of ``layout`` in
+    ``torch.utils._pytree``'s order, or ``None`` where the two do not see the same leaves."""
+    return _order(layout.spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _order(spec: Any) -> tuple | None:
+    n = spec.num_leaves
+    order = tuple(k for k in pytree.tree_leaves(spec.unflatten(list(range(n)))) if isinstance(k, int))
+    return order if sorted(order) == list(range(n)) else None
+
+
+def _differentiable(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
 def _run(target: Any, params: dict, buffers: dict, h: torch.Tensor) -> tuple[Any, dict]:
@@ -52,16 +67,24 @@ def _run(target: Any, params: dict, buffers: dict, h: torch.Tensor) -> tuple[Any
     return target(params, h), {}
 
 
-def _reverse(target: Any, trainable: dict, frozen: dict, buffers: dict, h: torch.Tensor, cotangents: list):
-    def outputs(p: dict, x: torch.Tensor) -> list:
-        out, _ = _run(target, {**p, **frozen}, buffers, x)
-        return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+def _reverse(target: Any, trainable: dict, frozen: dict, buffers: dict, h: Any, cotangents: list):
+    """``(J_W^T p, J_x^T p)``, the latter for h's differentiable leaves, all in pytree order."""
+    leaves, spec = pytree.tree_flatten(h)
+    where = [k for k, t in enumerate(leaves) if _differentiable(t)]
 
-    pullback = vjp(outputs, trainable, h)[1]
+    def outputs(p: dict, xs: list) -> list:
+        full = list(leaves)
+        for k, x in zip(where, xs):
+            full[k] = x
+        out, _ = _run(target, {**p, **frozen}, buffers, pytree.tree_unflatten(full, spec))
+        return [t for t in pytree.tree_leaves(out) if _differentiable(t)]
+
+    pullback = vjp(outputs, trainable, [leaves[k] for k in where])[1]
     return pullback(cotangents)
 
 
 _COMPILED: dict[str, tuple] = {}
+RECOMPILE_LIMIT = 64  # graphs per compiled function: kinds of stage x shapes
 
 
 def _compiled(opts: Any) -> tuple:
@@ -69,7 +92,8 @@ def _compiled(opts: Any) -> tuple:
     whose values may be dicts: keyed by their repr)."""
     key = repr(sorted(opts.compile.items()))
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(_run, **opts.compile), torch.compile(_reverse, **opts.compile)
+        options = {"dynamic": False, **opts.compile}  # one graph per stage kind and shape
+        _COMPILED[key] = torch.compile(_run, **options), torch.compile(_reverse, **options)
     return _COMPILED[key]
 
 
@@ -84,18 +108,32 @@ def forward(stage: Any, opts: Any, params: Any, buffers: Mapping, h: torch.Tenso
         return fn(_target(stage), dict(params), dict(buffers), h)
 
 
-def reverse(
-    stage: Any, opts: Any, params: Any, buffers: Mapping, h: torch.Tensor, cotangents: list, frozen: frozenset
-) -> tuple:
-    """``(J_W^T p, [J_x^T p])`` of the stage at ``params`` on ``h`` for the cotangents of its output's
-    floating leaves, the recompute and the vjp one compiled graph. Only trainable parameters are
-    differentiated: ``frozen`` ones (``requires_grad=False`` in the module) and integer ones get ``None``."""
-    train = {n: t for n, t in params.items() if n not in frozen and t.is_floating_point()}
+def reverse(stage: Any, opts: Any, params: Any, buffers: Mapping, entry: Any, cotangents: list) -> tuple | None:
+    """``(J_W^T p, J_x^T p)`` of the stage at ``params`` on the tape entry's boundary for the
+    cotangents of its output's differentiable leaves (both in the fold's order), the recompute and
+    the vjp one compiled graph; ``None`` where the output's containers are not ``torch.utils._pytree``'s.
+    Only trainable parameters are differentiated: frozen ones (``requires_grad=False`` in the
+    module) and integer ones get ``None``."""
+    out_order = in_order(entry.out_layout)
+    if out_order is None:
+        return None
+    train = {n: t for n, t in params.items() if n not in entry.frozen and t.is_floating_point()}
     rest = {n: t for n, t in params.items() if n not in train}
+    rank = _ranks(entry.out_layout.mask)
+    cot = [cotangents[rank[k]] for k in out_order if entry.out_layout.mask[k]]
     fn = _compiled(opts)[1]
     with _eager_random(), _lock(stage):
-        grads, g_in = fn(_target(stage), train, rest, dict(buffers), h, list(cotangents))
-    return {n: grads.get(n) for n in params}, [g_in]
+        grads, g = fn(_target(stage), train, rest, dict(buffers), entry.boundary, cot)
+    mask, rank = entry.layout.mask, _ranks(entry.layout.mask)
+    g_in: list = [None] * len(rank)
+    for k, gk in zip([k for k in in_order(entry.layout) or () if mask[k]], g):
+        g_in[rank[k]] = gk
+    return {n: grads.get(n) for n in params}, g_in
+
+
+def _ranks(mask: tuple) -> dict:
+    """Leaf index -> its place among the differentiable leaves (the fold's costate lists)."""
+    return {k: r for r, k in enumerate(k for k, m in enumerate(mask) if m)}
 
 
 def _lock(stage: Any) -> Any:
@@ -103,7 +141,12 @@ def _lock(stage: Any) -> Any:
 
 
 def _eager_random() -> Any:
-    """Random ops as eager ATen ops inside the compiled graphs (the same draws as without compile=)."""
+    """Random ops as eager ATen ops inside the compiled graphs (the same draws as without compile=),
+    and room for one graph per kind of stage (the two functions are shared by every stage)."""
+    import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
-    return inductor_config.patch(fallback_random=True)
+    stack = contextlib.ExitStack()
+    stack.enter_context(inductor_config.patch(fallback_random=True))
+    stack.enter_context(dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT))
+    return stack

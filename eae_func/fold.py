@@ -469,7 +469,7 @@ def run_stage(
                 flat = B.leaves(out, f"output of {chain.where(i)}")
             elif i in opts.physical or plan.rebuilds(i, chain.names[i]):
                 with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
-                    if compiled.eligible(s, i, opts, h):
+                    if opts.compile is not None and compiled.eligible(s, i, opts, B.Layout.of(h)):
                         out, tape.buffers[i] = compiled.forward(s, opts, params, buffers, h)
                     else:
                         out, tape.buffers[i] = s.call(params, buffers, h)
@@ -599,21 +599,18 @@ def make_step(
             else:
                 floats, rebuild, costate_like = B.split_as(entry.boundary, entry.layout)
                 closure = entry.closure
-                if closure is None and compiled.eligible(s, i, opts, entry.boundary):  # recompute + vjp: one graph
+                done = None
+                if closure is None and compiled.eligible(s, i, opts, entry.layout):  # recompute + vjp: one graph
                     with (
                         timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device),
                         replay_rng(entry.rng, device),
                         autocast(opts.autocast, device),
                     ):
-                        grads, g_in = compiled.reverse(
-                            s,
-                            opts,
-                            params[i],
-                            entry.buffers,
-                            entry.boundary,
-                            cotangent(costate, entry.out_layout),
-                            entry.frozen,
+                        done = compiled.reverse(
+                            s, opts, params[i], entry.buffers, entry, cotangent(costate, entry.out_layout)
                         )
+                if done is not None:
+                    grads, g_in = done
                 elif closure is None and defer_weights and s.sharded is None:
                     cot = cotangent(costate, entry.out_layout)
                     grads, g_in = deferred_vjp(
