@@ -50,6 +50,8 @@ class Entry:
     buffers:    the buffers it ran with (the recompute runs on throwaway clones).
     closure:    its vjp closure from the forward (``recompute=False``), else ``None``.
     frozen:     the names of its parameters that are not trained (``requires_grad=False``).
+    cached:     with ``remat.save``, the context that hands the rebuild the ops' outputs the forward
+                kept, else ``None``.
     """
 
     index: int
@@ -60,6 +62,7 @@ class Entry:
     buffers: Mapping
     closure: Callable | None = None
     frozen: frozenset[str] = frozenset()
+    cached: Any = None
 
 
 class Tape:
@@ -146,11 +149,9 @@ def rng_state(device: torch.device) -> tuple:
 
 
 def drew(before: tuple, device: torch.device) -> bool:
-    """Whether the global RNG moved since ``before`` was taken (the stage drew random numbers);
-    the CPU states are compared as bytes (a third of ``torch.equal``'s cost on 5 kB)."""
+    """Whether the global RNG moved since ``before`` was taken (the stage drew random numbers)."""
     cpu, cuda = rng_state(device)
-    moved = cpu.numpy().tobytes() != before[0].numpy().tobytes()
-    return moved or (cuda is not None and not torch.equal(cuda, before[1]))
+    return not torch.equal(cpu, before[0]) or (cuda is not None and not torch.equal(cuda, before[1]))
 
 
 NULL = contextlib.nullcontext()
@@ -423,7 +424,7 @@ def forward(
         if meter is not None and i in opts.physical:
             meter.charge(i, rows_of(h))
         frozen = chain.stages[i].frozen()
-        out, (outputs, out_spec), closure, rng = run_stage(
+        out, (outputs, out_spec), closure, rng, cached = run_stage(
             chain, i, params[i], buffers[i], h, opts, device, plan, tape, stats, frozen
         )
         upstream_params = upstream_params or bool(optree.tree_leaves(params[i], namespace=NAMESPACE))
@@ -434,7 +435,7 @@ def forward(
                 f"parameters before it; a stage must return a floating-point tensor"
             )
         out_layout = B.Layout.of_leaves(outputs, out_spec)
-        tape.entries.append(Entry(i, kept, layout, out_layout, rng, buffers[i], closure, frozen))
+        tape.entries.append(Entry(i, kept, layout, out_layout, rng, buffers[i], closure, frozen, cached))
         kept, h = tape.stored(out, out_layout, last=i == len(chain) - 1)
         layout = out_layout  # the next stage's input has it (a stored copy is loaded back to it)
     tape.output = h
@@ -453,12 +454,14 @@ def run_stage(
     tape: Tape,
     stats: dict,
     frozen: frozenset[str],
-) -> tuple[Any, tuple, Callable | None, tuple | None]:
+) -> tuple[Any, tuple, Callable | None, tuple | None, Any]:
     """Stage i's forward on ``h``: ``(output, (its leaves, treespec), vjp closure if its graph is kept,
-    RNG state to replay or None)``; its updated buffers go into ``tape.buffers[i]``. The remat ``plan`` says whether the
-    graph is kept (a physical stage's never is: its reverse step comes from the estimator)."""
+    RNG state to replay or None, the replaying context of the ops' outputs it kept or None)``; its
+    updated buffers go into ``tape.buffers[i]``. The remat ``plan`` says whether the graph is kept
+    (a physical stage's never is: its reverse step comes from the estimator) and which ops'
+    outputs are (``remat.save``)."""
     s = chain.stages[i]
-    rng, closure = rng_state(device), None
+    rng, closure, cached = rng_state(device), None, None
     inputs = optree.tree_leaves(h, namespace=NAMESPACE)
     versions = [t._version for t in inputs]
     try:
@@ -468,8 +471,13 @@ def run_stage(
                     out, tape.buffers[i] = s.call(params, buffers, h)
                 flat = B.leaves(out, f"output of {chain.where(i)}")
             elif i in opts.physical or plan.rebuilds(i, chain.names[i]):
+                saving = None if i in opts.physical else plan.saving(i, chain.names[i])
                 with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
-                    if opts.compile is not None and compiled.eligible(s, i, opts, B.Layout.of(h)):
+                    if saving is not None:
+                        with saving[0]:
+                            out, tape.buffers[i] = s.call(params, buffers, h)
+                        cached = saving[1]
+                    elif opts.compile is not None and compiled.eligible(s, i, opts, B.Layout.of(h)):
                         out, tape.buffers[i] = compiled.forward(s, opts, params, buffers, h)
                     else:
                         out, tape.buffers[i] = s.call(params, buffers, h)
@@ -487,7 +495,7 @@ def run_stage(
             f"{chain.where(i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
             f"sweep keeps each stage's input to recompute it: use the out-of-place form"
         )
-    return out, flat, closure, rng if drew(rng, device) else None
+    return out, flat, closure, rng if drew(rng, device) else None, cached
 
 
 def kept_graph(
@@ -600,7 +608,8 @@ def make_step(
                 floats, rebuild, costate_like = B.split_as(entry.boundary, entry.layout)
                 closure = entry.closure
                 done = None
-                if closure is None and compiled.eligible(s, i, opts, entry.layout):  # recompute + vjp: one graph
+                rebuilt = closure is None and entry.cached is None
+                if rebuilt and compiled.eligible(s, i, opts, entry.layout):  # recompute + vjp: one graph
                     with (
                         timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device),
                         replay_rng(entry.rng, device),
@@ -611,7 +620,7 @@ def make_step(
                         )
                 if done is not None:
                     grads, g_in = done
-                elif closure is None and defer_weights and s.sharded is None:
+                elif rebuilt and defer_weights and s.sharded is None:
                     cot = cotangent(costate, entry.out_layout)
                     grads, g_in = deferred_vjp(
                         s, params[i], entry, floats, rebuild, cot, i > 0 or observed, opts, stats, device
@@ -622,6 +631,7 @@ def make_step(
                             timer(opts, stats, "recompute_s", f"eae/{s.name}/recompute", device),
                             replay_rng(entry.rng, device),
                             autocast(opts.autocast, device),
+                            entry.cached or NULL,
                         ):
                             _, closure, _ = local_vjp(s, params[i], entry.buffers, floats, rebuild, None, entry.frozen)
                     with timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device):

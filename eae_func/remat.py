@@ -5,6 +5,9 @@ and which it keeps from the forward.
     never()           keep every stage's graph (plain autograd's memory, no second forward; ``False``)
     where(pred)       rebuild stage i when ``pred(i, name)`` is true
     budget(nbytes)    keep graphs first to last while their saved tensors fit in ``nbytes``
+    save(ops, where)  rebuild every stage, but keep the outputs of ``ops`` (say ``MATMULS``) from
+                      the forward of the stages ``where`` says: the rebuild reuses them (torch's
+                      selective activation checkpointing, within a stage)
 
 Every setting gives the same gradients; only memory and time differ.
 """
@@ -18,6 +21,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+aten = torch.ops.aten
+MATMULS = (
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+    aten.baddbmm.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+)
+"""The ops whose outputs ``save(MATMULS)`` keeps: the matrix products and fused attention."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +44,7 @@ class Remat:
     kind: str
     predicate: Callable[[int, str], bool] | None = None
     nbytes: int = 0
+    ops: Any = None
 
     def plan(self) -> Plan:
         """The per-forward decisions of this policy (a byte budget is spent stage by stage)."""
@@ -57,6 +74,23 @@ def budget(nbytes: int) -> Remat:
     if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 0:
         raise TypeError(f"remat.budget: expected a byte count (an int >= 0), got {nbytes!r}")
     return Remat("budget", nbytes=int(nbytes))
+
+
+def save(ops: Sequence | Callable = MATMULS, where: Callable[[int, str], bool] | None = None) -> Remat:
+    """Rebuild every stage's graph from its saved input, keeping from the forward the outputs of
+    ``ops`` (``torch.ops.aten`` overloads, or a policy ``fn(ctx, op, *args, **kwargs) ->
+    CheckpointPolicy`` as ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` takes) in
+    the stages where ``where(i, name)`` is true (default: all): the rebuild reuses them instead of
+    running those ops again, so it costs their outputs' memory and saves their time."""
+    if not callable(ops) and not (
+        isinstance(ops, Sequence) and all(isinstance(op, torch._ops.OpOverload) for op in ops)
+    ):
+        raise TypeError(
+            f"remat.save: expected a sequence of torch.ops.aten overloads or a policy function, got {ops!r}"
+        )
+    if where is not None and not callable(where):
+        raise TypeError(f"remat.save: where must be a predicate (index, name) -> bool, got {type(where).__name__}")
+    return Remat("save", predicate=where, ops=list(ops) if not callable(ops) else ops)
 
 
 def policy(value: Any) -> Remat:
@@ -97,7 +131,15 @@ class Plan:
         if kind == "where":
             assert self.remat.predicate is not None
             return bool(self.remat.predicate(i, name))
-        return kind == "always"
+        return kind in ("always", "save")
+
+    def saving(self, i: int, name: str) -> tuple | None:
+        """For a stage that keeps some ops' outputs (``save``): ``(the context the forward runs under,
+        the context that replays them in the rebuild)``, else ``None``."""
+        remat = self.remat
+        if remat.kind != "save" or (remat.predicate is not None and not remat.predicate(i, name)):
+            return None
+        return create_selective_checkpoint_contexts(remat.ops)
 
     def kept(self, nbytes: int) -> bool:
         """Spend ``nbytes`` of the budget on a built graph, if they fit."""

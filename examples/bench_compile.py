@@ -2,7 +2,8 @@
 ``torch.compile`` + autograd, ``torch.compile`` + checkpoint per block, eae_func eager and eae_func
 ``compile=True`` (each stage's forward, and its recompute + local vjp as one graph).
 
-Model: ``--depth`` ``models.Block(256, 8, 4, 1024)``, seq 128, batch 4, fp32, the loss and every
+Model: ``--depth`` ``models.Block(256, 8, 4, 1024)`` or (``--model llama``) transformers'
+``LlamaDecoderLayer`` of the same width, heads and MLP, seq 128, batch 4, fp32, the loss and every
 parameter gradient. Per method: the one-time compile seconds (the first step's time minus a
 steady step's), the step time interleaved over ``--rounds`` rounds (A B C ... A B C ...), its
 median as a ratio to eager autograd, and the peak resident set of a steady step above the set
@@ -10,6 +11,7 @@ before it, in a fresh process per method (one warm-up step first, glibc mapping 
 64 KiB on its own so RSS follows live memory). The gradients are checked against eager autograd's.
 
     python examples/bench_compile.py --depth 6 --rounds 11
+    python examples/bench_compile.py --model llama --depth 12 --rounds 11
 """
 
 from __future__ import annotations
@@ -32,10 +34,43 @@ def build(args):
     from eae_func.models import Block
 
     torch.manual_seed(0)
-    blocks = [Block(256, 8, 4, 1024) for _ in range(args.depth)]
+    if args.model == "llama":
+        blocks = llama_layers(args.depth)
+    else:
+        blocks = [Block(256, 8, 4, 1024) for _ in range(args.depth)]
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(args.batch, args.seq, 256, generator=g), torch.randn(args.batch, args.seq, 256, generator=g)
     return blocks, x, y
+
+
+def llama_layers(depth: int) -> list:
+    """transformers' ``LlamaDecoderLayer`` (width 256, 8 heads, 4 KV heads, MLP 1024, causal SDPA),
+    each with its rotary tables, as ``h -> h'`` modules."""
+    import torch
+    from torch import nn
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_hidden_layers=depth,
+        attn_implementation="sdpa",
+    )
+
+    class Layer(nn.Module):
+        def __init__(self, i: int):
+            super().__init__()
+            self.layer, self.rotary = LlamaDecoderLayer(config, i), LlamaRotaryEmbedding(config)
+
+        def forward(self, h):
+            position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            out = self.layer(h, position_embeddings=self.rotary(h, position_ids), position_ids=position_ids)
+            return out[0] if isinstance(out, tuple) else out
+
+    return [Layer(i) for i in range(depth)]
 
 
 def steps(blocks, x, y) -> dict:
@@ -119,6 +154,7 @@ def peak_worker(args) -> None:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("block", "llama"), default="block")
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
@@ -163,7 +199,10 @@ def main(argv=None):
         ]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
         peaks[name] = json.loads(out.strip().splitlines()[-1])["peak_mb"]
-    print(f"{args.depth} x models.Block(256, 8, 4, 1024), seq {args.seq}, batch {args.batch}, {args.threads} threads")
+    kind = (
+        "LlamaDecoderLayer(256, 8 heads, 4 KV, MLP 1024)" if args.model == "llama" else "models.Block(256, 8, 4, 1024)"
+    )
+    print(f"{args.depth} x {kind}, seq {args.seq}, batch {args.batch}, {args.threads} threads")
     print(f"{'method':<22} {'step / autograd':>15} {'compile s':>10} {'peak MB':>8} {'max |g - autograd|':>19}")
     for name in METHODS:
         compile_s = max(first[name] - median[name], 0.0) if "compile" in name else 0.0
