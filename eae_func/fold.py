@@ -436,6 +436,8 @@ def forward(
             )
         out_layout = B.Layout.of_leaves(outputs, out_spec)
         tape.entries.append(Entry(i, kept, layout, out_layout, rng, buffers[i], closure, frozen, cached))
+        for j in plan.evicted():  # a later graph took its place in the byte budget: rebuild it instead
+            tape.entries[j - lo] = dataclasses.replace(tape.entries[j - lo], closure=None)
         kept, h = tape.stored(out, out_layout, last=i == len(chain) - 1)
         layout = out_layout  # the next stage's input has it (a stored copy is loaded back to it)
     tape.output = h
@@ -515,7 +517,7 @@ def kept_graph(
             lambda o, own: check_closed_over(chain, i, o, own),
             frozen,
         )
-    if saved is not None and not plan.kept(saved.bytes):
+    if saved is not None and not plan.kept(i, saved.bytes):
         closure = None
     return optree.tree_map(torch.Tensor.detach, out, namespace=NAMESPACE), closure, updated
 

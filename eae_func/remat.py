@@ -4,7 +4,7 @@ and which it keeps from the forward.
     always()          rebuild every stage (the memory-saving sweep; ``recompute=True``)
     never()           keep every stage's graph (plain autograd's memory, no second forward; ``False``)
     where(pred)       rebuild stage i when ``pred(i, name)`` is true
-    budget(nbytes)    keep graphs first to last while their saved tensors fit in ``nbytes``
+    budget(nbytes)    keep the last graphs whose saved tensors fit in ``nbytes``
     save(ops, where)  rebuild every stage, but keep the outputs of ``ops`` (say ``MATMULS``) from
                       the forward of the stages ``where`` says: the rebuild reuses them (torch's
                       selective activation checkpointing, within a stage)
@@ -69,8 +69,10 @@ def where(predicate: Callable[[int, str], bool]) -> Remat:
 
 
 def budget(nbytes: int) -> Remat:
-    """Keep stages' graphs first to last while the bytes their saved tensors hold fit in ``nbytes``;
-    from the first stage that does not fit on, rebuild."""
+    """Keep the graphs of the last stages whose saved tensors fit in ``nbytes`` together, rebuild
+    the others. The reverse sweep uses the kept graphs (and frees them) before it rebuilds any
+    stage, so the peak is the boundaries plus ``max(nbytes, one graph)``: keeping the last
+    stage's graph costs no peak memory and saves its recompute."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 0:
         raise TypeError(f"remat.budget: expected a byte count (an int >= 0), got {nbytes!r}")
     return Remat("budget", nbytes=int(nbytes))
@@ -112,12 +114,15 @@ def policy(value: Any) -> Remat:
 
 class Plan:
     """One forward's remat decisions. ``rebuilds(i, name)`` before stage i runs; with a byte budget,
-    ``kept(nbytes)`` after a graph was built says whether it is kept. A graph is only built when
-    the budget left can hold the largest graph seen so far (one that cannot is never held), and
-    once one does not fit, every later stage is rebuilt (graphs are kept first to last)."""
+    ``kept(i, nbytes)`` after stage i's graph was built says whether it is kept, dropping the
+    earliest kept graphs as needed to make room (``evicted()`` names their stages, which the reverse
+    sweep then rebuilds), so the last graphs that fit are kept. Once a graph larger than the whole
+    budget was seen, no more are built."""
 
     def __init__(self, remat: Remat, left: int):
-        self.remat, self.left, self.largest, self.full = remat, left, 0, False
+        self.remat, self.left, self.largest = remat, left, 0
+        self.held: list[tuple[int, int]] = []  # (stage, bytes) of the kept graphs, oldest first
+        self.dropped: list[int] = []
 
     @property
     def counts(self) -> bool:
@@ -127,7 +132,7 @@ class Plan:
     def rebuilds(self, i: int, name: str) -> bool:
         kind = self.remat.kind
         if kind == "budget":
-            return self.full or self.left == 0 or self.left < self.largest
+            return self.remat.nbytes == 0 or self.largest > self.remat.nbytes
         if kind == "where":
             assert self.remat.predicate is not None
             return bool(self.remat.predicate(i, name))
@@ -141,14 +146,24 @@ class Plan:
             return None
         return create_selective_checkpoint_contexts(remat.ops)
 
-    def kept(self, nbytes: int) -> bool:
-        """Spend ``nbytes`` of the budget on a built graph, if they fit."""
+    def kept(self, i: int, nbytes: int) -> bool:
+        """Keep stage i's graph of ``nbytes`` if it fits in the budget at all, dropping the earliest
+        kept graphs until it fits beside the rest."""
         self.largest = max(self.largest, nbytes)
-        if nbytes <= self.left:
-            self.left -= nbytes
-            return True
-        self.full = True
-        return False
+        if nbytes > self.remat.nbytes:
+            return False
+        while nbytes > self.left:
+            j, freed = self.held.pop(0)
+            self.left += freed
+            self.dropped.append(j)
+        self.held.append((i, nbytes))
+        self.left -= nbytes
+        return True
+
+    def evicted(self) -> list[int]:
+        """The stages whose kept graphs were dropped since the last call (rebuild them instead)."""
+        dropped, self.dropped = self.dropped, []
+        return dropped
 
 
 class SavedBytes:
@@ -163,7 +178,9 @@ class SavedBytes:
         if storage.data_ptr() not in self.seen:
             self.seen.add(storage.data_ptr())
             self.bytes += storage.nbytes()
-        return t
+        # Detached (same storage and version counter): an output its own node saves would otherwise
+        # hold that node, a cycle no collector sees, and a graph dropped unused would never be freed.
+        return t.detach()
 
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:

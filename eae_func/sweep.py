@@ -125,7 +125,7 @@ def sweep(
                     saved input; ``False`` keeps every stage's graph from the forward (no second
                     forward, memory like plain autograd); a predicate ``(index, name) -> bool``
                     rebuilds the stages it is true for; an int is a byte budget for the graphs
-                    kept (first to last, while their saved tensors fit). Same results at every setting.
+                    kept (the last ones whose saved tensors fit). Same results at every setting.
     keep_costates:  ``False`` returns the trace records with ``value=None`` (history and meta
                     kept), saving L costates of memory; ``grad``/``value_and_grad`` use it.
     update:         fuse the optimizer step into the fold (``eae_func.update``): a torch.optim

@@ -33,7 +33,8 @@ step in turn, in one more process), so load from other tenants hits every method
 
 ``--curve`` adds the remat curve (block, one depth): step time against live peak of
 ``ef.value_and_grad(..., recompute=budget)`` over byte budgets from 0 (recompute every stage) to
-all graphs kept, beside ``torch.utils.checkpoint.checkpoint_sequential`` with 1..L segments; it
+all graphs kept, and ``remat.save`` (matmul outputs kept) on the first 1..L blocks, beside
+``torch.utils.checkpoint.checkpoint_sequential`` with 1..L segments; it
 writes examples/bench_train_curve.png.
 
     python examples/bench_train.py --depths 12               # both blocks, depth 12
@@ -284,6 +285,9 @@ def curve(depth: int, batch: int, seq: int, threads: int, steps: int) -> None:
     for kept in range(depth + 1):  # a budget that keeps the first `kept` blocks' graphs
         budget = kept * per_block + per_block // 2 if kept else 0
         runs[("eae_func", kept)] = lambda b=budget: ef.value_and_grad(chain, params, x, target, recompute=b)
+    for saving in range(1, depth + 1):  # the first `saving` blocks keep their matrix products' outputs
+        policy = ef.remat.save(where=lambda i, name, k=saving: i < k)
+        runs[("eae_func save", saving)] = lambda p=policy: ef.value_and_grad(chain, params, x, target, recompute=p)
     for segments in range(1, depth + 1):
 
         def ckpt(s=segments):
@@ -307,7 +311,11 @@ def curve(depth: int, batch: int, seq: int, threads: int, steps: int) -> None:
     print("| method | setting | live MB | step s |")
     print("|---|---|---|---|")
     for (method, setting), peak in peaks.items():
-        label = f"{setting} graphs kept" if method == "eae_func" else f"{setting} segments"
+        label = {
+            "eae_func": f"{setting} graphs kept",
+            "eae_func save": f"{setting} blocks keep their matmul outputs",
+            "checkpoint_sequential": f"{setting} segments",
+        }[method]
         print(f"| {method} | {label} | {peak:.1f} | {statistics.median(times[method, setting]):.3f} |")
     import matplotlib
 
@@ -315,13 +323,15 @@ def curve(depth: int, batch: int, seq: int, threads: int, steps: int) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for method, marker in (("eae_func", "o"), ("checkpoint_sequential", "s")):
+    labels = {
+        "eae_func": "eae_func (recompute= byte budget)",
+        "eae_func save": "eae_func (remat.save on 1..L blocks)",
+        "checkpoint_sequential": "checkpoint_sequential (1..L segments)",
+    }
+    for method, marker in (("eae_func", "o"), ("eae_func save", "^"), ("checkpoint_sequential", "s")):
         keys = sorted((k for k in peaks if k[0] == method), key=peaks.get)
         ax.plot(
-            [peaks[k] for k in keys],
-            [statistics.median(times[k]) for k in keys],
-            marker=marker,
-            label=f"{method} ({'recompute= byte budget' if method == 'eae_func' else '1..L segments'})",
+            [peaks[k] for k in keys], [statistics.median(times[k]) for k in keys], marker=marker, label=labels[method]
         )
     ax.set(
         xlabel="live peak MB (gradient step)",

@@ -100,3 +100,22 @@ def test_a_stage_local_backward_holds_what_autograd_grad_holds():
     with LiveBytes() as reference:
         torch.autograd.grad(block(x_leaf), [*block.parameters(), x_leaf], cot)
     assert window.peak <= 1.02 * reference.peak and reference.peak > 1e6
+
+
+def test_a_budget_keeps_the_last_graphs_which_cost_no_peak_before_the_first_rebuild():
+    """A byte budget of one stage's graph keeps the last stage's: the reverse sweep uses it before it
+    rebuilds anything, so the peak is that of rebuilding every stage (while keeping the first stage's
+    graph, as a first-to-last budget would, adds a whole graph to it), and one recompute is saved."""
+    model, x = chain_of(6)
+    chain, params = ef.from_module(model, loss=loss_fn)
+    stage_tape = 2 * BATCH * INNER * 4
+    with LiveBytes() as rebuilt:
+        ef.sweep(chain, params, x)
+    with LiveBytes() as last:
+        res = ef.sweep(chain, params, x, recompute=int(1.2 * stage_tape))
+    with LiveBytes() as first:
+        ef.sweep(chain, params, x, recompute=lambda i, name: i != 0)  # keep the first stage's graph
+    kept = [s.name for s in chain.stages if res.stats[s.name]["recompute_s"] == 0]
+    assert kept == [chain.stages[-1].name]
+    assert abs(last.peak - rebuilt.peak) < 0.1 * stage_tape
+    assert first.peak - rebuilt.peak > 0.75 * stage_tape
