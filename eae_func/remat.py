@@ -7,7 +7,7 @@ and which it keeps from the forward.
     budget(nbytes)    keep the last graphs whose saved tensors fit in ``nbytes``
     save(ops, where)  rebuild every stage, but keep the outputs of ``ops`` (say ``MATMULS``) from
                       the forward of the stages ``where`` says: the rebuild reuses them (torch's
-                      selective activation checkpointing, within a stage)
+                      selective activation checkpointing, within a stage); ``keep=`` whole graphs
 
 Every setting gives the same gradients; only memory and time differ.
 """
@@ -45,6 +45,7 @@ class Remat:
     predicate: Callable[[int, str], bool] | None = None
     nbytes: int = 0
     ops: Any = None
+    keep: Callable[[int, str], bool] | None = None
 
     def plan(self) -> Plan:
         """The per-forward decisions of this policy (a byte budget is spent stage by stage)."""
@@ -78,21 +79,28 @@ def budget(nbytes: int) -> Remat:
     return Remat("budget", nbytes=int(nbytes))
 
 
-def save(ops: Sequence | Callable = MATMULS, where: Callable[[int, str], bool] | None = None) -> Remat:
-    """Rebuild every stage's graph from its saved input, keeping from the forward the outputs of
+def save(
+    ops: Sequence | Callable = MATMULS,
+    where: Callable[[int, str], bool] | None = None,
+    keep: Callable[[int, str], bool] | None = None,
+) -> Remat:
+    """Rebuild stages' graphs from their saved input, keeping from the forward the outputs of
     ``ops`` (``torch.ops.aten`` overloads, or a policy ``fn(ctx, op, *args, **kwargs) ->
     CheckpointPolicy`` as ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` takes) in
     the stages where ``where(i, name)`` is true (default: all): the rebuild reuses them instead of
-    running those ops again, so it costs their outputs' memory and saves their time."""
+    running those ops again, so it costs their outputs' memory and saves their time. The stages
+    where ``keep(i, name)`` is true keep their whole graph instead (say the last one: it is used
+    before anything is rebuilt, so it costs no peak)."""
     if not callable(ops) and not (
         isinstance(ops, Sequence) and all(isinstance(op, torch._ops.OpOverload) for op in ops)
     ):
         raise TypeError(
             f"remat.save: expected a sequence of torch.ops.aten overloads or a policy function, got {ops!r}"
         )
-    if where is not None and not callable(where):
-        raise TypeError(f"remat.save: where must be a predicate (index, name) -> bool, got {type(where).__name__}")
-    return Remat("save", predicate=where, ops=list(ops) if not callable(ops) else ops)
+    for label, fn in (("where", where), ("keep", keep)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"remat.save: {label} must be a predicate (index, name) -> bool, got {type(fn).__name__}")
+    return Remat("save", predicate=where, ops=list(ops) if not callable(ops) else ops, keep=keep)
 
 
 def policy(value: Any) -> Remat:
@@ -136,7 +144,9 @@ class Plan:
         if kind == "where":
             assert self.remat.predicate is not None
             return bool(self.remat.predicate(i, name))
-        return kind in ("always", "save")
+        if kind == "save":
+            return self.remat.keep is None or not self.remat.keep(i, name)
+        return kind == "always"
 
     def saving(self, i: int, name: str) -> tuple | None:
         """For a stage that keeps some ops' outputs (``save``): ``(the context the forward runs under,

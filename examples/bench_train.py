@@ -33,7 +33,8 @@ step in turn, in one more process), so load from other tenants hits every method
 
 ``--curve`` adds the remat curve (block, one depth): step time against live peak of
 ``ef.value_and_grad(..., recompute=budget)`` over byte budgets from 0 (recompute every stage) to
-all graphs kept, and ``remat.save`` (matmul outputs kept) on the first 1..L blocks, beside
+all graphs kept (the last ones that fit), and the last graph kept with ``remat.save`` (matmul
+outputs kept) on the 0..L-1 blocks before it, beside
 ``torch.utils.checkpoint.checkpoint_sequential`` with 1..L segments; it
 writes examples/bench_train_curve.png.
 
@@ -285,8 +286,10 @@ def curve(depth: int, batch: int, seq: int, threads: int, steps: int) -> None:
     for kept in range(depth + 1):  # a budget that keeps the first `kept` blocks' graphs
         budget = kept * per_block + per_block // 2 if kept else 0
         runs[("eae_func", kept)] = lambda b=budget: ef.value_and_grad(chain, params, x, target, recompute=b)
-    for saving in range(1, depth + 1):  # the first `saving` blocks keep their matrix products' outputs
-        policy = ef.remat.save(where=lambda i, name, k=saving: i < k)
+    for saving in range(
+        depth
+    ):  # the last block's graph kept, the `saving` blocks before it keep their matmuls' outputs
+        policy = ef.remat.save(where=lambda i, name, k=saving: i >= depth - 1 - k, keep=lambda i, name: i == depth - 1)
         runs[("eae_func save", saving)] = lambda p=policy: ef.value_and_grad(chain, params, x, target, recompute=p)
     for segments in range(1, depth + 1):
 
@@ -313,7 +316,7 @@ def curve(depth: int, batch: int, seq: int, threads: int, steps: int) -> None:
     for (method, setting), peak in peaks.items():
         label = {
             "eae_func": f"{setting} graphs kept",
-            "eae_func save": f"{setting} blocks keep their matmul outputs",
+            "eae_func save": f"last graph kept, {setting} blocks keep their matmul outputs",
             "checkpoint_sequential": f"{setting} segments",
         }[method]
         print(f"| {method} | {label} | {peak:.1f} | {statistics.median(times[method, setting]):.3f} |")
@@ -325,7 +328,7 @@ def curve(depth: int, batch: int, seq: int, threads: int, steps: int) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     labels = {
         "eae_func": "eae_func (recompute= byte budget)",
-        "eae_func save": "eae_func (remat.save on 1..L blocks)",
+        "eae_func save": "eae_func (last graph + remat.save on 0..L-1 blocks)",
         "checkpoint_sequential": "checkpoint_sequential (1..L segments)",
     }
     for method, marker in (("eae_func", "o"), ("eae_func save", "^"), ("checkpoint_sequential", "s")):

@@ -274,23 +274,26 @@ class _Matmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@given(seed=st.integers(0, 2**16), saving=st.sets(st.integers(0, 3)))
-def test_saving_ops_outputs_gives_the_same_gradients_and_skips_their_recompute(seed, saving):
-    """remat.save(MATMULS, where): the stages it names keep their matrix products' outputs from the
-    forward and their rebuild reuses them (two products fewer per such block), dropout replayed, the
-    gradients bit-identical to rebuilding everything."""
+@given(seed=st.integers(0, 2**16), saving=st.sets(st.integers(0, 3)), keep_last=st.booleans())
+def test_saving_ops_outputs_gives_the_same_gradients_and_skips_their_recompute(seed, saving, keep_last):
+    """remat.save(MATMULS, where, keep): the stages ``where`` names keep their matrix products'
+    outputs from the forward and their rebuild reuses them (two products fewer per such block), a
+    stage ``keep`` names keeps its graph (no rebuild), dropout replayed, the gradients bit-identical
+    to rebuilding everything."""
     torch.manual_seed(seed)
     block = lambda: nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.2), nn.Tanh(), nn.Linear(32, 8))  # noqa: E731
     chain, params = ef.from_module(nn.Sequential(*[block() for _ in range(4)]).train(), loss=mse)
     x, target = torch.randn(16, 8), torch.randn(16, 8)
     runs = []
-    for policy in (True, ef.remat.save(where=lambda i, name: i in saving)):
+    keep = (lambda i, name: i == 3) if keep_last else None
+    for policy in (True, ef.remat.save(where=lambda i, name: i in saving, keep=keep)):
         torch.manual_seed(seed)
         with _Matmuls() as counted:
             res = ef.sweep(chain, params, x, target, recompute=policy, key=seed)
         runs.append((res, counted.count))
     (full, full_count), (saved, saved_count) = runs
-    assert full_count - saved_count == 2 * len(saving)
+    assert full_count - saved_count == 2 * len(saving | ({3} if keep_last else set()))
+    assert (saved.stats[chain.stages[3].name]["recompute_s"] == 0) == keep_last
     for got, want in zip(
         optree.tree_leaves(saved.grads, namespace=NAMESPACE), optree.tree_leaves(full.grads, namespace=NAMESPACE)
     ):
@@ -302,3 +305,5 @@ def test_remat_save_names_what_it_takes():
         ef.remat.save(["mm"])
     with pytest.raises(TypeError, match="remat.save: where must be a predicate"):
         ef.remat.save(where=3)
+    with pytest.raises(TypeError, match="remat.save: keep must be a predicate"):
+        ef.remat.save(keep="last")
