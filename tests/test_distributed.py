@@ -280,6 +280,10 @@ def four_rank_checks():
         chain, params, x, y, schedule="1f1b", microbatches=4, passes=P.clip_by_global_norm(0.05), codec=D.codecs.int8()
     )
     out["pipeline 4, gpipe m=2"] = _compare(chain, params, x, y, schedule="gpipe", microbatches=2)
+    deep, deep_params = _lm(depth=6)  # 8 stages: two ranges on each of 4 ranks
+    out["pipeline 4, interleaved 1f1b m=4, clip"] = _compare(
+        deep, deep_params, x, y, schedule="interleaved_1f1b", microbatches=4, passes=P.clip_by_global_norm(0.05)
+    )
     out["pipeline 4, zero bubble m=4, clip + int8 wire"] = _compare(
         chain,
         params,
@@ -339,6 +343,7 @@ def test_four_rank_pipeline_equals_single_process_sweep(four_ranks):
             "pipeline 4, 1f1b m=4, clip + int8 wire",
             "pipeline 4, gpipe m=2",
             "pipeline 4, zero bubble m=4, clip + int8 wire",
+            "pipeline 4, interleaved 1f1b m=4, clip",
         ):
             r = out[name]
             assert r["grad_err"] == r["loss_err"] == r["trace_err"] == 0.0, (rank, name)
