@@ -383,6 +383,8 @@ class Pipeline:
                 ) from e
             wall = time.perf_counter() - began
             loss, grads, trace, stats = self._collect(stages, m)
+            for stage in stages:
+                stage.end()
             loss = self._share_loss(loss)
             grads = self._tie(params, grads, groups)
         stats = metered(stats, chain, meter)

@@ -67,7 +67,8 @@ class Step:
 
 class RangeStage(PipelineStage):
     """Stage range ``index`` (stages ``lo..hi-1`` of the chain) of ``num_ranges``, on ``device``,
-    talking over ``group``; ``where`` names it in errors. ``begin(runner, step)`` before each step."""
+        talking over ``group``; ``where`` names it in errors. ``begin(runner, step)`` before each step,
+    ``end()`` after it."""
 
     def __init__(
         self,
@@ -93,9 +94,14 @@ class RangeStage(PipelineStage):
         self.costates_out: dict[int, tuple] = {}  # (flag, encoded) to send
 
     def begin(self, runner: Range, step: Step) -> None:
+        self.end()
+        self.runner, self.step = runner, step
+
+    def end(self) -> None:
+        """Let go of a step's tapes, pieces, messages, runner and shared state."""
         for d in (self.tapes, self.ran_with, self.done, self.inbox, self.outbox, self.costates_in, self.costates_out):
             d.clear()
-        self.runner, self.step = runner, step
+        self.runner = self.step = None
 
     # -- compute
 
