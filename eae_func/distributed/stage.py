@@ -67,7 +67,7 @@ class Step:
 
 class RangeStage(PipelineStage):
     """Stage range ``index`` (stages ``lo..hi-1`` of the chain) of ``num_ranges``, on ``device``,
-        talking over ``group``; ``where`` names it in errors. ``begin(runner, step)`` before each step,
+    talking over ``group``; ``where`` names it in errors. ``begin(runner, step)`` before each step,
     ``end()`` after it."""
 
     def __init__(
