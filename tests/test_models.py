@@ -27,11 +27,11 @@ def gpt2():
     return transformers.GPT2LMHeadModel(config), ["transformer.h.*"]
 
 
-def llama():
+def llama(layers=3):
     config = transformers.LlamaConfig(
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=3,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=64,
