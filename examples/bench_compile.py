@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import time
+
+from peak_rss import step_peak_mb
 
 METHODS = ("autograd", "checkpoint", "compile + autograd", "compile + checkpoint", "eae_func", "eae_func compile=")
 
@@ -129,12 +130,6 @@ def steps(blocks, x, y) -> dict:
     )
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
-    return int(match.group(1)) if match else 0
-
-
 def peak_worker(args) -> None:
     """One method's steady-step peak RSS above the set before it, printed as JSON."""
     import torch
@@ -145,11 +140,7 @@ def peak_worker(args) -> None:
     step()  # the warm-up (and the compile)
     for p in (p for b in blocks for p in b.parameters()):
         p.grad = None  # no gradients kept from the warm-up: every method's step holds its own
-    before = _status_kb("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    step()
-    print(json.dumps({"peak_mb": (_status_kb("VmHWM") - before) / 1024}))
+    print(json.dumps({"peak_mb": step_peak_mb(step)}))
 
 
 def main(argv=None):

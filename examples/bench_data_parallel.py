@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import ctypes
-import re
 import statistics
 import time
 
@@ -37,6 +36,8 @@ from torch.utils.checkpoint import checkpoint
 import eae_func as ef
 import eae_func.distributed as D
 from eae_func.models import Block
+
+from peak_rss import map_tensors_apart, step_peak_mb
 
 METHODS = (
     "ddp",
@@ -58,17 +59,6 @@ class Checkpointed(nn.Module):
         return checkpoint(self.block, h, use_reentrant=False)
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
-    return int(match.group(1)) if match else 0
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def sharded(blocks: list, wrap=lambda b: b) -> nn.Sequential:
     """``fully_shard`` on each (copied, wrapped) block, then on the root, over all ranks."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -81,8 +71,8 @@ def sharded(blocks: list, wrap=lambda b: b) -> nn.Sequential:
 
 def worker(args) -> dict:
     torch.set_num_threads(1)
-    if args.peak_of is not None:  # glibc maps every tensor above 64 KiB on its own, unmapped when freed
-        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+    if args.peak_of is not None:
+        map_tensors_apart()
     rank = dist.get_rank()
     torch.manual_seed(0)
     blocks = [Block(args.width, 8, 4, 4 * args.width) for _ in range(args.blocks)]
@@ -140,10 +130,7 @@ def worker(args) -> dict:
             for net in (ddp, checkpointed, fsdp, fsdp_checkpointed):  # no gradients kept from a step before
                 net.zero_grad(set_to_none=True)
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-            before = _status_kb("VmRSS")
-            reset_peak()
-            runs[args.peak_of]()
-            peaks.append((_status_kb("VmHWM") - before) / 1024)
+            peaks.append(step_peak_mb(runs[args.peak_of]))
         return {"peak_mb": peaks}
     reference = {n: g.clone() for n, g in runs["ddp"]().items()}
     errors = {}

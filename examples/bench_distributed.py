@@ -22,13 +22,11 @@ ratios, the memory and the bytes.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-from bench_data_parallel import _status_kb, reset_peak
 from torch import nn
 from torch.distributed import pipelining
 from torch.utils.checkpoint import checkpoint
@@ -36,6 +34,8 @@ from torch.utils.checkpoint import checkpoint
 import eae_func as ef
 import eae_func.distributed as D
 from eae_func.models import Block, lm_loss, transformer_lm
+
+from peak_rss import map_tensors_apart, step_peak_mb
 
 METHODS = ("pipelining", "pipelining + checkpoint", "eae_func", "eae_func int8")
 
@@ -50,7 +50,7 @@ class Checkpointed(nn.Module):
 
 
 def worker(schedule: str, args) -> dict:
-    ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: freed tensors leave the resident set
+    map_tensors_apart()
     torch.manual_seed(0)
     model = transformer_lm(256, args.width, args.blocks, n_heads=4, n_kv_heads=2)
     chain, params = ef.from_module(model, loss=lm_loss)
@@ -104,10 +104,7 @@ def worker(schedule: str, args) -> dict:
         for name in METHODS:
             dist.barrier()
             if round_ == args.warmup - 1 or (args.warmup == 0 and round_ == 0):
-                reset_peak()
-                before = _status_kb("VmRSS")
-                runs[name]()
-                peaks[name] = (_status_kb("VmHWM") - before) / 1024
+                peaks[name] = step_peak_mb(runs[name])
                 continue
             start = time.perf_counter()
             runs[name]()

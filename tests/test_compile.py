@@ -122,8 +122,9 @@ def test_a_captured_hugging_face_llama_compiles_stage_by_stage():
     """A Llama cut per layer by torch.export (tuple boundaries: hidden states, rotary tables, mask)
     runs compiled with no graph break and no recompile, within 1e-5 of eager with dropout on."""
     pytest.importorskip("transformers")
-    from test_models import llama, next_token_loss
     from torch._dynamo.utils import counters
+
+    from test_models import llama, next_token_loss
 
     torch.manual_seed(0)
     model, split_at = llama(layers=1)
