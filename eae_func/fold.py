@@ -24,6 +24,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.profiler import record_function
 
 from . import boundary as B
@@ -288,14 +289,16 @@ def local_vjp(
     flat_out = optree.tree_leaves(out, namespace=NAMESPACE)
     if check is not None:
         check(flat_out, inputs)
-    outputs = [t for t in flat_out if B.is_differentiable(t)]
+    # The outputs' places in the graph, not the outputs: a rebuilt output the graph does not save
+    # (a residual sum) is freed before the vjp runs, as checkpoint's recomputed output is.
+    edges = [get_gradient_edge(t) if t.requires_grad else None for t in flat_out if B.is_differentiable(t)]
 
     def pullback(cotangents: list, inputs_too: bool = True) -> tuple:
         sources = inputs if inputs_too else inputs[:n]
         wanted = [t for t in sources if t.requires_grad]
-        connected = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
+        connected = [(e, c) for e, c in zip(edges, cotangents) if e is not None]
         grads = iter(
-            torch.autograd.grad([o for o, _ in connected], wanted, [c for _, c in connected], allow_unused=True)
+            torch.autograd.grad([e for e, _ in connected], wanted, [c for _, c in connected], allow_unused=True)
             if connected and wanted
             else [None] * len(wanted)
         )
@@ -413,8 +416,11 @@ def forward(
     writes into its input is refused (the first one runs on a copy, so the caller's input is
     never written). ``meter`` counts the physical stages' rows.
     """
-    tape, plan = Tape(opts.boundary, device), opts.recompute.plan()
     kept, layout = h, B.Layout.of_leaves(*B.leaves(h, f"input of {chain.where(lo)}"))
+    measured = (
+        remat.sizes(chain, (lo, hi, layout, opts.autocast, opts.boundary)) if opts.recompute.kind == "budget" else None
+    )
+    tape, plan = Tape(opts.boundary, device), opts.recompute.plan(measured)
     if lo == 0:  # the caller's input: the first stage runs on a copy, which a write into it cannot leave
         h = optree.tree_map(lambda t: t.detach().clone(), h, namespace=NAMESPACE)
     upstream_params = False
@@ -697,13 +703,15 @@ def deferred_vjp(
 
 
 def reverse(
-    step: Callable[[Carry, Entry], tuple[Carry, StepOut]], carry: Carry, tape: Tape
+    step: Callable[[Carry, Entry], tuple[Carry, StepOut]], start: Carry | list[Carry], tape: Tape
 ) -> tuple[Carry, tuple[StepOut, ...]]:
-    """The fold: ``step`` over the tape's entries, last first, each handed out once.
+    """The fold: ``step`` over the tape's entries, last first, each handed out once, from ``start``,
+    the carry at boundary hi, or a one-element list holding it, which the fold empties: then no
+    caller's reference keeps p_hi alive while the stages below it run.
 
     Returns the final carry (boundary lo) and the outputs in stage order lo..hi-1.
     """
-    outputs = []
+    carry, outputs = (start.pop() if isinstance(start, list) else start), []
     while len(tape):
         carry, out = step(carry, tape.pop())
         outputs.append(out)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import typing
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,9 +48,10 @@ class Remat:
     ops: Any = None
     keep: Callable[[int, str], bool] | None = None
 
-    def plan(self) -> Plan:
-        """The per-forward decisions of this policy (a byte budget is spent stage by stage)."""
-        return Plan(self, self.nbytes)
+    def plan(self, sizes: dict | None = None) -> Plan:
+        """The per-forward decisions of this policy (a byte budget is spent stage by stage; ``sizes``
+        are the graph bytes earlier forwards like this one measured, which the plan updates)."""
+        return Plan(self, self.nbytes, {} if sizes is None else sizes)
 
 
 def always() -> Remat:
@@ -125,22 +127,40 @@ class Plan:
     ``kept(i, nbytes)`` after stage i's graph was built says whether it is kept, dropping the
     earliest kept graphs as needed to make room (``evicted()`` names their stages, which the reverse
     sweep then rebuilds), so the last graphs that fit are kept. Once a graph larger than the whole
-    budget was seen, no more are built."""
+    budget was seen, no more are built.
 
-    def __init__(self, remat: Remat, left: int):
-        self.remat, self.left, self.largest = remat, left, 0
+    ``sizes`` (stage -> graph bytes, as earlier forwards of these stages on inputs of this layout
+    measured them; the plan records what it measures) let a budget build only the graphs it will
+    keep: the last ones whose sizes fit. The other stages then run without a graph, so none is
+    built and dropped, and the peak is that of the kept graphs alone. Sizes steer nothing but which
+    graphs are kept: every choice gives the same gradients, and ``kept`` still holds the budget."""
+
+    def __init__(self, remat: Remat, left: int, sizes: dict):
+        self.remat, self.left, self.largest, self.sizes = remat, left, 0, sizes
         self.held: list[tuple[int, int]] = []  # (stage, bytes) of the kept graphs, oldest first
         self.dropped: list[int] = []
+        self.ahead = self._last_that_fit() if self.counts and sizes else None
 
     @property
     def counts(self) -> bool:
         """Whether graphs' saved bytes must be counted (a byte budget)."""
         return self.remat.kind == "budget"
 
+    def _last_that_fit(self) -> frozenset[int]:
+        """The last stages (of those measured) whose graphs fit in the budget together."""
+        chosen, left = [], self.remat.nbytes
+        for i in sorted(self.sizes, reverse=True):
+            if self.sizes[i] > left:
+                break
+            chosen.append(i)
+            left -= self.sizes[i]
+        return frozenset(chosen)
+
     def rebuilds(self, i: int, name: str) -> bool:
         kind = self.remat.kind
         if kind == "budget":
-            return self.remat.nbytes == 0 or self.largest > self.remat.nbytes
+            planned_out = self.ahead is not None and i not in self.ahead
+            return self.remat.nbytes == 0 or self.largest > self.remat.nbytes or planned_out
         if kind == "where":
             assert self.remat.predicate is not None
             return bool(self.remat.predicate(i, name))
@@ -159,7 +179,7 @@ class Plan:
     def kept(self, i: int, nbytes: int) -> bool:
         """Keep stage i's graph of ``nbytes`` if it fits in the budget at all, dropping the earliest
         kept graphs until it fits beside the rest."""
-        self.largest = max(self.largest, nbytes)
+        self.largest, self.sizes[i] = max(self.largest, nbytes), nbytes
         if nbytes > self.remat.nbytes:
             return False
         while nbytes > self.left:
@@ -198,3 +218,15 @@ class SavedBytes:
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+_SIZES: dict[int, dict] = {}  # id(chain) -> {what a forward ran on: {stage: graph bytes}}, while the chain lives
+
+
+def sizes(chain: Any, key: Any) -> dict:
+    """The graph bytes that forwards of ``chain`` on ``key`` (the stage range, input layout and
+    autocast) measured, stage by stage: the ``sizes`` of that forward's ``Plan``."""
+    if id(chain) not in _SIZES:
+        _SIZES[id(chain)] = {}
+        weakref.finalize(chain, _SIZES.pop, id(chain), None)
+    return _SIZES[id(chain)].setdefault(key, {})

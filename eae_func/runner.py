@@ -2,7 +2,7 @@
 
     tape         = forward(chain, lo, hi, params, buffers, x_lo)      keep x_lo..x_{hi-1}
     loss, carry  = boundary_condition(chain, x_L, loss_args)          if hi = L, else the received p_hi
-    carry, outs  = reverse(step, carry, tape)                         p_{hi-1}..p_lo, grads
+    carry, outs  = reverse(step, [carry], tape)                       p_{hi-1}..p_lo, grads
     -> Piece(loss, grads, trace, buffers, pass state, stats)
 
 ``ef.sweep`` runs it over the whole chain once per microbatch, every pipeline rank over its own
@@ -103,14 +103,15 @@ class Range:
             loss, carry = F.boundary_condition(
                 chain, tape.take_output(), mb.loss_args, opts, pass_state, mb.scale, stats["loss"]
             )
-            head, loss = (F.traced(carry.adj, opts),), loss * mb.scale
+            head, loss, start = (F.traced(carry.adj, opts),), loss * mb.scale, [carry]
+            del carry  # the fold holds p_L alone: it is freed once stage L-1 has used it
         else:
             adj = AdjointState(received, hi, F.boundary_name(chain, hi), fold_in(opts.key, hi))
             F.check_costate(chain, hi, adj, tape.entries[-1].out_layout)
-            loss, head, carry = None, (), F.Carry(adj, pass_state)
+            loss, head, start = None, (), [F.Carry(adj, pass_state)]
         problem = self.problem(tape, buffers, mb) if opts.physical else None
         step = F.make_step(chain, self.params, opts, self.device, problem, updater, defer_weights)
-        carry, outs = F.reverse(step, carry, tape)
+        carry, outs = F.reverse(step, start, tape)
         trace = head + tuple(o.record for o in reversed(outs))
         stats.update(
             {chain.names[i]: merge_counters(tape.stats[chain.names[i]], o.stats) for i, o in zip(range(lo, hi), outs)}
