@@ -38,6 +38,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx.node import map_arg
 from torch.fx.passes.split_module import split_module
 
 from .tree import NAMESPACE
@@ -194,8 +195,9 @@ class Piece:
             )
         return dict(zip(self.user_inputs, flat))
 
-    def run(self, lookup: Callable[[str], torch.Tensor], h: Any) -> Any:
-        """The piece on boundary ``h``, its parameters and buffers read by ``lookup(name)``."""
+    def bind(self, lookup: Callable[[str], torch.Tensor], h: Any) -> tuple[list, dict]:
+        """``(args, env)``: the graph's positional inputs on boundary ``h`` (its parameters and buffers
+        read by ``lookup(name)``), and the values known so far by node name."""
         env = self.environment(h)
         args = []
         for name in self.inputs:
@@ -207,11 +209,20 @@ class Piece:
                 if kind == "constant"
                 else env[name]
             )
-        if self.graph is not None:
-            env.update(zip(self.outputs, self.graph(*args)))
+        return args, env
+
+    def collect(self, env: dict, outs: Sequence) -> Any:
+        """The piece's output from ``env`` and the graph's outputs ``outs``: the boundary it carries,
+        or the user's output for the last piece."""
+        env.update(zip(self.outputs, outs))
         if self.user_outputs is not None:
             return torch_pytree.tree_unflatten([env[n] for n in self.user_outputs], self.out_spec)
         return {name: env[name] for name in self.carried}
+
+    def run(self, lookup: Callable[[str], torch.Tensor], h: Any) -> Any:
+        """The piece on boundary ``h``, its parameters and buffers read by ``lookup(name)``."""
+        args, env = self.bind(lookup, h)
+        return self.collect(env, self.graph(*args) if self.graph is not None else ())
 
 
 def layout(leaves: list) -> list:
@@ -257,7 +268,9 @@ class CapturedStage(nn.Module):
     def _lookup(self, name: str) -> torch.Tensor:
         return functools.reduce(getattr, name.split("."), self)
 
-    def forward(self, h: Any) -> Any:
+    @property
+    def piece(self) -> Piece:
+        """The piece of the captured graph this stage runs, refused if the model changed mode since."""
         plan = self._eae
         model = plan.model()
         if model is not None and model.training != plan.training:
@@ -266,7 +279,10 @@ class CapturedStage(nn.Module):
                 f"captured stage: the model was captured in {mode} mode and is now in the other; "
                 f"capture again (ef.grad(model, ...) captures once per mode)"
             )
-        return plan.piece.run(self._lookup, h)
+        return plan.piece
+
+    def forward(self, h: Any) -> Any:
+        return self.piece.run(self._lookup, h)
 
 
 def _stage_of_nodes(graph, cut_modules: set) -> tuple[dict, list]:
@@ -408,6 +424,7 @@ def split(
     )
     data_inputs = [name for name in user_inputs if name not in sources]
     graphs, produced, last_use = [], {name: 0 for name in data_inputs}, {name: n for name in user_outputs}
+    shared: dict = {}
     for k in range(n):
         graph = getattr(split, f"submod_{k}", None)
         inputs = [v.name for v in graph.graph.nodes if v.op == "placeholder"] if graph is not None else []
@@ -416,6 +433,8 @@ def split(
             if graph is not None
             else []
         )
+        if graph is not None:  # pieces that compute the same (twelve layers of one class) run one graph
+            graph = shared.setdefault(structure(graph), graph)
         graphs.append((graph, inputs, outputs))
         produced.update({name: k for name in outputs})
         for name in inputs:
@@ -439,6 +458,22 @@ def split(
         )
         for k, (graph, inputs, outputs) in enumerate(graphs)
     ]
+
+
+def structure(graph: Any) -> Any:
+    """What a piece's graph computes, positionally: each node's op, target and arguments (nodes as
+    their places, names left out). Two graphs of one structure are interchangeable; a graph that
+    reads attributes or submodules of its own, or holds a tensor in its code, is its own structure."""
+    place: dict = {}
+    nodes = []
+    for node in graph.graph.nodes:
+        args = map_arg((node.args, node.kwargs), lambda v: ("node", place[v]))
+        held = any(isinstance(a, torch.Tensor) for a in torch_pytree.tree_leaves(args))
+        if node.op in ("get_attr", "call_module") or held:
+            return graph
+        place[node] = len(place)
+        nodes.append((node.op, "" if node.op == "placeholder" else str(node.target), repr(args)))
+    return tuple(nodes)
 
 
 def _keep_casts(module: Any, stage_of: dict) -> None:

@@ -16,7 +16,10 @@ uncompiled stage does and the recompute replays its masks bit for bit.
 Compiled: module and function stages whose graph the remat policy rebuilds, on any boundary of
 tensors in tuples, lists, dicts or namedtuples (the graphs flatten it as ``torch.utils._pytree``
 does; the costates are put back in the fold's order); physical and FSDP stages, kept graphs and
-containers ``torch.utils._pytree`` does not know run as without ``compile=``.
+containers ``torch.utils._pytree`` does not know run as without ``compile=``. A model cut by graph
+capture runs each piece between two cuts as its graph on positional inputs (parameters, buffers
+and boundary values in the graph's order), and pieces that compute the same share one graph
+(``capture.structure``): twelve layers of a captured Llama compile one forward and one reverse.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.func import functional_call, vjp
 
+from .capture import CapturedStage
 from .chain import module_lock
 
 
@@ -83,17 +87,37 @@ def _reverse(target: Any, trainable: dict, frozen: dict, buffers: dict, h: Any, 
     return pullback(cotangents)
 
 
+def _run_graph(graph: Any, args: list) -> tuple:
+    """A captured piece's graph on its positional inputs."""
+    return graph(*args)
+
+
+def _reverse_graph(graph: Any, args: list, where: tuple, outputs_at: tuple, cotangents: list) -> tuple:
+    """The vjp of a captured piece's graph: the cotangents of its outputs ``outputs_at`` pulled back
+    to its inputs ``where``."""
+
+    def outputs(xs: list) -> list:
+        full = list(args)
+        for k, x in zip(where, xs):
+            full[k] = x
+        outs = graph(*full)
+        return [outs[k] for k in outputs_at]
+
+    return vjp(outputs, [args[k] for k in where])[1](cotangents)[0]
+
+
 _COMPILED: dict[str, tuple] = {}
 RECOMPILE_LIMIT = 64  # graphs per compiled function: kinds of stage x shapes
 
 
 def _compiled(opts: Any) -> tuple:
-    """The compiled forward and reverse for ``opts.compile`` (``torch.compile``'s keyword arguments,
-    whose values may be dicts: keyed by their repr)."""
+    """The compiled forward and reverse of module and function stages, then of captured pieces'
+    graphs, for ``opts.compile`` (``torch.compile``'s keyword arguments, whose values may be dicts:
+    keyed by their repr)."""
     key = repr(sorted(opts.compile.items()))
     if key not in _COMPILED:
         options = {"dynamic": False, **opts.compile}  # one graph per stage kind and shape
-        _COMPILED[key] = torch.compile(_run, **options), torch.compile(_reverse, **options)
+        _COMPILED[key] = tuple(torch.compile(fn, **options) for fn in (_run, _reverse, _run_graph, _reverse_graph))
     return _COMPILED[key]
 
 
@@ -101,8 +125,25 @@ def _target(stage: Any) -> Any:
     return stage.module if stage.module is not None else stage.fn
 
 
+def _between(stage: Any) -> Any:
+    """The piece of a captured stage between two cuts (boundary dicts in and out, a graph of its
+    own), else ``None``. Such pieces run their graph on positional inputs, so layers that compute
+    the same share it (``capture.structure``), and with it the compiled graphs."""
+    module = stage.module
+    if isinstance(module, CapturedStage):
+        piece = module.piece
+        if piece.graph is not None and piece.user_inputs is None and piece.user_outputs is None:
+            return piece
+    return None
+
+
 def forward(stage: Any, opts: Any, params: Any, buffers: Mapping, h: torch.Tensor) -> tuple[Any, dict]:
     """``stage.call(params, buffers, h)``, compiled."""
+    piece = _between(stage)
+    if piece is not None:
+        args, env = piece.bind({**params, **buffers}.__getitem__, h)
+        with _eager_random():
+            return piece.collect(env, _compiled(opts)[2](piece.graph, args)), dict(buffers)
     fn = _compiled(opts)[0]
     with _eager_random(), _lock(stage):
         return fn(_target(stage), dict(params), dict(buffers), h)
@@ -114,6 +155,9 @@ def reverse(stage: Any, opts: Any, params: Any, buffers: Mapping, entry: Any, co
     the vjp one compiled graph; ``None`` where the output's containers are not ``torch.utils._pytree``'s.
     Only trainable parameters are differentiated: frozen ones (``requires_grad=False`` in the
     module) and integer ones get ``None``."""
+    piece = _between(stage)
+    if piece is not None:
+        return _reverse_piece(piece, opts, params, buffers, entry, cotangents)
     out_order = in_order(entry.out_layout)
     if out_order is None:
         return None
@@ -129,6 +173,41 @@ def reverse(stage: Any, opts: Any, params: Any, buffers: Mapping, entry: Any, co
     for k, gk in zip([k for k in in_order(entry.layout) or () if mask[k]], g):
         g_in[rank[k]] = gk
     return {n: grads.get(n) for n in params}, g_in
+
+
+def _reverse_piece(piece: Any, opts: Any, params: Any, buffers: Mapping, entry: Any, cotangents: list) -> tuple:
+    """``reverse`` of a captured piece between two cuts, on its graph: the output's cotangents (by
+    node name) pulled back to the trainable parameters and the boundary's differentiable values; a
+    value the piece passes through unchanged takes its output cotangent as well."""
+    h = entry.boundary
+    args, _ = piece.bind({**params, **buffers}.__getitem__, h)
+    where, wanted = [], []
+    for k, name in enumerate(piece.inputs):
+        kind, key = piece.sources.get(name, ("value", name))
+        if kind == "parameter" and key not in entry.frozen and args[k].is_floating_point():
+            where.append(k)
+            wanted.append(("parameter", key))
+        elif kind == "value" and _differentiable(args[k]):
+            where.append(k)
+            wanted.append(("value", name))
+    out_names = [path[0] for path, m in zip(entry.out_layout.spec.paths(), entry.out_layout.mask) if m]
+    cot = dict(zip(out_names, cotangents))
+    outputs_at = tuple(k for k, name in enumerate(piece.outputs) if name in cot)
+    grads: dict = dict.fromkeys(params)
+    g_in: dict = {}
+    if where and outputs_at:
+        with _eager_random():
+            pulled = _compiled(opts)[3](
+                piece.graph, args, tuple(where), outputs_at, [cot[piece.outputs[k]] for k in outputs_at]
+            )
+        for (kind, key), g in zip(wanted, pulled):
+            into = grads if kind == "parameter" else g_in
+            into[key] = g if into.get(key) is None else into[key] + g  # a tensor read twice
+    for name, c in cot.items():
+        if name in h and name not in piece.outputs:  # passed through
+            g_in[name] = c if g_in.get(name) is None else g_in[name] + c
+    in_names = [path[0] for path, m in zip(entry.layout.spec.paths(), entry.layout.mask) if m]
+    return grads, [g_in[n] if g_in.get(n) is not None else torch.zeros_like(h[n]) for n in in_names]
 
 
 def _ranks(mask: tuple) -> dict:

@@ -332,7 +332,7 @@ def _on_model(
                 f"params: the flat dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''} "
                 f"(expected the names of dict(model.named_parameters()))"
             )
-        params = tuple({n: params[q] for n, q in names.items() if q in params} for names in qualified)
+        given, params = params, tuple({n: params[q] for n, q in names.items() if q in params} for names in qualified)
     res = run(chain, params, x, loss_args, None, None, pass_state, buffers, opts)
     if not flat:
         return res
@@ -346,11 +346,14 @@ def _on_model(
             if q is not None
         }
 
+    # every name given comes back: one the forward never reads (an input embedding fed
+    # inputs_embeds) has no gradient (None, as autograd leaves its .grad) and keeps its value
+    grads, updated = (None if res.grads is None else flat_dict(res.grads)), flat_dict(res.params)
     return dataclasses.replace(
         res,
-        grads=None if res.grads is None else flat_dict(res.grads),
+        grads=None if grads is None else {q: grads.get(q) for q in given},
         buffers=flat_dict(res.buffers),
-        params=flat_dict(res.params),
+        params={q: updated.get(q, given[q]) for q in given},
     )
 
 

@@ -4,7 +4,9 @@
 
 Model: ``--depth`` ``models.Block(256, 8, 4, 1024)`` or (``--model llama``) transformers'
 ``LlamaDecoderLayer`` of the same width, heads and MLP, seq 128, batch 4, fp32, the loss and every
-parameter gradient. Per method: the one-time compile seconds (the first step's time minus a
+parameter gradient. ``--model llama-captured`` takes the whole ``LlamaModel`` (on ``inputs_embeds``)
+instead: checkpoint is Hugging Face's own ``gradient_checkpointing_enable()``, and eae_func cuts the
+model by graph capture (``split_at=["layers.*"]``), its layers sharing their compiled graphs. Per method: the one-time compile seconds (the first step's time minus a
 steady step's), the step time interleaved over ``--rounds`` rounds (A B C ... A B C ...), its
 median as a ratio to eager autograd, and the peak resident set of a steady step above the set
 before it, in a fresh process per method (one warm-up step first, glibc mapping every tensor above
@@ -12,6 +14,7 @@ before it, in a fresh process per method (one warm-up step first, glibc mapping 
 
     python examples/bench_compile.py --depth 6 --rounds 11
     python examples/bench_compile.py --model llama --depth 12 --rounds 11
+    python examples/bench_compile.py --model llama-captured --depth 12 --rounds 11
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ def build(args):
     from eae_func.models import Block
 
     torch.manual_seed(0)
-    if args.model == "llama":
+    if args.model == "llama-captured":
+        blocks = [llama_model(args.depth, checkpointed) for checkpointed in (False, True)]
+    elif args.model == "llama":
         blocks = llama_layers(args.depth)
     else:
         blocks = [Block(256, 8, 4, 1024) for _ in range(args.depth)]
@@ -44,15 +49,10 @@ def build(args):
     return blocks, x, y
 
 
-def llama_layers(depth: int) -> list:
-    """transformers' ``LlamaDecoderLayer`` (width 256, 8 heads, 4 KV heads, MLP 1024, causal SDPA),
-    each with its rotary tables, as ``h -> h'`` modules."""
-    import torch
-    from torch import nn
+def llama_config(depth: int):
     from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    config = LlamaConfig(
+    return LlamaConfig(
         hidden_size=256,
         intermediate_size=1024,
         num_attention_heads=8,
@@ -60,6 +60,29 @@ def llama_layers(depth: int) -> list:
         num_hidden_layers=depth,
         attn_implementation="sdpa",
     )
+
+
+def llama_model(depth: int, checkpointed: bool):
+    """transformers' ``LlamaModel`` of ``depth`` layers (seed 0), with Hugging Face's gradient
+    checkpointing (non-reentrant) or without."""
+    import torch
+    from transformers import LlamaModel
+
+    torch.manual_seed(0)
+    model = LlamaModel(llama_config(depth)).train()
+    if checkpointed:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def llama_layers(depth: int) -> list:
+    """transformers' ``LlamaDecoderLayer`` (width 256, 8 heads, 4 KV heads, MLP 1024, causal SDPA),
+    each with its rotary tables, as ``h -> h'`` modules."""
+    import torch
+    from torch import nn
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = llama_config(depth)
 
     class Layer(nn.Module):
         def __init__(self, i: int):
@@ -74,7 +97,7 @@ def llama_layers(depth: int) -> list:
     return [Layer(i) for i in range(depth)]
 
 
-def steps(blocks, x, y) -> dict:
+def steps(blocks, x, y, captured: bool = False) -> dict:
     """One function per method running a step and returning its gradients (in the blocks' order)."""
     import torch
     import torch.nn.functional as F
@@ -83,6 +106,8 @@ def steps(blocks, x, y) -> dict:
 
     import eae_func as ef
 
+    if captured:
+        return captured_steps(*blocks, x, y)
     model = nn.Sequential(*blocks)
     params = list(model.parameters())
 
@@ -130,13 +155,58 @@ def steps(blocks, x, y) -> dict:
     )
 
 
+def captured_steps(model, checkpointed, x, y) -> dict:
+    """The methods on a whole Hugging Face model: ``checkpointed`` is a copy with its own gradient
+    checkpointing on; eae_func cuts ``model`` per layer by graph capture."""
+    import torch
+    import torch.nn.functional as F
+
+    import eae_func as ef
+
+    def loss(out, target):
+        return F.mse_loss(out.last_hidden_state, target)
+
+    def autograd(net, params):
+        def step():
+            for p in params:
+                p.grad = None
+            loss(net(inputs_embeds=x), y).backward()
+            return [p.grad for p in params]
+
+        return step
+
+    flat = dict(model.named_parameters())
+
+    def sweep(**options):
+        def step():
+            grads = ef.grad(model, flat, {"inputs_embeds": x}, y, loss=loss, split_at=["layers.*"], **options)
+            return [grads[n] for n in flat]
+
+        return step
+
+    plain, ckpt = list(model.parameters()), list(checkpointed.parameters())
+    return dict(
+        zip(
+            METHODS,
+            (
+                autograd(model, plain),
+                autograd(checkpointed, ckpt),
+                autograd(torch.compile(model), plain),
+                autograd(torch.compile(checkpointed), ckpt),
+                sweep(),
+                sweep(compile=True),
+            ),
+        )
+    )
+
+
 def peak_worker(args) -> None:
     """One method's steady-step peak RSS above the set before it, printed as JSON."""
     import torch
 
     torch.set_num_threads(args.threads)
     blocks, x, y = build(args)
-    step = steps(blocks, x, y)[args.peak_of]
+    step = steps(blocks, x, y, args.model == "llama-captured")[args.peak_of]
     step()  # the warm-up (and the compile)
     for p in (p for b in blocks for p in b.parameters()):
         p.grad = None  # no gradients kept from the warm-up: every method's step holds its own
@@ -145,7 +215,7 @@ def peak_worker(args) -> None:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=("block", "llama"), default="block")
+    parser.add_argument("--model", choices=("block", "llama", "llama-captured"), default="block")
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
@@ -163,14 +233,17 @@ def main(argv=None):
 
     torch.set_num_threads(args.threads)
     blocks, x, y = build(args)
-    runs = steps(blocks, x, y)
+    runs = steps(blocks, x, y, args.model == "llama-captured")
     first, reference, errors = {}, None, {}
     for name, step in runs.items():
         start = time.perf_counter()
         grads = step()
         first[name] = time.perf_counter() - start
-        reference = reference or [g.clone() for g in grads]
-        errors[name] = max((g - r).abs().max().item() for g, r in zip(grads, reference))
+        reference = reference or [None if g is None else g.clone() for g in grads]  # None: a weight not used
+        errors[name] = max(
+            (g - r).abs().max().item() if g is not None and r is not None else 0.0 if g is r else float("inf")
+            for g, r in zip(grads, reference)
+        )
     times = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, step in runs.items():
@@ -190,9 +263,11 @@ def main(argv=None):
         ]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
         peaks[name] = json.loads(out.strip().splitlines()[-1])["peak_mb"]
-    kind = (
-        "LlamaDecoderLayer(256, 8 heads, 4 KV, MLP 1024)" if args.model == "llama" else "models.Block(256, 8, 4, 1024)"
-    )
+    kind = {
+        "llama": "LlamaDecoderLayer(256, 8 heads, 4 KV, MLP 1024)",
+        "llama-captured": "layers of LlamaModel(256, 8 heads, 4 KV, MLP 1024), cut by capture",
+        "block": "models.Block(256, 8, 4, 1024)",
+    }[args.model]
     print(f"{args.depth} x {kind}, seq {args.seq}, batch {args.batch}, {args.threads} threads")
     print(f"{'method':<22} {'step / autograd':>15} {'compile s':>10} {'peak MB':>8} {'max |g - autograd|':>19}")
     for name in METHODS:

@@ -89,6 +89,31 @@ def test_a_parameter_the_forward_never_reads_gets_none_and_weight_decay_leaves_i
         assert torch.equal(model[0].spare, torch.ones(4, dtype=F64)), fused
 
 
+def test_a_captured_models_flat_dict_comes_back_with_every_name():
+    """``ef.grad(model, dict(model.named_parameters()), ..., split_at=)`` returns every name given:
+    one the captured forward never reads (a spare; an input embedding fed ``inputs_embeds``) has
+    ``None``, as plain autograd leaves its ``.grad``, and the returned params keep it as it was."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(5, 6).double(), torch.nn.Linear(6, 3).double()
+            self.spare = torch.nn.Parameter(torch.ones(4, dtype=F64))
+
+        def forward(self, h):
+            return self.b(torch.tanh(self.a(h)))
+
+    x, y = _batch()
+    model = Net()
+    params = dict(model.named_parameters())
+    grads = ef.grad(model, params, x, y, loss=F.mse_loss, split_at=["a", "b"])
+    F.mse_loss(model(x), y).backward()
+    assert list(grads) == list(params) and grads["spare"] is None
+    assert all(torch.allclose(grads[n], p.grad) for n, p in params.items() if p.grad is not None)
+    res = ef.sweep(model, params, x, y, loss=F.mse_loss, split_at=["a", "b"])
+    assert list(res.params) == list(params) and res.params["spare"] is params["spare"]
+
+
 def _with_a_physical_stage():
     """``tanh(x W)``, a physical ``sin``, ``h W``."""
     g = torch.Generator().manual_seed(0)
