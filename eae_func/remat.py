@@ -224,8 +224,8 @@ _SIZES: dict[int, dict] = {}  # id(chain) -> {what a forward ran on: {stage: gra
 
 
 def sizes(chain: Any, key: Any) -> dict:
-    """The graph bytes that forwards of ``chain`` on ``key`` (the stage range, input layout and
-    autocast) measured, stage by stage: the ``sizes`` of that forward's ``Plan``."""
+    """The graph bytes that forwards of ``chain`` on ``key`` (the stage range, input layout,
+    autocast and boundary storage) measured, stage by stage: the ``sizes`` of that forward's ``Plan``."""
     if id(chain) not in _SIZES:
         _SIZES[id(chain)] = {}
         weakref.finalize(chain, _SIZES.pop, id(chain), None)

@@ -71,7 +71,7 @@ def llama_model(depth: int, checkpointed: bool):
     torch.manual_seed(0)
     model = LlamaModel(llama_config(depth)).train()
     if checkpointed:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
