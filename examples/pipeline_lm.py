@@ -125,6 +125,7 @@ def main(argv=None):
                 flush=True,
             )
     check_tied_copies(pipe, mine, chain)
+    dist.barrier()  # neither rank tears gloo down while another still runs
     dist.destroy_process_group()
 
 

@@ -110,6 +110,7 @@ def main(argv=None):
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {loss.item():.4f}  {time.perf_counter() - start:.1f} s", flush=True)
+    dist.barrier()  # neither rank tears gloo down while another still runs
     dist.destroy_process_group()
 
 
