@@ -30,6 +30,9 @@ the sweep needs at least the boundaries x_1..x_{i-1}, the costate p_i and B, and
 gradients of stages i+1..L: fused floor max_i i A + B, floor max_i (L-i) G + i A + B (A one
 boundary's bytes). Time: the median of interleaved steps (every method's
 step in turn, in one more process), so load from other tenants hits every method alike.
+``--keep-heap`` times with glibc keeping freed memory mapped (``peak_rss.keep_heap``), for every
+method alike: no step then faults in pages that glibc gave back to the kernel after the last one,
+a cost that depends on the order of frees rather than on the method's work.
 
 ``--curve`` adds the remat curve (block, one depth): step time against live peak of
 ``ef.value_and_grad(..., recompute=budget)`` over byte budgets from 0 (recompute every stage) to
@@ -56,6 +59,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from bench_memory import LiveBytes, peak_rss, reset_peak_rss, usable_cores  # noqa: E402
+from peak_rss import keep_heap  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 METHODS = ("autograd", "checkpoint", "checkpoint+hooks", "eae-runtime", "eae_func", "eae_func fused")
@@ -199,6 +203,8 @@ def worker(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(spec["threads"])
+    if spec.get("keep_heap"):
+        keep_heap()
     for method in METHODS:  # load every method's code on a tiny model first (one-time imports are not a step)
         make_step(method, *build(spec["kind"], 1, 1, 8))()
     blocks, x, target = build(spec["kind"], spec["depth"], spec["batch"], spec["seq"])
@@ -268,7 +274,7 @@ def run(spec: dict, env: dict | None = None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def curve(depth: int, batch: int, seq: int, threads: int, steps: int) -> None:
+def curve(depth: int, batch: int, seq: int, threads: int, steps: int, heap_kept: bool) -> None:
     """Step time against live peak: eae_func's remat budgets beside checkpoint_sequential's segments."""
     import torch
     from torch import nn
@@ -277,6 +283,8 @@ def curve(depth: int, batch: int, seq: int, threads: int, steps: int) -> None:
     import eae_func as ef
 
     torch.set_num_threads(threads)
+    if heap_kept:
+        keep_heap()
     blocks, x, target = build("block", depth, batch, seq)
     model = nn.Sequential(*blocks)
     chain, params = ef.from_module(model, loss=loss_fn)
@@ -363,6 +371,7 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=usable_cores())
     parser.add_argument("--curve", action="store_true", help="also the remat curve and its plot")
+    parser.add_argument("--keep-heap", action="store_true", help="time with glibc keeping freed memory mapped")
     parser.add_argument("--quick", action="store_true", help="smoke run: depth 2, batch 2, seq 32, 1 step")
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -373,7 +382,8 @@ def main(argv=None) -> None:
         args.depths, args.batch, args.seq, args.steps = [2], 2, 32, 1
     print(
         f"# Training step: forward + gradients + AdamW, batch {args.batch}, seq {args.seq}, width {DIM}, "
-        f"{args.threads} threads, {args.steps} timed steps after {args.warmup} warm-up\n"
+        f"{args.threads} threads, {args.steps} timed steps after {args.warmup} warm-up"
+        f"{', glibc keeping freed memory mapped' if args.keep_heap else ''}\n"
     )
     for kind in args.blocks:
         for depth in args.depths:
@@ -385,6 +395,7 @@ def main(argv=None) -> None:
                 threads=args.threads,
                 steps=args.steps,
                 warmup=args.warmup,
+                keep_heap=args.keep_heap,
             )
             res = {m: run({**spec, "method": m}, MMAP_ENV) for m in METHODS}
             times = run({**spec, "method": "interleaved"})["times"]
@@ -421,7 +432,7 @@ def main(argv=None) -> None:
                 flush=True,
             )
     if args.curve:
-        curve(args.depths[0], args.batch, args.seq, args.threads, max(args.steps, 2))
+        curve(args.depths[0], args.batch, args.seq, args.threads, max(args.steps, 2), args.keep_heap)
 
 
 if __name__ == "__main__":
