@@ -1,6 +1,8 @@
 """torch.compile and the sweep, side by side: eager autograd, eager checkpoint per block,
 ``torch.compile`` + autograd, ``torch.compile`` + checkpoint per block, eae_func eager and eae_func
-``compile=True`` (each stage's forward, and its recompute + local vjp as one graph).
+``compile=True`` (each stage's forward, and its recompute + local vjp as one graph); and, the
+structural baseline of per-stage graphs, "regional compile + checkpoint": each checkpointed block
+``torch.compile``\ d on its own (PyTorch's regional compilation), so no kernel fuses across blocks.
 
 Model: ``--depth`` ``models.Block(256, 8, 4, 1024)`` or (``--model llama``) transformers'
 ``LlamaDecoderLayer`` of the same width, heads and MLP, seq 128, batch 4, fp32, the loss and every
@@ -29,7 +31,15 @@ import time
 
 from peak_rss import step_peak_mb
 
-METHODS = ("autograd", "checkpoint", "compile + autograd", "compile + checkpoint", "eae_func", "eae_func compile=")
+METHODS = (
+    "autograd",
+    "checkpoint",
+    "compile + autograd",
+    "compile + checkpoint",
+    "regional compile + checkpoint",
+    "eae_func",
+    "eae_func compile=",
+)
 
 
 def build(args):
@@ -39,7 +49,7 @@ def build(args):
 
     torch.manual_seed(0)
     if args.model == "llama-captured":
-        blocks = [llama_model(args.depth, checkpointed) for checkpointed in (False, True)]
+        blocks = [llama_model(args.depth, checkpointed) for checkpointed in (False, True, True)]
     elif args.model == "llama":
         blocks = llama_layers(args.depth)
     else:
@@ -121,6 +131,7 @@ def steps(blocks, x, y, captured: bool = False) -> dict:
 
     checkpointed = nn.Sequential(*[Checkpointed(b) for b in blocks])  # the same weights
     compiled, compiled_checkpointed = torch.compile(model), torch.compile(checkpointed)
+    regional = nn.Sequential(*[torch.compile(Checkpointed(b)) for b in blocks])
 
     def autograd(net):
         def step():
@@ -148,6 +159,7 @@ def steps(blocks, x, y, captured: bool = False) -> dict:
                 autograd(checkpointed),
                 autograd(compiled),
                 autograd(compiled_checkpointed),
+                autograd(regional),
                 sweep(),
                 sweep(compile=True),
             ),
@@ -155,9 +167,10 @@ def steps(blocks, x, y, captured: bool = False) -> dict:
     )
 
 
-def captured_steps(model, checkpointed, x, y) -> dict:
-    """The methods on a whole Hugging Face model: ``checkpointed`` is a copy with its own gradient
-    checkpointing on; eae_func cuts ``model`` per layer by graph capture."""
+def captured_steps(model, checkpointed, regional, x, y) -> dict:
+    """The methods on a whole Hugging Face model: ``checkpointed`` and ``regional`` are copies with
+    its own gradient checkpointing on, ``regional``'s layers compiled one by one; eae_func cuts
+    ``model`` per layer by graph capture."""
     import torch
     import torch.nn.functional as F
 
@@ -185,6 +198,8 @@ def captured_steps(model, checkpointed, x, y) -> dict:
         return step
 
     plain, ckpt = list(model.parameters()), list(checkpointed.parameters())
+    for layer in regional.layers:
+        layer.compile()
     return dict(
         zip(
             METHODS,
@@ -193,6 +208,7 @@ def captured_steps(model, checkpointed, x, y) -> dict:
                 autograd(checkpointed, ckpt),
                 autograd(torch.compile(model), plain),
                 autograd(torch.compile(checkpointed), ckpt),
+                autograd(regional, list(regional.parameters())),
                 sweep(),
                 sweep(compile=True),
             ),
@@ -269,11 +285,11 @@ def main(argv=None):
         "block": "models.Block(256, 8, 4, 1024)",
     }[args.model]
     print(f"{args.depth} x {kind}, seq {args.seq}, batch {args.batch}, {args.threads} threads")
-    print(f"{'method':<22} {'step / autograd':>15} {'compile s':>10} {'peak MB':>8} {'max |g - autograd|':>19}")
+    print(f"{'method':<30} {'step / autograd':>15} {'compile s':>10} {'peak MB':>8} {'max |g - autograd|':>19}")
     for name in METHODS:
         compile_s = max(first[name] - median[name], 0.0) if "compile" in name else 0.0
         print(
-            f"{name:<22} {median[name] / median['autograd']:>14.2f}x {compile_s:>10.1f} "
+            f"{name:<30} {median[name] / median['autograd']:>14.2f}x {compile_s:>10.1f} "
             f"{peaks[name]:>8.1f} {errors[name]:>19.1e}"
         )
 
