@@ -2,7 +2,7 @@
 ``torch.compile`` + autograd, ``torch.compile`` + checkpoint per block, eae_func eager and eae_func
 ``compile=True`` (each stage's forward, and its recompute + local vjp as one graph); and, the
 structural baseline of per-stage graphs, "regional compile + checkpoint": each checkpointed block
-``torch.compile``\ d on its own (PyTorch's regional compilation), so no kernel fuses across blocks.
+compiled by ``torch.compile`` on its own (PyTorch's regional compilation), so no kernel fuses across blocks.
 
 Model: ``--depth`` ``models.Block(256, 8, 4, 1024)`` or (``--model llama``) transformers'
 ``LlamaDecoderLayer`` of the same width, heads and MLP, seq 128, batch 4, fp32, the loss and every
