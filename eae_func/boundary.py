@@ -18,21 +18,39 @@ def is_differentiable(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
+TENSOR: Any = optree.tree_structure(torch.empty(0), namespace=NAMESPACE)  # type: ignore[arg-type]  # a lone tensor's spec
+
+
+def flatten(tree: Any) -> tuple[list, Any]:
+    """``optree.tree_flatten`` in the library's namespace, without a call into optree for a lone
+    tensor (most boundaries: the fold flattens each several times per stage)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree], TENSOR
+    return optree.tree_flatten(tree, namespace=NAMESPACE)
+
+
+def flat(tree: Any, none_is_leaf: bool = False) -> list:
+    """``optree.tree_leaves`` in the library's namespace, a lone tensor without a call into optree."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    return optree.tree_leaves(tree, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+
+
 def leaves(tree: Any, where: str) -> tuple[list, Any]:
     """Leaves and treespec of a boundary state: at least one leaf, every leaf a tensor."""
-    flat, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
-    if not flat:
+    leaves_, spec = flatten(tree)
+    if not leaves_:
         raise TypeError(
             f"{where}: boundary states must be tensors or pytrees of tensors, got "
             f"{type(tree).__name__} with no tensor in it"
         )
-    for t in flat:
+    for t in leaves_:
         if not isinstance(t, torch.Tensor):
             raise TypeError(
                 f"{where}: boundary states must be tensors or pytrees of tensors, "
                 f"found a leaf of type {type(t).__name__}"
             )
-    return flat, spec
+    return leaves_, spec
 
 
 def split(tree: Any, where: str) -> tuple[list, Callable[[list], Any], Callable[[list], Any]]:
@@ -48,7 +66,7 @@ def split(tree: Any, where: str) -> tuple[list, Callable[[list], Any], Callable[
 
 def split_as(tree: Any, layout: Layout) -> tuple[list, Callable[[list], Any], Callable[[list], Any]]:
     """``split`` of a state known to have ``layout`` (a tape's boundary, checked when it was made)."""
-    return _split(optree.tree_leaves(tree, namespace=NAMESPACE), layout.spec, layout.mask)
+    return _split(flat(tree), layout.spec, layout.mask)
 
 
 def _split(flat: list, spec: Any, mask: Sequence[bool]) -> tuple:
@@ -128,7 +146,7 @@ class Layout:
 
     @staticmethod
     def of(tree: Any) -> Layout:
-        return Layout.of_leaves(*optree.tree_flatten(tree, namespace=NAMESPACE))
+        return Layout.of_leaves(*flatten(tree))
 
     @staticmethod
     def of_leaves(flat: list, spec: Any) -> Layout:
@@ -149,6 +167,8 @@ class Layout:
 
 def nbytes(tree: Any) -> int:
     """Bytes of the tensor leaves of ``tree``."""
+    if isinstance(tree, torch.Tensor):
+        return tree.nbytes
     return sum(t.numel() * t.element_size() for t in optree.tree_leaves(tree, namespace=NAMESPACE))
 
 

@@ -33,7 +33,9 @@ class Stage:
     tensors. ``physical``: a black box to the sweep (its reverse step comes from an estimator);
     ``differentiable=False``: nothing may differentiate it (only forward-only estimators).
     ``sharded``: an FSDP2 module's own sharded parameters (``param_names`` order); it runs through
-    FSDP at them, never at given tensors (``eae_func.fsdp``).
+    FSDP at them, never at given tensors (``eae_func.fsdp``). ``buffer_names``: the module's buffers
+    when the stage was made (a module that has no tensor under two names reads them, and the
+    parameters' ``requires_grad``, from their places, ``Slots``, not by walking its submodules).
     """
 
     fn: Callable | None
@@ -45,6 +47,7 @@ class Stage:
     param_layout: tuple[tuple[torch.Size, torch.dtype], ...] = ()
     aliased: bool = True
     sharded: tuple[nn.Parameter, ...] | None = None
+    buffer_names: tuple[str, ...] = ()
 
     def call(self, params: Any, buffers: Mapping[str, torch.Tensor], h: Any):
         """``(h', updated_buffers)``: the stage applied to ``h``; ``buffers`` are not modified.
@@ -71,12 +74,27 @@ class Stage:
         if self.module is None:
             return frozenset()
         with module_lock(self.module):  # not while another thread's tensors sit in the module
-            return frozenset(n for n, p in self.module.named_parameters() if not p.requires_grad)
+            slots = self.slots()
+            if slots is None:
+                return frozenset(n for n, p in self.module.named_parameters() if not p.requires_grad)
+            own = slots.places[: len(self.param_names or ())]
+            return frozenset(n for store, key, n in own if store[key] is not None and not store[key].requires_grad)
 
     def default_buffers(self) -> dict[str, torch.Tensor]:
         if self.module is None:
             return {}
-        return {name: b.detach() for name, b in self.module.named_buffers()}
+        slots = self.slots()
+        if slots is None:
+            return {name: b.detach() for name, b in self.module.named_buffers()}
+        own = (store[key] for store, key, _ in slots.places[len(self.param_names or ()) :])
+        return {name: b.detach() for name, b in zip(self.buffer_names, own) if b is not None}
+
+    def slots(self) -> Slots | None:
+        """The places of the module's parameters, then its buffers (``None``: a tensor under two names,
+        or the module changed so that a name is gone)."""
+        if self.aliased or self.module is None or self.param_names is None:
+            return None
+        return Slots.of(self.module, self.param_names + self.buffer_names)
 
 
 _LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -108,10 +126,13 @@ class Slots:
         self.places = places  # (dict, key, dotted name) of every tensor
 
     @classmethod
-    def of(cls, module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Slots | None:
-        """The places of ``tensors``' names in ``module``; ``None`` if one is not a parameter or buffer."""
-        per_module = cls._cache.setdefault(module, {})
-        names = tuple(tensors)
+    def of(cls, module: nn.Module, tensors: Mapping[str, torch.Tensor] | tuple[str, ...]) -> Slots | None:
+        """The places of ``tensors``' names (or of a tuple of names) in ``module``; ``None`` if one is
+        not a parameter or buffer."""
+        per_module = cls._cache.get(module)  # a lookup makes no weakref; setdefault would, on every call
+        if per_module is None:
+            per_module = cls._cache.setdefault(module, {})
+        names = tensors if isinstance(tensors, tuple) else tuple(tensors)
         slots = per_module.get(names)
         if slots is None or not slots.valid(module):
             slots = per_module[names] = cls.find(module, names)
@@ -239,7 +260,7 @@ class Chain:
                 continue
             if not isinstance(p, Mapping):
                 raise TypeError(f"params of {self.where(i)}: expected a dict name -> tensor, got {type(p).__name__}")
-            if p.keys() != set(s.param_names):
+            if len(p) != len(s.param_names) or not all(n in p for n in s.param_names):
                 missing, extra = set(s.param_names) - set(p), set(p) - set(s.param_names)
                 raise ValueError(
                     f"params of {self.where(i)} do not match its module: "
@@ -249,7 +270,7 @@ class Chain:
                 t = p[name]
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"params of {self.where(i)}: leaves must be tensors, found {type(t).__name__}")
-                if t.shape != shape or t.dtype != dtype:
+                if t.dtype != dtype or t.shape != shape:
                     raise ValueError(
                         f"params of {self.where(i)}: {name!r} has shape {tuple(t.shape)} and "
                         f"dtype {t.dtype}, the module's has {tuple(shape)} and {dtype}"
@@ -264,7 +285,14 @@ class Chain:
                 d = detached[id(t)] = t.detach()
             return d
 
-        return tuple(optree.tree_map(detach, p, namespace=NAMESPACE) if p is not None else None for p in params)
+        return tuple(
+            None
+            if p is None
+            else {n: detach(t) for n, t in p.items()}  # checked above: a dict of tensors
+            if s.param_names is not None and isinstance(p, dict)
+            else optree.tree_map(detach, p, namespace=NAMESPACE)
+            for s, p in zip(self.stages, params)
+        )
 
     def check_buffers(self, buffers: Any) -> tuple:
         """``buffers`` as a tuple with one dict per stage; ``None``: the modules' own."""
@@ -359,6 +387,7 @@ def from_module(
                     param_layout=layout,
                     aliased=aliased,
                     sharded=fsdp.sharded_params(child, own),
+                    buffer_names=tuple(n for n, _ in child.named_buffers()),
                 )
             )
             stage_params = {}

@@ -138,10 +138,19 @@ def boundary_name(chain: Chain, l: int) -> str:
 def device_of(*trees: Any, default: torch.device = torch.device("cpu")) -> torch.device:
     """Where the stages compute: the device of the first tensor of ``trees`` (the params first)."""
     for tree in trees:
-        leaves = [t for t in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(t, torch.Tensor)]
-        if leaves:
-            return leaves[0].device
+        first = first_tensor(tree)
+        if first is not None:
+            return first.device
     return default
+
+
+def first_tensor(tree: Any) -> torch.Tensor | None:
+    """The first tensor leaf of ``tree`` in optree's order, found without flattening all of a tuple."""
+    if isinstance(tree, torch.Tensor):
+        return tree
+    if isinstance(tree, (tuple, list)):
+        return next((t for t in map(first_tensor, tree) if t is not None), None)
+    return next((t for t in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(t, torch.Tensor)), None)
 
 
 def rng_state(device: torch.device) -> tuple:
@@ -150,9 +159,11 @@ def rng_state(device: torch.device) -> tuple:
 
 
 def drew(before: tuple, device: torch.device) -> bool:
-    """Whether the global RNG moved since ``before`` was taken (the stage drew random numbers)."""
+    """Whether the global RNG moved since ``before`` was taken (the stage drew random numbers); the
+    CPU states are compared as bytes (half of ``torch.equal``'s cost on their 5 kB)."""
     cpu, cuda = rng_state(device)
-    return not torch.equal(cpu, before[0]) or (cuda is not None and not torch.equal(cuda, before[1]))
+    moved = cpu.numpy().tobytes() != before[0].numpy().tobytes()
+    return moved or (cuda is not None and not torch.equal(cuda, before[1]))
 
 
 NULL = contextlib.nullcontext()
@@ -275,18 +286,20 @@ def local_vjp(
     backward). An FSDP stage runs FSDP's backward (``eae_func.fsdp.local_vjp``)."""
     if stage.sharded is not None:
         return fsdp.local_vjp(stage, buffers, floats, rebuild)
-    if frozen:
-        paths, leaves, spec = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
-        trainable = [params_too and B.is_differentiable(t) and path[0] not in frozen for path, t in zip(paths, leaves)]
-    else:
-        leaves, spec = optree.tree_flatten(params, namespace=NAMESPACE)
-        trainable = [params_too and B.is_differentiable(t) for t in leaves]
+    if type(params) is dict and all(isinstance(t, torch.Tensor) for t in params.values()):  # a module's
+        names, leaves = list(params), list(params.values())
+        unflatten = lambda xs: dict(zip(names, xs))
+    else:  # any pytree (a function stage): a frozen name is a top-level key
+        tree: Any = params
+        paths, leaves, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
+        names, unflatten = [path[0] if path else None for path in paths], spec.unflatten
+    trainable = [params_too and B.is_differentiable(t) and name not in frozen for name, t in zip(names, leaves)]
     n = len(leaves)
     with torch.enable_grad():
         inputs = [t.detach().requires_grad_(m) for t, m in zip(leaves, trainable)]
         inputs += [t.detach().requires_grad_(inputs_too) for t in floats]
-        out, updated = stage.call(spec.unflatten(inputs[:n]), buffers, rebuild(inputs[n:]))
-    flat_out = optree.tree_leaves(out, namespace=NAMESPACE)
+        out, updated = stage.call(unflatten(inputs[:n]), buffers, rebuild(inputs[n:]))
+    flat_out = B.flat(out)
     if check is not None:
         check(flat_out, inputs)
     # The outputs' places in the graph, not the outputs: a rebuilt output the graph does not save
@@ -304,8 +317,8 @@ def local_vjp(
         )
         full = [next(grads) if t.requires_grad else None for t in sources]
         if not inputs_too:
-            return spec.unflatten(full), None
-        return spec.unflatten(full[:n]), [torch.zeros_like(t) if g is None else g for g, t in zip(full[n:], inputs[n:])]
+            return unflatten(full), None
+        return unflatten(full[:n]), [torch.zeros_like(t) if g is None else g for g, t in zip(full[n:], inputs[n:])]
 
     return out, pullback, updated
 
@@ -470,7 +483,7 @@ def run_stage(
     outputs are (``remat.save``)."""
     s = chain.stages[i]
     rng, closure, cached = rng_state(device), None, None
-    inputs = optree.tree_leaves(h, namespace=NAMESPACE)
+    inputs = B.flat(h)
     versions = [t._version for t in inputs]
     try:
         with timer(opts, stats, "forward_s", f"eae/{s.name}/forward", device), autocast(opts.autocast, device):
@@ -599,7 +612,7 @@ def make_step(
         physical, stats = i in opts.physical, {}
         # built from this layout by the previous step, or checked against it (after passes, an estimator
         # or a transfer from another rank)
-        costate = optree.tree_leaves(carry.adj.value, none_is_leaf=True, namespace=NAMESPACE)
+        costate = B.flat(carry.adj.value, none_is_leaf=True)
         try:
             if physical:
                 with timer(opts, stats, "vjp_s", f"eae/{s.name}/estimate", device), autocast(opts.autocast, device):
