@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -32,6 +32,7 @@ from . import compiled, fsdp, remat
 from .adjoint import AdjointState, fold_in
 from .chain import Chain
 from .lazy import event_seconds
+from .microbatch import add
 from .options import Options
 from .passes import Context
 from .physical import Meter, rows_of
@@ -592,6 +593,7 @@ def make_step(
     problem: Any = None,
     updater: Any = None,
     defer_weights: bool = False,
+    earlier: list | None = None,
 ) -> Callable[[Carry, Entry], tuple[Carry, StepOut]]:
     """The reverse step ``(carry, entry) -> (carry, out)`` of one stage.
 
@@ -602,7 +604,9 @@ def make_step(
     (fused updates), ``updater.apply(i, grads)`` consumes the stage's gradients at once and the
     step emits none. With ``defer_weights`` a digital stage that is rebuilt from its boundary
     computes ``J_x^T p`` alone and emits its parameter gradients as ``Deferred`` (the I/W split of
-    zero-bubble schedules: the same numbers, the weight half run later).
+    zero-bubble schedules: the same numbers, the weight half run later). With ``earlier`` (one entry
+    per stage of the chain: the gradients of earlier microbatches), the step emits its stage's
+    gradients plus that entry and lets go of the entry, so one set of gradients is alive at a time.
     """
     prepared = opts.estimator.prepare(problem) if opts.physical else None
     observed = opts.keep_costates or not opts.no_passes  # p_0, the chain input's costate, is read by someone
@@ -663,6 +667,9 @@ def make_step(
         except Exception as e:
             note(e, f"the reverse step of {chain.where(i)}")
             raise
+        if earlier is not None:
+            before, now = earlier[i], cast(Any, grads)
+            grads, earlier[i] = optree.tree_map(add, before, now, none_is_leaf=True, namespace=NAMESPACE), None
         if updater is not None:
             with (
                 timer(opts, stats, "update_s", f"eae/{s.name}/update", device),

@@ -91,10 +91,13 @@ class Range:
         received: Any = None,
         updater: Updater | None = None,
         defer_weights: bool = False,
+        earlier: list | None = None,
     ) -> Piece:
         """The reverse fold of ``tape`` from the loss (the range ends the chain) or from the
         ``received`` costate p_hi; ``buffers`` are those the forward ran with. ``defer_weights``:
-        the parameter gradients of stages rebuilt from their boundary come as ``fold.Deferred``."""
+        the parameter gradients of stages rebuilt from their boundary come as ``fold.Deferred``;
+        ``earlier``: earlier microbatches' gradients, one entry per stage, added to this one's
+        (``fold.make_step``)."""
         chain, lo, hi, opts = self.chain, self.lo, self.hi, self.at(mb)
         stats: dict = {}
         if hi == len(chain):
@@ -110,7 +113,7 @@ class Range:
             F.check_costate(chain, hi, adj, tape.entries[-1].out_layout)
             loss, head, start = None, (), [F.Carry(adj, pass_state)]
         problem = self.problem(tape, buffers, mb) if opts.physical else None
-        step = F.make_step(chain, self.params, opts, self.device, problem, updater, defer_weights)
+        step = F.make_step(chain, self.params, opts, self.device, problem, updater, defer_weights, earlier)
         carry, outs = F.reverse(step, start, tape)
         trace = head + tuple(o.record for o in reversed(outs))
         stats.update(
@@ -127,9 +130,16 @@ class Range:
             carry.adj.value,
         )
 
-    def run(self, buffers: tuple, mb: Microbatch, pass_state: Any, updater: Updater | None = None) -> Piece:
+    def run(
+        self,
+        buffers: tuple,
+        mb: Microbatch,
+        pass_state: Any,
+        updater: Updater | None = None,
+        earlier: list | None = None,
+    ) -> Piece:
         """Forward and backward of the whole chain on microbatch ``mb``."""
-        return self.backward(self.forward(buffers, mb), buffers, mb, pass_state, updater=updater)
+        return self.backward(self.forward(buffers, mb), buffers, mb, pass_state, updater=updater, earlier=earlier)
 
     def at(self, mb: Microbatch) -> Options:
         """The options for microbatch ``mb`` (its own key)."""

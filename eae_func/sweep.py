@@ -193,19 +193,23 @@ def run(
     pieces = M.split(x, loss_args, opts.microbatches, opts.reduction, opts.key)
     whole = Range(chain, 0, len(chain), params, opts, device, meter)
     losses: list[torch.Tensor] = []
-    grads, traces, all_stats = [], [], []
+    grads: Any = None
+    traces, all_stats = [], []
     try:
         with fsdp.Sweep(chain) if sharded else F.NULL as on_fsdp:
             for j, mb in enumerate(pieces):
                 last = j == len(pieces) - 1
-                if updater is not None and last and grads:  # the last fold updates, the earlier folds' grads added
-                    updater.carry = M.sum_grads(grads)
+                if updater is not None and last and grads is not None:  # the last fold updates, adding the earlier sum
+                    updater.carry, grads = grads, None
+                # each stage's step adds the earlier microbatches' gradients to its own and lets go of
+                # them: one set of gradients is alive, not one per microbatch
+                earlier, grads, piece = None if grads is None else list(grads), None, None
                 with on_fsdp.fold(last) if on_fsdp is not None else F.NULL:
-                    piece = whole.run(buffers, mb, state, updater if last else None)
+                    piece = whole.run(buffers, mb, state, updater if last else None, earlier)
                 buffers, state = piece.buffers, piece.pass_state
                 assert piece.loss is not None  # the range ends the chain
                 losses.append(piece.loss)
-                grads.append(piece.grads)
+                grads = piece.grads
                 traces.append(piece.trace)
                 all_stats.append(piece.stats)
             if updater is not None:
@@ -233,9 +237,7 @@ def run(
             tuple(updater.params) if pure else params,
             tuple(updater.state) if pure else None,
         )
-    return SweepResult(
-        total, tie_grads(params, M.sum_grads(grads), groups), M.join_adjoints(traces), buffers, state, stats, params
-    )
+    return SweepResult(total, tie_grads(params, grads, groups), M.join_adjoints(traces), buffers, state, stats, params)
 
 
 def reducer_of(group: Any) -> Any:
