@@ -8,6 +8,7 @@ each module of a list) into one stage, run on the given parameters as
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import weakref
@@ -160,6 +161,18 @@ class Slots:
                 return None
             places.append((store, key, dotted))
         return cls(tuple(links.values()), tuple(places))
+
+    @contextlib.contextmanager
+    def holding(self, tensors: Mapping[str, torch.Tensor]):
+        """The given tensors in their places for the block, the module's own put back after it."""
+        own = [store[key] for store, key, _ in self.places]
+        try:
+            for store, key, dotted in self.places:
+                store[key] = tensors[dotted]
+            yield
+        finally:
+            for (store, key, _), tensor in zip(self.places, own):
+                store[key] = tensor
 
     def call(self, module: nn.Module, tensors: Mapping[str, torch.Tensor], h: Any) -> Any:
         own = [store[key] for store, key, _ in self.places]

@@ -67,6 +67,11 @@ def lazy_init(model: nn.Module) -> None:
         model._get_fsdp_state()._lazy_init()  # what fully_shard's root pre-forward runs first
 
 
+def holds_shards(model: nn.Module) -> bool:
+    """Whether ``model`` has FSDP2 (``fully_shard``) modules."""
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def refuse_capture(model: nn.Module) -> None:
     """Refuse to capture a model with FSDP2 modules (``split_at``): its sharded parameters are
     all-gathered by module hooks that a captured graph does not run."""

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .chain import Chain
 
 REDUCTIONS = ("mean", "sum")
+CAPTURES = ("run", "graph")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,10 @@ class Options:
                     and the local vjp as one graph; ``eae_func.compiled``): ``True``, a mode string or a
                     dict of ``torch.compile``'s keyword arguments; after ``__post_init__``, that dict
                     (``None``: off).
+    capture:        how a model (an ``nn.Module``) with ``split_at`` is cut: ``"run"`` (its forward runs as
+                    written, each call of a matched module one stage: ``eae_func.cuts``; options only a
+                    chain implements fall back to ``"graph"``), or ``"graph"`` (a chain captured by
+                    ``torch.export``, ``eae_func.capture``).
     """
 
     passes: Any = None
@@ -76,6 +81,7 @@ class Options:
     timers: bool = True
     data_parallel: Any = None
     compile: Any = None
+    capture: str = "run"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -89,6 +95,8 @@ class Options:
                 raise TypeError(
                     f"sweep: {name} must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}"
                 )
+        if self.capture not in CAPTURES:
+            raise ValueError(f"sweep: capture must be 'run' or 'graph', got {self.capture!r}")
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"sweep: reduction must be 'mean' or 'sum', got {self.reduction!r}")
         m = self.microbatches
@@ -216,6 +224,7 @@ class SweepOptions(TypedDict, total=False):
     timers: bool
     data_parallel: Any
     compile: bool | str | Mapping[str, Any] | None
+    capture: str
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(Options))

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from . import cuts, fsdp, function
 from . import fold as F
-from . import fsdp, function
 from . import microbatch as M
 from .adjoint import Measurements
 from .capture import canonical_names, fingerprint
@@ -317,7 +317,24 @@ def _on_model(
     buffers: Sequence | None,
     opts: Options,
 ) -> SweepResult:
-    """``sweep`` of a model: its chain, params per stage from a flat dict, results back in its structure."""
+    """``sweep`` of a model: cut at run time (``eae_func.cuts``), or its chain, params per stage from a
+    flat dict, results back in its structure."""
+    if (
+        split_at is not None
+        and opts.capture == "run"
+        and isinstance(model, nn.Module)
+        and isinstance(params, Mapping)
+        and not cuts.needs_graph(opts)
+        and not fsdp.holds_shards(model)
+    ):
+        if loss is None:
+            raise TypeError(f"sweep: a model ({type(model).__name__}) needs loss=loss_fn(output, *loss_args)")
+        if buffers is not None and not isinstance(buffers, Mapping):
+            raise TypeError("sweep: with a flat params dict, buffers= is a flat {name: tensor} dict too")
+        value, grads, trace, updated, state, stats = cuts.sweep_model(
+            model, params, x, loss_args, loss, split_at, pass_state, buffers, opts
+        )
+        return SweepResult(value, grads, trace, updated, state, stats, params)
     example = x if split_at is None else _piece_of(x, opts, "a model cut with split_at")
     chain, qualified = chain_of(model, loss, split_at, example)
     flat = isinstance(params, Mapping)

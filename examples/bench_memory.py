@@ -3,8 +3,9 @@
 Workload: a stack of pre-norm transformer blocks ``eae_func.models.Block(dim=256,
 n_heads=8, n_kv_heads=4, ffn_hidden=1024)``, the same module definition and seed for
 every method, input ``x = randn(batch, seq, 256)``, loss ``mean((out - target)^2)``
-with a fixed random target, fp32. A step is forward + parameter gradients (no
-optimizer). Methods:
+with a fixed random target, fp32 (``--block eae-runtime``: the peer package's own
+``eae_runtime.contrib.PreNormTransformerBlock`` of the same sizes, ``max_seq_len=256``).
+A step is forward + parameter gradients (no optimizer). Methods:
 
     autograd      loss.backward() through the whole stack
     checkpoint    torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False) per block
@@ -100,6 +101,7 @@ import weakref
 METHODS = ("autograd", "checkpoint", "eae-runtime", "eae_func")
 DIM, HEADS, KV_HEADS, FFN = 256, 8, 4, 1024
 MB = 2**20
+BLOCK = "eae_func"  # --block: eae_func.models.Block, or eae-runtime's contrib.PreNormTransformerBlock
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
@@ -122,7 +124,15 @@ def build(depth: int, batch: int, seq: int, device: str, seed: int = 0):
     from eae_func.models import Block
 
     torch.manual_seed(seed)
-    blocks = [Block(DIM, HEADS, KV_HEADS, FFN).to(device) for _ in range(depth)]
+    if BLOCK == "eae-runtime":  # the peer package's own block, as its users build it
+        from eae_runtime.contrib import PreNormTransformerBlock
+
+        blocks = [
+            PreNormTransformerBlock(DIM, HEADS, KV_HEADS, max_seq_len=max(seq, 256), ffn_hidden_dim=FFN).to(device)
+            for _ in range(depth)
+        ]
+    else:
+        blocks = [Block(DIM, HEADS, KV_HEADS, FFN).to(device) for _ in range(depth)]
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(batch, seq, DIM, generator=gen).to(device)
     target = torch.randn(batch, seq, DIM, generator=gen).to(device)
@@ -267,7 +277,8 @@ def worker(spec: dict) -> dict:
     import eae_func  # noqa: F401  (every process imports the same modules)
 
     torch.set_num_threads(spec["threads"])
-    device = spec["device"]
+    global BLOCK
+    device, BLOCK = spec["device"], spec["block"]
     cuda = device.startswith("cuda")
     # Load every method's code once on a tiny model, in every process: first use of
     # checkpointing, torch.func or eae-runtime imports hundreds of modules (tens of MB),
@@ -425,6 +436,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, default=usable_cores(), help="torch.set_num_threads in every process")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument(
+        "--block",
+        default="eae_func",
+        choices=("eae_func", "eae-runtime"),
+        help="the stacked block: eae_func.models.Block (default) or eae_runtime.contrib.PreNormTransformerBlock",
+    )
     parser.add_argument("--no-live", action="store_true", help="skip the dispatch-mode live-bytes step")
     parser.add_argument("--save", help="also write the raw per-process results to this JSON file")
     parser.add_argument("--load", help="print the tables from a file written by --save (runs nothing)")
@@ -440,7 +457,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
+    global BLOCK
     args = parse_args(argv)
+    BLOCK = args.block
     if args._worker:
         print(json.dumps(worker(json.loads(args._worker))))
         return
@@ -456,7 +475,8 @@ def main(argv=None) -> None:
     print("# EAE memory/time benchmark\n")
     print(
         f"torch {torch.__version__}, device {args.device}, {args.threads} threads, "
-        f"Block(dim={DIM}, heads={HEADS}/{KV_HEADS}, ffn={FFN}), batch {args.batch}, seq {args.seq}, fp32, "
+        f"{'Block' if BLOCK == 'eae_func' else 'PreNormTransformerBlock'}(dim={DIM}, heads={HEADS}/{KV_HEADS}, "
+        f"ffn={FFN}), batch {args.batch}, seq {args.seq}, fp32, "
         f"{args.warmup} warm-up + {args.steps} timed steps per process\n"
     )
     t0 = time.perf_counter()
@@ -484,6 +504,7 @@ def main(argv=None) -> None:
             threads=args.threads,
             steps=args.steps,
             warmup=args.warmup,
+            block=args.block,
             live=(alloc != "mmap" and method not in ("baseline", "interleaved") and not args.no_live),
         )
         drop = () if alloc == "mmap" else tuple(MMAP_ENV)

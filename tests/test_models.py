@@ -116,19 +116,24 @@ class UNet(nn.Module):
         return self.up1(self.up2(self.mid(self.down2(skip))) + skip)
 
 
-def test_a_skip_connection_crossing_two_cuts_and_batchnorm_statistics():
+@pytest.mark.parametrize("capture", ["run", "graph"])
+def test_a_skip_connection_crossing_two_cuts_and_batchnorm_statistics(capture):
     torch.manual_seed(0)
     model = UNet().double().train()
-    twin = copy.deepcopy(model)
+    before, twin = copy.deepcopy(model), copy.deepcopy(model)
     x, y = torch.randn(2, 3, 6, 6, dtype=torch.float64), torch.randn(2, 2, 6, 6, dtype=torch.float64)
     params = dict(model.named_parameters())
-    res = ef.sweep(model, params, x, y, loss=F.mse_loss, split_at=["down2", "mid", "up2"])
+    res = ef.sweep(model, params, x, y, loss=F.mse_loss, split_at=["down2", "mid", "up2"], capture=capture)
     F.mse_loss(twin(x), y).backward()
     assert_relative(res.grads, dict(twin.named_parameters()), 1e-10)
-    # boundaries 4..1: the skip (down1's output) travels beside the stream across the cuts before mid and up2;
-    # the addition runs in the model's own forward, after up2, so only the sum crosses the last cut
-    assert [len(a.value) for a in res.adjoints[1:-1]] == [1, 2, 2, 1]
-    assert all(torch.equal(model.get_buffer(n), b) for n, b in copy.deepcopy(model).named_buffers())  # untouched
+    if capture == "graph":
+        # boundaries 4..1: the skip (down1's output) travels beside the stream across the cuts before mid and up2;
+        # the addition runs in the model's own forward, after up2, so only the sum crosses the last cut
+        assert [len(a.value) for a in res.adjoints[1:-1]] == [1, 2, 2, 1]
+    else:  # one record per cut call, last call first: the costate of its output; the skip stays in the glue
+        assert [(a.index, a.stage) for a in res.adjoints] == [(3, "up2"), (2, "mid"), (1, "down2")]
+        assert all(a.value.shape == (2, 4, 6, 6) for a in res.adjoints)
+    assert all(torch.equal(model.get_buffer(n), b) for n, b in before.named_buffers())  # untouched
     for name, b in twin.named_buffers():
         assert torch.equal(res.buffers[name], b), name  # updated once, returned under the model's names
 

@@ -54,6 +54,7 @@ EVERY_OPTION = dict(
     timers=True,
     data_parallel=False,
     compile=None,
+    capture="graph",
 )
 
 

@@ -326,7 +326,7 @@ def test_a_captured_model_changed_after_capture_is_captured_again(change, monkey
         params = dict(model.named_parameters())
         xs, ys = x.to(params["embed.weight"].dtype), y.to(params["embed.weight"].dtype)
         torch.manual_seed(3)
-        grads = ef.grad(model, params, xs, ys, loss=F.mse_loss, split_at=["blocks.*"])
+        grads = ef.grad(model, params, xs, ys, loss=F.mse_loss, split_at=["blocks.*"], capture="graph")
         torch.manual_seed(3)
         reference = _autograd(model, xs, ys)
         assert set(grads) == set(reference)
@@ -362,6 +362,7 @@ def test_python_randomness_in_forward_is_refused_at_capture():
             torch.randn(2, 6, dtype=F64),
             loss=F.mse_loss,
             split_at=["blocks.*"],
+            capture="graph",
         )
     assert random.getstate() == state
 
@@ -380,7 +381,7 @@ def test_a_split_at_that_cuts_fewer_places_than_it_matched_says_why():
         (CallsForward().double(), ["blocks.*"], "layer.forward"),
     ):
         with pytest.raises(ValueError, match=rf"run no operation of the captured graph.*{culprit}"):
-            ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, split_at=split_at)
+            ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, split_at=split_at, capture="graph")
 
 
 # ----------------------------------------------------------------------------- params that are not the module's

@@ -1,0 +1,294 @@
+"""Run-time cuts (``eae_func.cuts``): a model's forward runs as written and each call of a module
+matched by ``split_at`` is one stage. What graph capture got silently wrong or refused is exact here:
+custom autograd Functions, hooks whose behaviour changes between calls, a module called twice,
+data-dependent control flow (Hugging Face MoE models in float64); the live peak is checkpointing's."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import eae_func as ef
+from eae_func import passes as P
+
+from live_bytes import LiveBytes
+
+F64 = torch.float64
+
+
+def autograd_grads(model, x, y, loss=F.mse_loss, seed=1):
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    value = loss(model(x), y)
+    value.backward()
+    return value.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def assert_exact(grads, reference, rel=1e-12):
+    assert set(grads) == set(reference)
+    for name, g in reference.items():
+        if g is None:
+            assert grads[name] is None, name
+            continue
+        scale = g.abs().max().item() or 1.0
+        assert (grads[name] - g).abs().max().item() <= rel * scale, name
+
+
+class Stack(nn.Module):
+    """An embedding, residual blocks called in the order ``calls`` (a block may be called twice), a head."""
+
+    def __init__(self, width=6, blocks=3, calls=(0, 1, 2), inner=None):
+        super().__init__()
+        self.embed = nn.Linear(4, width)
+        self.blocks = nn.ModuleList(inner() if inner else nn.Linear(width, width) for _ in range(blocks))
+        self.head = nn.Linear(width, 3)
+        self.calls = calls
+
+    def forward(self, x):
+        h = self.embed(x)
+        for i in self.calls:
+            h = h + torch.tanh(self.blocks[i](h))
+        return self.head(h)
+
+
+def sweep_and_autograd(model, x, y, **options):
+    params = dict(model.named_parameters())
+    torch.manual_seed(1)
+    res = ef.sweep(model, params, x, y, loss=F.mse_loss, split_at=["blocks.*"], **options)
+    loss, reference = autograd_grads(model, x, y)
+    return res, loss, reference
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    calls=st.lists(st.integers(0, 2), min_size=1, max_size=5),
+    width=st.integers(1, 5),
+    rows=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_gradients_equal_autograds_for_any_order_of_calls(calls, width, rows, seed):
+    """Any sequence of block calls (blocks repeated, skipped): loss and gradients equal autograd's, and
+    the trace has one record per call, last first, a repeated call named ``path#k``."""
+    torch.manual_seed(seed)
+    model = Stack(width, 3, tuple(calls)).double()
+    x, y = torch.randn(rows, 4, dtype=F64), torch.randn(rows, 3, dtype=F64)
+    res, loss, reference = sweep_and_autograd(model, x, y)
+    torch.testing.assert_close(res.loss, loss, rtol=1e-13, atol=0)
+    assert_exact(res.grads, reference)
+    seen: dict[int, int] = {}
+    names = []
+    for i in calls:
+        seen[i] = seen.get(i, 0) + 1
+        names.append(f"blocks.{i}" if seen[i] == 1 else f"blocks.{i}#{seen[i]}")
+    assert [a.stage for a in res.adjoints] == names[::-1]
+    assert [a.index for a in res.adjoints] == list(range(len(calls), 0, -1))
+
+
+class StraightThrough(torch.autograd.Function):
+    """round() forward, identity backward: a quantisation-aware layer."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class ScaleGradient(torch.autograd.Function):
+    """Identity forward, gradient times 0.3 backward (gradient reversal / scaling layers)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return 0.3 * g
+
+
+class WithFunction(nn.Module):
+    def __init__(self, fn, width=6):
+        super().__init__()
+        self.linear, self.fn = nn.Linear(width, width), fn
+
+    def forward(self, h):
+        return self.fn.apply(self.linear(h))
+
+
+@pytest.mark.parametrize("fn", [StraightThrough, ScaleGradient], ids=lambda f: f.__name__)
+def test_a_custom_autograd_function_inside_a_cut_keeps_its_own_backward(fn):
+    torch.manual_seed(0)
+    model = Stack(inner=lambda: WithFunction(fn)).double()
+    x, y = torch.randn(5, 4, dtype=F64), torch.randn(5, 3, dtype=F64)
+    res, _, reference = sweep_and_autograd(model, x, y)
+    assert_exact(res.grads, reference)
+
+
+def test_a_forward_hook_is_honoured_at_every_call_as_its_flag_changes():
+    torch.manual_seed(0)
+    model = Stack().double()
+    flag = {"scale": 1.0}
+    model.blocks[1].register_forward_hook(lambda m, args, out: out * flag["scale"])
+    model.blocks[0].register_forward_pre_hook(lambda m, args: (args[0] * (2 - flag["scale"]),))
+    x, y = torch.randn(5, 4, dtype=F64), torch.randn(5, 3, dtype=F64)
+    for scale in (1.0, 0.25, 3.0):
+        flag["scale"] = scale
+        res, _, reference = sweep_and_autograd(model, x, y)
+        assert_exact(res.grads, reference)
+
+
+def test_a_module_called_twice_is_two_stages_with_summed_gradients():
+    torch.manual_seed(0)
+    shared = nn.Linear(6, 6)
+    model = nn.Sequential(nn.Linear(4, 6), shared, nn.Tanh(), shared, nn.Linear(6, 3)).double()
+    x, y = torch.randn(5, 4, dtype=F64), torch.randn(5, 3, dtype=F64)
+    params = dict(model.named_parameters())  # the shared layer once, as "1.*"
+    res = ef.sweep(model, params, x, y, loss=F.mse_loss, split_at=["1"])
+    _, reference = autograd_grads(model, x, y)
+    assert [a.stage for a in res.adjoints] == ["1#2", "1"]
+    assert_exact(res.grads, reference)
+
+
+def test_dropout_is_replayed_and_buffers_are_returned_not_written():
+    torch.manual_seed(0)
+    model = Stack(inner=lambda: nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5), nn.BatchNorm1d(6))).double().train()
+    before = copy.deepcopy(model)
+    x, y = torch.randn(5, 4, dtype=F64), torch.randn(5, 3, dtype=F64)
+    res, _, reference = sweep_and_autograd(model, x, y)
+    assert_exact(res.grads, reference)
+    for name, b in before.named_buffers():
+        # the sweep's statistics are those the autograd step wrote into the model (updated once)
+        assert torch.equal(res.buffers[name], model.get_buffer(name)), name
+        assert not torch.equal(b, model.get_buffer(name)) or "num_batches" in name
+
+
+def test_passes_see_every_cut_costate_and_their_state_is_threaded():
+    torch.manual_seed(0)
+    model = Stack().double()
+    x, y = torch.randn(5, 4, dtype=F64), torch.randn(5, 3, dtype=F64)
+    params = dict(model.named_parameters())
+    clipped = ef.sweep(model, params, x, y, loss=F.mse_loss, split_at=["blocks.*"], passes=P.clip_by_global_norm(1e-3))
+    assert all(a.value.norm().item() <= 1e-3 * (1 + 1e-9) for a in clipped.adjoints)
+    assert all(a.history == ("clip",) and a.meta["clipped"] for a in clipped.adjoints)
+    counted = ef.compose(P.error_feedback(P.int8()))
+    first = ef.sweep(model, params, x, y, loss=F.mse_loss, split_at=["blocks.*"], passes=counted)
+    second = ef.sweep(
+        model, params, x, y, loss=F.mse_loss, split_at=["blocks.*"], passes=counted, pass_state=first.pass_state
+    )
+    assert first.pass_state is not None and second.pass_state is not None
+    again = ef.sweep(model, params, x, y, loss=F.mse_loss, split_at=["blocks.*"], passes=counted)
+    assert all(torch.equal(a.value, b.value) for a, b in zip(first.adjoints, again.adjoints))  # a value, nothing hidden
+
+
+def test_a_frozen_parameter_gets_no_gradient():
+    torch.manual_seed(0)
+    model = Stack().double()
+    model.blocks[1].weight.requires_grad_(False)
+    model.embed.bias.requires_grad_(False)
+    x, y = torch.randn(5, 4, dtype=F64), torch.randn(5, 3, dtype=F64)
+    res, _, reference = sweep_and_autograd(model, x, y)
+    assert res.grads["blocks.1.weight"] is None and res.grads["embed.bias"] is None
+    assert_exact(res.grads, reference)
+
+
+def test_options_a_chain_implements_fall_back_to_the_graph_and_agree():
+    torch.manual_seed(0)
+    model = Stack().double()
+    x, y = torch.randn(6, 4, dtype=F64), torch.randn(6, 3, dtype=F64)
+    params = dict(model.named_parameters())
+    run = ef.grad(model, params, x, y, loss=F.mse_loss, split_at=["blocks.*"])
+    pieces = ef.grad(model, params, x, y, loss=F.mse_loss, split_at=["blocks.*"], microbatches=2)
+    assert_exact(pieces, run, rel=1e-10)
+
+
+def test_what_cannot_be_cut_is_refused():
+    model = Stack().double()
+    x, y = torch.randn(2, 4, dtype=F64), torch.randn(2, 3, dtype=F64)
+    params = dict(model.named_parameters())
+    with pytest.raises(ValueError, match=r"no module matched by \['blocks'\].*was called"):
+        ef.grad(model, params, x, y, loss=F.mse_loss, split_at=["blocks"])  # a ModuleList is never called
+    with pytest.raises(ValueError, match=r"split_at: no module of Stack matches"):
+        ef.grad(model, params, x, y, loss=F.mse_loss, split_at=["decoder.*"])
+    with pytest.raises(ValueError, match=r"not parameters of Stack"):
+        ef.grad(model, {"embed.wieght": params["embed.weight"]}, x, y, loss=F.mse_loss, split_at=["blocks.*"])
+    with pytest.raises(ValueError, match=r"capture must be 'run' or 'graph'"):
+        ef.grad(model, params, x, y, loss=F.mse_loss, split_at=["blocks.*"], capture="export")
+    assert all(p.grad is None for p in model.parameters())  # nothing half-done
+
+
+def test_the_live_peak_is_checkpointings():
+    """Cut at every block, the sweep holds at most what torch.utils.checkpoint around every block holds."""
+    torch.manual_seed(0)
+    width, rows = 64, 512
+    model = Stack(
+        width, 6, tuple(range(6)), inner=lambda: nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+    )
+    x, y = torch.randn(rows, 4), torch.randn(rows, 3)
+    params = dict(model.named_parameters())
+
+    def checkpointed():
+        h = model.embed(x)
+        for block in model.blocks:
+            h = h + torch.tanh(checkpoint(block, h, use_reentrant=False))
+        F.mse_loss(model.head(h), y).backward()
+        model.zero_grad(set_to_none=True)
+
+    checkpointed()
+    with LiveBytes() as reference:
+        checkpointed()
+    with LiveBytes() as cut:
+        ef.grad(model, params, x, y, loss=F.mse_loss, split_at=["blocks.*"])
+    assert cut.peak <= reference.peak + 4096 and reference.peak > 4 * rows * width * 4
+
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+MOE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def hugging_face(kind):
+    E = dict(experts_implementation="eager")  # the default grouped_mm kernel has no float64 in eager PyTorch either
+    configs = {
+        "mixtral": lambda: transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(**MOE, vocab_size=64, num_local_experts=4, num_experts_per_tok=2, **E)
+        ),
+        "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(
+            transformers.Qwen3MoeConfig(
+                **MOE, moe_intermediate_size=32, vocab_size=64, num_experts=4, num_experts_per_tok=2, head_dim=8, **E
+            )
+        ),
+        "olmoe": lambda: transformers.OlmoeForCausalLM(
+            transformers.OlmoeConfig(**MOE, vocab_size=64, num_experts=4, num_experts_per_tok=2, **E)
+        ),
+        "albert": lambda: transformers.AlbertForMaskedLM(
+            transformers.AlbertConfig(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=64
+            )
+        ),
+    }
+    split = {"albert": ["albert.encoder.albert_layer_groups.*.albert_layers.*"]}.get(kind, ["model.layers.*"])
+    return configs[kind](), split
+
+
+@pytest.mark.parametrize("kind, stages", [("mixtral", 2), ("qwen3_moe", 2), ("olmoe", 2), ("albert", 3)])
+def test_hugging_face_models_graph_capture_refused_are_exact_in_float64(kind, stages):
+    """MoE routing (data-dependent: export refused every MoE model in float64) and ALBERT's one layer
+    run 3 times (one stage under capture): bit-exact in float64, train mode, one stage per call."""
+    torch.manual_seed(0)
+    model, split_at = hugging_face(kind)
+    model = model.double().train()
+    ids = torch.randint(0, 64, (2, 8))
+    params = dict(model.named_parameters())
+    torch.manual_seed(1)
+    res = ef.sweep(model, params, {"input_ids": ids, "labels": ids}, loss=lambda out: out["loss"], split_at=split_at)
+    torch.manual_seed(1)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert len(res.adjoints) == stages
+    assert_exact(res.grads, {n: p.grad for n, p in params.items()})
