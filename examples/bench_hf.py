@@ -29,6 +29,18 @@ three methods should agree to about 1e-5 relative.
 
     python examples/bench_hf.py               # 12 layers, batch 8, seq 256, 3 timed steps
     python examples/bench_hf.py --quick       # smoke run: 2 layers, batch 2, seq 32, 1 step
+
+``--regimes`` compares eae_func (run-time cuts at every decoder layer) with HF gradient
+checkpointing side by side in one process, on GPT-2 and Llama, full fine-tunes and LoRA
+(``peft``, rank 8 on the attention projections, the base frozen), in two regimes: width 256,
+6 layers, seq 128, batch 4 (compute-bound on a CPU) and width 16, 12 layers, seq 8, batch 2
+(per-call host work dominates, as it does for every step on a GPU). The methods alternate
+step by step (``--rounds`` rounds, each step after ``torch.manual_seed(round)``); the table
+gives median step times, their ratio, and each method's peak of live tensor bytes in one
+more step (a ``TorchDispatchMode`` counter, ``bench_memory.LiveBytes``: allocator-free,
+exact), then a cProfile of eae_func's small-width GPT-2 step.
+
+    python examples/bench_hf.py --regimes     # 8 cells x 2 methods, 21 rounds
 """
 
 from __future__ import annotations
@@ -150,6 +162,123 @@ def fmt_ratio(a: float, b: float | None) -> str:
     return f"{a / b:.2f}x" if b else "n/a"
 
 
+REGIMES = {"compute": dict(width=256, layers=6, seq=128, batch=4), "host": dict(width=16, layers=12, seq=8, batch=2)}
+
+
+def build(family: str, tune: str, width: int, layers: int):
+    """``(model, split_at)``: a tiny random GPT-2 or Llama, all of it trained or LoRA on a frozen base."""
+    import transformers
+
+    torch_seed(0)
+    heads = 4
+    if family == "gpt2":
+        config = transformers.GPT2Config(
+            n_layer=layers, n_embd=width, n_head=heads, vocab_size=256, n_positions=256, use_cache=False
+        )
+        model, split_at, targets = transformers.GPT2LMHeadModel(config), ["transformer.h.*"], ["c_attn"]
+    else:
+        config = transformers.LlamaConfig(
+            hidden_size=width,
+            intermediate_size=4 * width,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads // 2,
+            vocab_size=256,
+            use_cache=False,
+        )
+        model, split_at, targets = transformers.LlamaForCausalLM(config), ["model.layers.*"], ["q_proj", "v_proj"]
+    if tune == "lora":
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets))
+        split_at = [f"base_model.model.{p}" for p in split_at]
+    return model.train(), split_at
+
+
+def torch_seed(seed: int) -> None:
+    import torch
+
+    torch.manual_seed(seed)
+
+
+def regimes(args: argparse.Namespace) -> None:
+    """The side-by-side table of ``--regimes`` (see the module docstring)."""
+    import cProfile
+    import pstats
+
+    import torch
+    import transformers
+
+    import eae_func
+
+    from bench_memory import LiveBytes
+
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    print("# Hugging Face models: eae_func's run-time cuts against HF gradient checkpointing\n")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, cpu, {args.threads} threads, "
+        f"{args.rounds} interleaved rounds, fp32, train mode\n"
+    )
+    print(
+        "| model | regime | fine-tune | HF checkpointing ms | eae_func ms | step ratio | live MB HF ckpt | live MB eae_func | peak ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    profiled = None
+    for family in ("gpt2", "llama"):
+        for regime, size in REGIMES.items():
+            for tune in ("full", "lora"):
+                model, split_at = build(family, tune, size["width"], size["layers"])
+                ids = torch.randint(0, 256, (size["batch"], size["seq"]), generator=torch.Generator().manual_seed(1))
+                params = dict(model.named_parameters())
+                trained = [p for p in params.values() if p.requires_grad]
+
+                def checkpointed(model=model, ids=ids, trained=trained):
+                    model.activation_checkpointing_enable()  # transformers' name for gradient_checkpointing_enable
+                    try:
+                        loss_fn(model(input_ids=ids, use_cache=False), ids).backward()
+                    finally:
+                        model.activation_checkpointing_disable()
+                    for p in trained:
+                        p.grad = None
+
+                def eae(model=model, ids=ids, params=params, split_at=split_at):
+                    eae_func.value_and_grad(model, params, {"input_ids": ids}, ids, loss=loss_fn, split_at=split_at)
+
+                methods = {"hf": checkpointed, "eae": eae}
+                times: dict[str, list[float]] = {m: [] for m in methods}
+                for r in range(args.rounds + 2):
+                    for m, step in methods.items():
+                        torch.manual_seed(r)
+                        start = time.perf_counter()
+                        step()
+                        if r >= 2:  # two warm-up rounds
+                            times[m].append(time.perf_counter() - start)
+                peaks = {}
+                for m, step in methods.items():
+                    with LiveBytes() as live:
+                        step()
+                    peaks[m] = live.peak
+                med = {m: statistics.median(t) for m, t in times.items()}
+                print(
+                    f"| {family} | {regime} | {tune} | {med['hf'] * 1e3:.1f} | {med['eae'] * 1e3:.1f} "
+                    f"| {med['eae'] / med['hf']:.2f}x | {peaks['hf'] / MB:.2f} | {peaks['eae'] / MB:.2f} "
+                    f"| {peaks['eae'] / peaks['hf']:.2f}x |",
+                    flush=True,
+                )
+                if family == "gpt2" and regime == "host" and tune == "full":
+                    profiled = eae
+    if profiled is not None:
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(50):
+            profiled()
+        profile.disable()
+        print("\neae_func's small-width GPT-2 step, cProfile, 50 steps, by own time:\n\n```")
+        pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(12)
+        print("```")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=None, help="GPT-2 decoder layers (default 12)")
@@ -159,6 +288,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every process")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 layers, batch 2, seq 32, 1 timed step")
+    parser.add_argument("--regimes", action="store_true", help="the side-by-side table against HF checkpointing")
+    parser.add_argument("--rounds", type=int, default=21, help="--regimes: interleaved rounds")
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     defaults = dict(layers=2, batch=2, seq=32, steps=1) if args.quick else dict(layers=12, batch=8, seq=256, steps=3)
@@ -172,6 +303,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args._worker:
         print(json.dumps(worker(json.loads(args._worker))))
+        return
+    if args.regimes:
+        regimes(args)
         return
     import torch
     import transformers

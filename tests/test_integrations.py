@@ -85,10 +85,64 @@ def test_eae_trainer_logs_what_the_passes_measure(tmp_path):
     assert {"eae/1/clip_norm", "eae/1/clipped"} <= logged, trainer.state.log_history[0]
 
 
+def _seq2seq(kind):
+    T = transformers
+    if kind == "bart":
+        config = T.BartConfig(
+            d_model=16,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=32,
+            decoder_ffn_dim=32,
+            vocab_size=64,
+            max_position_embeddings=32,
+            dropout=0.0,
+        )
+        return T.BartForConditionalGeneration(config), ["model.encoder.layers.*", "model.decoder.layers.*"]
+    config = T.T5Config(
+        d_model=16, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2, d_kv=8, vocab_size=64, dropout_rate=0.0
+    )
+    config.decoder_start_token_id = config.pad_token_id = 0
+    return T.T5ForConditionalGeneration(config), ["encoder.block.*", "decoder.block.*"]
+
+
+@pytest.mark.parametrize("kind", ["bart", "t5"])
+def test_eae_trainer_cuts_both_stacks_of_an_encoder_decoder_and_trains_as_trainer_does(tmp_path, kind):
+    from eae_func import passes as P
+
+    cut = set()
+    models = {}
+    for cls in (transformers.Trainer, EAETrainer):
+        transformers.set_seed(0)
+        model, stacks = _seq2seq(kind)
+        assert layers_of(model) == stacks
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / cls.__name__),
+            max_steps=2,
+            per_device_train_batch_size=4,
+            learning_rate=1e-3,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            seed=0,
+            dataloader_num_workers=0,
+        )
+        extra = (
+            {"eae": {"passes": P.tap(lambda adj: cut.add(adj.stage.rsplit(".", 1)[0]))}} if cls is EAETrainer else {}
+        )
+        cls(model=model, args=args, train_dataset=Tokens(), **extra).train()
+        models[cls] = model
+    assert cut == {s[:-2] for s in stacks}  # every call of both stacks was a stage
+    worst = max((a - b).abs().max().item() for a, b in zip(*(m.parameters() for m in models.values())))
+    assert worst <= 1e-6, worst
+
+
 def test_layers_of_finds_the_repeated_layers_and_options_trainer_decides_are_refused(tmp_path):
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32))
     assert layers_of(gpt2) == ["transformer.h.*"]
-    with pytest.raises(ValueError, match="no nn.ModuleList of layers"):
+    with pytest.raises(ValueError, match="no nn.ModuleList of repeated layers"):
         layers_of(nn.Linear(2, 2))
     args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
     with pytest.raises(ValueError, match=r"eae=\{'update': ...\} is Trainer's to decide"):

@@ -4,8 +4,8 @@
     trainer.train()
 
 ``EAETrainer.training_step`` is ``Trainer.training_step`` with its backward replaced: the model is
-cut at its repeated layers (``split_at``: by default the children of its longest ``ModuleList``,
-e.g. ``model.layers.*``) and swept with the model computing its own loss from ``labels`` and
+cut at run time at its repeated layers (``split_at``: by default every stack of repeated layers,
+``layers_of``: ``model.layers.*``, or encoder and decoder layers) and swept with the model computing its own loss from ``labels`` and
 ``num_items_in_batch``, exactly as ``Trainer.compute_loss`` has it compute it; the loss is divided by
 the gradient accumulation steps where Trainer divides it, multiplied by the fp16 loss scaler's scale
 where ``accelerator.backward`` multiplies it, and the gradients are added into ``.grad``
@@ -16,6 +16,7 @@ passes record at each boundary (``meta``) is logged with Trainer's logs as ``eae
 
 from __future__ import annotations
 
+import logging
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -28,16 +29,29 @@ from ..chain import write_buffers, write_grads
 from ..lazy import Lazy
 from ..sweep import sweep
 
+logger = logging.getLogger(__name__)
+
 
 def layers_of(model: nn.Module) -> list[str]:
-    """``split_at`` for a Hugging Face model: the children of its longest ``nn.ModuleList``
-    (``["model.layers.*"]`` for Llama, ``["transformer.h.*"]`` for GPT-2)."""
-    lists = [(len(m), name) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if not lists:
+    """``split_at`` for a Hugging Face model: every stack of repeated layers, an ``nn.ModuleList`` of
+    two or more modules of one class, innermost first (a stack inside another stack's layers is cut,
+    the outer one not), so both stacks of an encoder-decoder (BART, T5, Whisper), both towers of
+    CLIP, and every stage's blocks of ConvNeXt and Swin are cut. A MoE layer's ``experts`` are run
+    as part of their layer."""
+    stacks = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList)
+        and len(m) > 1
+        and len({type(c) for c in m}) == 1
+        and name.rsplit(".", 1)[-1] != "experts"
+    ]
+    inner = [n for n in stacks if not any(o != n and o.startswith(f"{n}.") for o in stacks)]
+    if not inner:
         raise ValueError(
-            f"EAETrainer: {type(model).__name__} has no nn.ModuleList of layers to cut at; give split_at=[...]"
+            f"EAETrainer: {type(model).__name__} has no nn.ModuleList of repeated layers to cut at; give split_at=[...]"
         )
-    return [f"{max(lists)[1]}.*"]
+    return [f"{n}.*" for n in inner]
 
 
 class EAETrainer(Trainer):
@@ -55,6 +69,9 @@ class EAETrainer(Trainer):
                 )
         self.split_at = list(split_at) if split_at is not None else None
         self.eae_logs: dict[str, float] = {}
+        if self.split_at is None:
+            self.split_at = layers_of(self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False))
+            logger.info("EAETrainer: cutting %s at %s", type(self.model).__name__, ", ".join(self.split_at))
 
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
@@ -91,7 +108,7 @@ class EAETrainer(Trainer):
             dict(unwrapped.named_parameters()),
             inputs,
             loss=loss,
-            split_at=self.split_at or layers_of(unwrapped),
+            split_at=self.split_at,
             **options,
         )
         write_grads(unwrapped, res.grads, accumulate=True)
