@@ -221,6 +221,11 @@ class Sweep:
                     out = call.forward(*args, **kwargs)
             except Exception as e:
                 F.note(e, f"the rebuild of cut {call.name!r}")
+                e.add_note(
+                    "(eae_func: the rebuild runs the module again on the inputs of its forward; one the forward "
+                    "changed in place (a KV cache, a dict or list it appends to) differs now: call the model "
+                    "without a cache (use_cache=False), or cut where no such state is passed)"
+                )
                 raise
             finally:
                 _ACTIVE.depth -= 1

@@ -34,18 +34,17 @@ logger = logging.getLogger(__name__)
 
 def layers_of(model: nn.Module) -> list[str]:
     """``split_at`` for a Hugging Face model: every stack of repeated layers, an ``nn.ModuleList`` of
-    two or more modules of one class, innermost first (a stack inside another stack's layers is cut,
+    two or more modules of one class (where there is none, of one module: a shared layer), innermost first (a stack inside another stack's layers is cut,
     the outer one not), so both stacks of an encoder-decoder (BART, T5, Whisper), both towers of
     CLIP, and every stage's blocks of ConvNeXt and Swin are cut. A MoE layer's ``experts`` are run
     as part of their layer."""
-    stacks = [
-        name
+    lists = [
+        (name, m)
         for name, m in model.named_modules()
-        if isinstance(m, nn.ModuleList)
-        and len(m) > 1
-        and len({type(c) for c in m}) == 1
-        and name.rsplit(".", 1)[-1] != "experts"
+        if isinstance(m, nn.ModuleList) and len({type(c) for c in m}) == 1 and name.rsplit(".", 1)[-1] != "experts"
     ]
+    # a list of one layer is a stack where nothing else is: ALBERT runs its one shared layer N times
+    stacks = [n for n, m in lists if len(m) > 1] or [n for n, _ in lists]
     inner = [n for n in stacks if not any(o != n and o.startswith(f"{n}.") for o in stacks)]
     if not inner:
         raise ValueError(
