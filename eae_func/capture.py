@@ -23,10 +23,12 @@ train / eval mode at capture; a stage called otherwise says so.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import fnmatch
 import functools
 import random
+import threading
 import types
 import weakref
 from collections.abc import Callable, Sequence
@@ -130,12 +132,13 @@ def numpy_drew(before: dict) -> bool:
     )
 
 
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
+
+
 def _global_hooks() -> tuple:
     from torch.nn.modules import module as M
 
-    return tuple(
-        getattr(M, name) for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
-    )
+    return tuple(getattr(M, name) for name in _GLOBAL_HOOKS)
 
 
 def canonical_names(named) -> dict:
@@ -309,10 +312,11 @@ def exported(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, list[st
     """``(program, drew)``: ``torch.export.export(module, args, kwargs, strict=False)`` with torch's
     RNG forked (a capture draws no random numbers the next forward should see); ``drew`` names the
     Python-level generators (``random``, ``numpy.random``) the forward drew from, whose states are
-    put back: a capture would bake that one draw into every later call."""
+    put back: a capture would bake that one draw into every later call. A forward that applies a
+    custom ``torch.autograd.Function`` is refused: export traces its forward and drops its backward."""
     python_rng, numpy_rng = random.getstate(), np.random.get_state(legacy=False)
     try:
-        with torch.random.fork_rng():
+        with torch.random.fork_rng(), custom_functions() as applied:
             program = torch.export.export(module, args, kwargs, strict=False)
     finally:
         drew = [
@@ -322,7 +326,41 @@ def exported(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, list[st
         ]
         random.setstate(python_rng)
         np.random.set_state(numpy_rng)
+    if applied:
+        raise Refused(
+            f"capture: the forward applies the custom autograd Function{'s' if len(applied) > 1 else ''} "
+            f"{', '.join(sorted(applied))}; torch.export traces its forward and drops its own backward, so the "
+            f"gradients would silently differ. Cut a model at run time (capture='run', the default for a model "
+            f"with split_at), which runs it as written"
+        )
     return program, drew
+
+
+class Refused(ValueError):
+    """What a capture refuses to run (it would differ from eager silently), raised as it is."""
+
+
+_APPLY_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def custom_functions():
+    """The names of the custom ``torch.autograd.Function`` classes applied in the block (a set)."""
+    applied: set[str] = set()
+    function = torch.autograd.Function
+    original = function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if cls.__module__.split(".")[0] != "torch":  # torch's own Functions export with their backward
+            applied.add(cls.__qualname__)
+        return original.__func__(cls, *args, **kwargs)
+
+    with _APPLY_LOCK:
+        function.apply = classmethod(apply)  # type: ignore[method-assign, assignment]
+        try:
+            yield applied
+        finally:
+            function.apply = original  # type: ignore[method-assign]
 
 
 def data_dependent(e: BaseException) -> bool:
@@ -341,9 +379,23 @@ def cut_model(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[
         raise ValueError(
             f"split_at: no module of {type(model).__name__} matches {list(split_at)}; its modules include {shown}"
         )
+    hooked = [
+        f"{name or '(the model)'}.{kind[1:]}"
+        for name, m in model.named_modules()
+        for kind in _HOOKS
+        if getattr(m, kind)
+    ] + [f"global {kind}" for kind, hooks in zip(_GLOBAL_HOOKS, _global_hooks()) if hooks]
+    if hooked:
+        raise ValueError(
+            f"split_at with capture='graph': {type(model).__name__} has hooks ({', '.join(hooked[:4])}); a captured "
+            f"graph runs a hook once, at capture, and bakes its effect in. Cut at run time (capture='run', the "
+            f"default), which runs hooks on every call"
+        )
     args, kwargs = as_call(example)
     try:
         program, drew = exported(_Exportable(model), args, kwargs)
+    except Refused:
+        raise
     except Exception as e:
         remedy = (
             " A data-dependent branch (a guard on a tensor's value) cannot be captured: turn off what "

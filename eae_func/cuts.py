@@ -20,16 +20,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from . import boundary as B
+from . import capture
 from . import fold as F
 from . import microbatch as M
 from .adjoint import AdjointState, Measurements, fold_in
@@ -63,7 +66,8 @@ class Call:
     """One call of a cut module, what its reverse step needs: the call's input leaves (detached) and
     their ``spec``, which of them require grad (``inputs``), the tensors the module held in its
     parameters' places (the sweep's leaves, by the module's own names, aliases included), its buffers
-    as they were before the call, the RNG and autocast state; after the forward, which output leaves
+    as they were before the call, torch's RNG and the autocast state, Python's and numpy's generator
+    states where the module draws from them (``HostRandom``); after the forward, which output leaves
     are tensors and the output's spec."""
 
     index: int
@@ -77,6 +81,7 @@ class Call:
     buffers: dict
     rng: tuple | None
     autocast: tuple
+    host: tuple | None = None
     out_spec: Any = None
     out_tensors: tuple = ()
 
@@ -141,6 +146,7 @@ class Sweep:
             F.rng_state(self.device),
             autocast_state(self.device),
         )
+        call.host = HOST.before(module)
         tensors = StageCall.apply(self, call, self.anchor, *[leaves[i] for i in call.inputs])
         it = iter(tensors)
         return pytree.tree_unflatten([next(it) if t else None for t in call.out_tensors], call.out_spec)
@@ -160,6 +166,7 @@ class Sweep:
             _ACTIVE.depth -= 1
         if call.rng is not None and not F.drew(call.rng, self.device):
             call.rng = None
+        call.host = HOST.after(call.module, call.host)
         leaves, call.out_spec = pytree.tree_flatten(out)
         call.out_tensors = tuple(isinstance(t, torch.Tensor) for t in leaves)
         if not any(call.out_tensors):
@@ -214,6 +221,7 @@ class Sweep:
                 with (
                     F.timer(self.opts, stats, "recompute_s", f"eae/{call.name}/recompute"),
                     F.replay_rng(call.rng, self.device),
+                    HOST.replay(call.host),
                     replay_autocast(call.autocast),
                     module_lock(call.module),
                     holding(call.module, {**local, **{n: b.clone() for n, b in call.buffers.items()}}),
@@ -262,6 +270,54 @@ class StageCall(torch.autograd.Function):
     def backward(ctx: Any, *costates: torch.Tensor) -> Any:  # type: ignore[override]
         call, ctx.call = ctx.call, None  # the call's boundary is let go with its step
         return (None, None, None, *ctx.sweep.reverse(call, list(costates)))
+
+
+class HostRandom:
+    """Python's ``random`` and numpy's global generator, which a module's forward may draw from
+    (BigBird's random attention blocks): their states cost tens of microseconds to read, so each kind
+    of module (class and training flag) is watched on its first call in the process, and only the
+    kinds that drew then have their states saved at every call and replayed by the rebuild. A module
+    that draws only on later calls, or only sometimes, is not seen."""
+
+    def __init__(self):
+        self.watched: set[tuple] = set()
+        self.drawing: set[tuple] = set()
+
+    @staticmethod
+    def state() -> tuple:
+        return random.getstate(), np.random.get_state(legacy=False)
+
+    def before(self, module: nn.Module) -> tuple | None:
+        """The states before a call, where its kind draws or has not been watched yet."""
+        kind = type(module), module.training
+        return self.state() if kind in self.drawing or kind not in self.watched else None
+
+    def after(self, module: nn.Module, before: tuple | None) -> tuple | None:
+        """The states to replay for this call (``None``: it draws nothing)."""
+        kind = type(module), module.training
+        if kind not in self.watched:
+            self.watched.add(kind)
+            assert before is not None
+            if random.getstate() != before[0] or capture.numpy_drew(before[1]):
+                self.drawing.add(kind)
+        return before if kind in self.drawing else None
+
+    @contextlib.contextmanager
+    def replay(self, states: tuple | None):
+        if states is None:
+            yield
+            return
+        now = self.state()
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        try:
+            yield
+        finally:
+            random.setstate(now[0])
+            np.random.set_state(now[1])
+
+
+HOST = HostRandom()
 
 
 def cut_modules(model: nn.Module, split_at: Sequence[str]) -> dict[str, nn.Module]:

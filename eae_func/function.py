@@ -176,6 +176,8 @@ def capture_function(fn: Callable, params: Any, inputs: tuple) -> Captured:
     _MARKS.cuts = cuts
     try:
         program, drew = capture.exported(_Traced(fn, spec, inputs_spec), (*(t.detach() for t in leaves), *data), {})
+    except capture.Refused:
+        raise
     except Exception as e:
         where = _user_line(e) or label
         if capture.data_dependent(e):

@@ -292,3 +292,62 @@ def test_hugging_face_models_graph_capture_refused_are_exact_in_float64(kind, st
     model(input_ids=ids, labels=ids).loss.backward()
     assert len(res.adjoints) == stages
     assert_exact(res.grads, {n: p.grad for n, p in params.items()})
+
+
+@pytest.mark.parametrize("fn", [StraightThrough, ScaleGradient], ids=lambda f: f.__name__)
+def test_graph_capture_refuses_a_custom_autograd_function_it_would_drop(fn):
+    torch.manual_seed(0)
+    model = Stack(inner=lambda: WithFunction(fn)).double()
+    x, y = torch.randn(5, 4, dtype=F64), torch.randn(5, 3, dtype=F64)
+    params = dict(model.named_parameters())
+    with pytest.raises(ValueError, match=rf"custom autograd Function {fn.__qualname__}; torch.export .* drops"):
+        ef.grad(model, params, x, y, loss=F.mse_loss, split_at=["blocks.*"], capture="graph")
+
+    def model_fn(p, h):  # a pure function cut by ef.cut is captured the same way
+        return ef.cut(fn.apply(h @ p["w"]), "a") @ p["v"]
+
+    with pytest.raises(ValueError, match=rf"custom autograd Function {fn.__qualname__}"):
+        ef.grad(model_fn, {"w": torch.randn(4, 4, dtype=F64), "v": torch.randn(4, 3, dtype=F64)}, x, y, loss=F.mse_loss)
+
+
+def test_graph_capture_refuses_hooks_run_time_cuts_honour():
+    model = Stack().double()
+    model.blocks[0].register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    x, y = torch.randn(5, 4, dtype=F64), torch.randn(5, 3, dtype=F64)
+    with pytest.raises(ValueError, match=r"has hooks \(blocks.0.forward_pre_hooks\).*capture='run'"):
+        ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, split_at=["blocks.*"], capture="graph")
+    res, _, reference = sweep_and_autograd(model, x, y)
+    assert_exact(res.grads, reference)
+
+
+class HostDraws(nn.Module):
+    """A layer that draws its mask from numpy and a scale from Python's random at every call."""
+
+    def __init__(self, width=6):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, h):
+        import random
+
+        import numpy as np
+
+        mask = torch.from_numpy(np.random.rand(h.shape[-1]) > 0.5).to(h.dtype)
+        return self.linear(h) * mask * random.uniform(0.5, 2.0)
+
+
+def test_python_and_numpy_draws_inside_a_cut_are_replayed():
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = Stack(inner=HostDraws).double()
+    x, y = torch.randn(5, 4, dtype=F64), torch.randn(5, 3, dtype=F64)
+    params = dict(model.named_parameters())
+    for _ in range(2):  # the first call of a kind is watched, later ones saved and replayed
+        random.seed(3), np.random.seed(3)
+        res = ef.sweep(model, params, x, y, loss=F.mse_loss, split_at=["blocks.*"])
+        random.seed(3), np.random.seed(3)
+        _, reference = autograd_grads(model, x, y)
+        assert_exact(res.grads, reference)
