@@ -82,6 +82,7 @@ class Call:
     rng: tuple | None
     autocast: tuple
     host: tuple | None = None
+    sums: list | None = None
     out_spec: Any = None
     out_tensors: tuple = ()
 
@@ -95,6 +96,7 @@ class Sweep:
         self.model, self.opts, self.pass_state, self.device = model, opts, pass_state, device
         self.names = cut_modules(model, split_at)
         self.calls: dict[str, int] = {}
+        self.ungraded: set[str] = set()
         self.count = 0
         self.grads: dict[int, torch.Tensor] = {}
         self.trace: list[AdjointState] = []
@@ -122,7 +124,10 @@ class Sweep:
 
     def cut(self, name: str, module: nn.Module, forward: Callable) -> Callable:
         def call(*args: Any, **kwargs: Any) -> Any:
-            if getattr(_ACTIVE, "depth", 0) or not torch.is_grad_enabled():  # inside a cut, or no graph wanted
+            if getattr(_ACTIVE, "depth", 0):  # inside a cut: part of its call
+                return forward(*args, **kwargs)
+            if not torch.is_grad_enabled():  # no graph wanted (a custom Function's forward, no_grad)
+                self.ungraded.add(name)
                 return forward(*args, **kwargs)
             return self.stage(name, module, forward, args, kwargs)
 
@@ -156,9 +161,12 @@ class Sweep:
         args, kwargs = pytree.tree_unflatten(call.leaves, call.spec)
         stats = self.stats.setdefault(call.name, {})
         _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
+        seed = torch.initial_seed()
         try:
             with F.timer(self.opts, stats, "forward_s", f"eae/{call.name}/forward"), torch.no_grad():
                 out = call.forward(*args, **kwargs)
+            if torch.initial_seed() != seed:  # it seeds torch's generator itself (torch.seed(): Reformer)
+                call.sums = sums(out)  # which the rebuild cannot replay: it must come to the same outputs
         except Exception as e:
             F.note(e, f"the forward of cut {call.name!r}")
             raise
@@ -237,6 +245,12 @@ class Sweep:
                 raise
             finally:
                 _ACTIVE.depth -= 1
+        if call.sums is not None and not all(torch.equal(a, b) for a, b in zip(sums(out), call.sums)):
+            raise ValueError(
+                f"cut {call.name!r} seeds torch's generator afresh (torch.seed(), as Reformer's layers do for "
+                f"their dropout) and its rebuild came to other outputs than its forward: its gradients would "
+                f"belong to other random numbers. Cut a module that does not reseed, or turn its randomness off"
+            )
         # the outputs' places in the graph, not the outputs: one the graph does not save is freed now
         flat = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         pairs = [(get_gradient_edge(t), c) for t, c in zip(flat, costates) if t.requires_grad]
@@ -249,9 +263,11 @@ class Sweep:
                 else (None,) * len(wanted)
             )
         for i, g in zip(trainable, grads):
+            # plus what a custom Function's own backward accumulated into .grad (Reformer's reversible
+            # layers run torch.autograd.backward on their parameters, as under plain autograd)
+            g = M.add(g, own[i].grad)
             if g is not None:
-                before = self.grads.get(i)
-                self.grads[i] = g if before is None else before + g
+                self.grads[i] = M.add(self.grads.get(i), g)
         return list(grads[len(trainable) :])
 
 
@@ -270,6 +286,11 @@ class StageCall(torch.autograd.Function):
     def backward(ctx: Any, *costates: torch.Tensor) -> Any:  # type: ignore[override]
         call, ctx.call = ctx.call, None  # the call's boundary is let go with its step
         return (None, None, None, *ctx.sweep.reverse(call, list(costates)))
+
+
+def sums(out: Any) -> list:
+    """One number per floating output leaf, to tell whether a rebuild repeated its forward."""
+    return [t.detach().sum() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and B.is_differentiable(t)]
 
 
 class HostRandom:
@@ -386,8 +407,10 @@ def sweep_model(
     args, kwargs = as_call(x)
     if getattr(getattr(model, "config", None), "use_cache", None) is not None:  # a Hugging Face model: a KV
         kwargs.setdefault("use_cache", False)  # cache the forward fills would be read again by the rebuilds
-    with run.installed(), module_lock(model), holding(model, aliased(model, {**leaves, **fresh})):
-        with F.autocast(opts.autocast, run.device):  # the loss too, as an AMP training step computes it
+    with module_lock(model), holding(model, aliased(model, {**leaves, **fresh})):
+        # the cuts are in place for the forward alone: a matched module run again by a custom Function's
+        # own backward (a reversible layer's recompute) runs as written
+        with run.installed(), F.autocast(opts.autocast, run.device):  # the loss too, as AMP computes it
             output = model(*args, **kwargs)
             try:
                 value = loss(output, *loss_args)
@@ -403,9 +426,17 @@ def sweep_model(
             )
             raise ValueError(f"loss: expected a scalar floating-point tensor, got {got}")
         if not run.count:
+            why = (
+                f"{', '.join(sorted(run.ungraded)[:4])} ran without autograd (under no_grad, or inside a custom "
+                f"autograd Function that computes its own backward, as Reformer's reversible layers do); cut "
+                f"modules that autograd differentiates"
+                if run.ungraded
+                else "a container (a ModuleList is never called; name its children, e.g. 'layers.*') or a "
+                "module the forward skips"
+            )
             raise ValueError(
-                f"split_at: no module matched by {list(split_at)} ({list(run.names)[:6]}) was called in "
-                f"{type(model).__name__}'s forward: the sweep would run without a cut"
+                f"split_at: no module matched by {list(split_at)} ({list(run.names)[:4]}) ran as a stage in "
+                f"{type(model).__name__}'s forward, so nothing would be cut: {why}"
             )
         wanted = [n for n, t in leaves.items() if t.requires_grad]
         glue = (
@@ -414,8 +445,8 @@ def sweep_model(
             else (None,) * len(wanted)
         )
     grads: dict[str, Any] = dict.fromkeys(params)
-    for n, g in zip(wanted, glue):
-        grads[n] = M.add(g, run.grads.get(id(leaves[n])))
+    for n, g in zip(wanted, glue):  # what autograd returned, what a Function put in .grad, the cuts' sum
+        grads[n] = M.add(M.add(g, leaves[n].grad), run.grads.get(id(leaves[n])))
     stats = dict(run.stats)
     stats["boundaries"] = {a.index: dict(a.meta) for a in run.trace}
     return value.detach(), grads, tuple(run.trace), fresh, run.pass_state, Measurements(stats)

@@ -212,7 +212,7 @@ def test_what_cannot_be_cut_is_refused():
     model = Stack().double()
     x, y = torch.randn(2, 4, dtype=F64), torch.randn(2, 3, dtype=F64)
     params = dict(model.named_parameters())
-    with pytest.raises(ValueError, match=r"no module matched by \['blocks'\].*was called"):
+    with pytest.raises(ValueError, match=r"no module matched by \['blocks'\].*ran as a stage.*a container"):
         ef.grad(model, params, x, y, loss=F.mse_loss, split_at=["blocks"])  # a ModuleList is never called
     with pytest.raises(ValueError, match=r"split_at: no module of Stack matches"):
         ef.grad(model, params, x, y, loss=F.mse_loss, split_at=["decoder.*"])
@@ -351,3 +351,51 @@ def test_python_and_numpy_draws_inside_a_cut_are_replayed():
         random.seed(3), np.random.seed(3)
         _, reference = autograd_grads(model, x, y)
         assert_exact(res.grads, reference)
+
+
+def reformer(dropout):
+    config = transformers.ReformerConfig(
+        hidden_size=32,
+        axial_pos_embds_dim=(16, 16),
+        axial_pos_shape=(4, 2),
+        num_attention_heads=2,
+        attention_head_size=16,
+        attn_layers=["local", "lsh", "local", "lsh"],
+        feed_forward_size=64,
+        vocab_size=64,
+        is_decoder=True,
+        local_attn_chunk_length=4,
+        lsh_attn_chunk_length=4,
+        num_buckets=2,
+        max_position_embeddings=8,
+        pad_token_id=0,
+        eos_token_id=2,
+        hash_seed=0,
+        hidden_dropout_prob=dropout,
+        lsh_attention_probs_dropout_prob=dropout,
+        local_attention_probs_dropout_prob=dropout,
+    )
+    torch.manual_seed(0)
+    return transformers.ReformerModelWithLMHead(config).double().train()
+
+
+def test_reformers_reversible_layers_keep_their_own_backward():
+    """Reformer's layers run inside a custom autograd Function (reversible: its backward rebuilds them
+    and accumulates their parameters' .grad): cut around it, the sweep equals autograd; its layers,
+    which autograd never sees, cannot be cut, and a reseeding dropout the rebuild cannot repeat is
+    refused rather than differentiated at other masks."""
+    ids = torch.randint(1, 64, (2, 8))
+    inputs = {"input_ids": ids, "labels": ids}
+    model = reformer(0.0)
+    params = dict(model.named_parameters())
+    torch.manual_seed(1)
+    res = ef.sweep(model, params, inputs, loss=lambda out: out.loss, split_at=["reformer.encoder"])
+    torch.manual_seed(1)
+    model(**inputs).loss.backward()
+    assert [a.stage for a in res.adjoints] == ["reformer.encoder"]
+    assert_exact(res.grads, {n: p.grad for n, p in params.items()})
+    with pytest.raises(ValueError, match=r"ran without autograd .*custom autograd Function"):
+        ef.grad(model, params, inputs, loss=lambda out: out.loss, split_at=["reformer.encoder.layers.*"])
+    model = reformer(0.1)
+    with pytest.raises(ValueError, match=r"seeds torch's generator afresh"):
+        ef.grad(model, dict(model.named_parameters()), inputs, loss=lambda out: out.loss, split_at=["reformer.encoder"])
