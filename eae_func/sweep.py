@@ -497,14 +497,18 @@ def value_and_grad(
     split_at: Sequence[str] | None = None,
     pass_state: Any = None,
     buffers: Sequence | None = None,
+    has_state: bool = False,
     **options: Unpack[SweepOptions],
-) -> tuple[torch.Tensor, Any]:
+) -> Any:
     """``(loss, grads)`` of ``chain`` (or a model with ``loss=``) at ``params``: ``sweep``'s loss and
     grads, with every option of ``sweep``; by default without keeping the costates of the trace
-    or timing the stages (``keep_costates=False``, ``timers=False``)."""
+    or timing the stages (``keep_costates=False``, ``timers=False``). ``has_state=True`` returns
+    ``((loss, grads), pass_state)``, the passes' new state to give the next call (as ``has_aux``
+    does in JAX); passes that carry state are refused without it, since their state would be lost."""
     opts = make("value_and_grad", options, keep_costates=False, timers=False)
+    dropping("value_and_grad", opts, has_state)
     res = run(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
-    return res.loss, res.grads
+    return ((res.loss, res.grads), res.pass_state) if has_state else (res.loss, res.grads)
 
 
 @_python
@@ -517,9 +521,33 @@ def grad(
     split_at: Sequence[str] | None = None,
     pass_state: Any = None,
     buffers: Sequence | None = None,
+    has_state: bool = False,
     **options: Unpack[SweepOptions],
 ) -> Any:
     """Parameter gradients of ``chain`` (or a model with ``loss=``) at ``params``, in the structure
-    of ``params``; options as ``value_and_grad``."""
+    of ``params``; options as ``value_and_grad``. ``has_state=True`` returns ``(grads, pass_state)``."""
     opts = make("grad", options, keep_costates=False, timers=False)
-    return run(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts).grads
+    dropping("grad", opts, has_state)
+    res = run(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
+    return (res.grads, res.pass_state) if has_state else res.grads
+
+
+def carries_state(state: Any) -> bool:
+    """Whether a pass state is more than ``None`` (a stateless pass) or a tuple of such (a compose of them)."""
+    return state is not None and not (isinstance(state, tuple) and not any(carries_state(s) for s in state))
+
+
+def dropping(where: str, opts: Options, has_state: bool) -> None:
+    """Refuse passes whose state ``where`` would drop (no ``has_state=True``), naming them."""
+    if not isinstance(has_state, bool):
+        raise TypeError(f"{where}: has_state must be True or False, got {has_state!r}")
+    if has_state:
+        return
+    stateful = [m.name for m in (opts.passes.members or (opts.passes,)) if carries_state(m.init())]
+    if stateful:
+        raise ValueError(
+            f"{where}: the passes {', '.join(stateful)} carry state from call to call, which {where} would drop "
+            f"(error feedback would quietly become plain quantisation); thread it: "
+            f"{'grads' if where == 'grad' else '(loss, grads)'}, state = ef.{where}(..., passes=p, "
+            f"pass_state=state, has_state=True), starting from state = None"
+        )

@@ -47,11 +47,15 @@ def manual_step(
     False``) on ``model`` (a part of it, or itself) from ``ef.sweep``'s gradients; returns the loss.
     ``optimizer``: one of ``module.optimizers()`` (default: the only one); ``options``: the sweep's.
     Fused, a clip is per stage (``max_norm=``, as ``ef.fused`` clips), and fp16's loss scaler (which
-    needs ``.grad`` to check) is refused."""
+    needs ``.grad`` to check) is refused. The passes' state is threaded from step to step in
+    ``module.eae_pass_state``."""
     opt = optimizer if optimizer is not None else module.optimizers()
     params = dict(model.named_parameters())
+    state = getattr(module, "eae_pass_state", None)
     if not fused:
-        value, grads = value_and_grad(model, params, x, *loss_args, loss=loss, split_at=split_at, **options)
+        (value, grads), module.eae_pass_state = value_and_grad(
+            model, params, x, *loss_args, loss=loss, split_at=split_at, pass_state=state, has_state=True, **options
+        )
         opt.zero_grad()
         write_grads(model, grads)
         if gradient_clip_val is not None:
@@ -75,7 +79,10 @@ def manual_step(
 
     def closure() -> torch.Tensor:
         update = fused_update(opt.optimizer, max_norm=max_norm)
-        res = sweep(model, params, x, *loss_args, loss=loss, split_at=split_at, update=update, **options)
+        res = sweep(
+            model, params, x, *loss_args, loss=loss, split_at=split_at, update=update, pass_state=state, **options
+        )
+        module.eae_pass_state = res.pass_state
         out["loss"] = res.loss.detach()
         return out["loss"]
 

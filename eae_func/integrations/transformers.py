@@ -10,7 +10,8 @@ cut at run time at its repeated layers (``split_at``: by default every stack of 
 the gradient accumulation steps where Trainer divides it, multiplied by the fp16 loss scaler's scale
 where ``accelerator.backward`` multiplies it, and the gradients are added into ``.grad``
 (``ef.write_grads(accumulate=True)``), so gradient accumulation, clipping, the scaler's unscale and
-the optimizer step run as Trainer runs them. bf16 runs the stages under ``torch.autocast``. What the
+the optimizer step run as Trainer runs them. bf16 runs the stages under ``torch.autocast``. The
+passes' state (error feedback's residuals) is threaded from step to step in ``trainer.eae_state``. What the
 passes record at each boundary (``meta``) is logged with Trainer's logs as ``eae/<boundary>/<key>``.
 """
 
@@ -68,6 +69,7 @@ class EAETrainer(Trainer):
                 )
         self.split_at = list(split_at) if split_at is not None else None
         self.eae_logs: dict[str, float] = {}
+        self.eae_state: Any = None  # the passes' state, threaded from step to step
         if self.split_at is None:
             self.split_at = layers_of(self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False))
             logger.info("EAETrainer: cutting %s at %s", type(self.model).__name__, ", ".join(self.split_at))
@@ -108,8 +110,10 @@ class EAETrainer(Trainer):
             inputs,
             loss=loss,
             split_at=self.split_at,
+            pass_state=self.eae_state,
             **options,
         )
+        self.eae_state = res.pass_state  # error feedback's residuals, a predictor's weights: carried to the next step
         write_grads(unwrapped, res.grads, accumulate=True)
         write_buffers(unwrapped, res.buffers)
         self.eae_logs = {
