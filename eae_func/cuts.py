@@ -418,13 +418,7 @@ def sweep_model(
                 F.note(e, "the loss")
                 raise
         del output
-        if not isinstance(value, torch.Tensor) or value.ndim != 0 or not B.is_differentiable(value):
-            got = (
-                f"shape {tuple(value.shape)}, {value.dtype}"
-                if isinstance(value, torch.Tensor)
-                else type(value).__name__
-            )
-            raise ValueError(f"loss: expected a scalar floating-point tensor, got {got}")
+        F.check_scalar(value)
         if not run.count:
             why = (
                 f"{', '.join(sorted(run.ungraded)[:4])} ran without autograd (under no_grad, or inside a custom "

@@ -555,13 +555,7 @@ def boundary_condition(
             with torch.enable_grad():
                 inputs = [t.detach().requires_grad_() for t in floats]
                 loss = chain.loss(rebuild(inputs), *loss_args)
-            if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not B.is_differentiable(loss):
-                got = (
-                    f"shape {tuple(loss.shape)}, {loss.dtype}"
-                    if isinstance(loss, torch.Tensor)
-                    else type(loss).__name__
-                )
-                raise ValueError(f"loss: expected a scalar floating-point tensor, got {got}")
+            check_scalar(loss)
             p = (
                 torch.autograd.grad(loss, inputs, torch.full_like(loss, loss_scale), allow_unused=True)
                 if loss.requires_grad
@@ -575,6 +569,13 @@ def boundary_condition(
     if not opts.no_passes:
         adj, pass_state = processed(chain, opts, adj, pass_state, h, B.Layout.of(h), stats)
     return loss.detach(), Carry(adj, pass_state)
+
+
+def check_scalar(loss: Any) -> None:
+    """Refuse a loss that is not a scalar floating-point tensor."""
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not B.is_differentiable(loss):
+        got = f"shape {tuple(loss.shape)}, {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"loss: expected a scalar floating-point tensor, got {got}")
 
 
 @dataclasses.dataclass(frozen=True)
