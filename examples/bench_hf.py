@@ -40,7 +40,7 @@ gives median step times, their ratio, and each method's peak of live tensor byte
 more step (a ``TorchDispatchMode`` counter, ``bench_memory.LiveBytes``: allocator-free,
 exact), then a cProfile of eae_func's small-width GPT-2 step.
 
-    python examples/bench_hf.py --regimes     # 8 cells x 2 methods, 21 rounds
+    python examples/bench_hf.py --regimes     # 8 cells x 2 methods, 21 rounds (pip install -e ".[hf,bench]")
 """
 
 from __future__ import annotations
