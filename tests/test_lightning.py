@@ -73,3 +73,34 @@ def test_fused_manual_step_counts_the_step_and_equals_manual_backward():
     assert trainer.global_step == 3  # max_steps stopped it
     worst = max((a - b).abs().max().item() for a, b in zip(want.parameters(), fused.parameters()))
     assert worst <= 1e-6, worst
+
+
+class Feedback(Lit):
+    """manual_step with error feedback: the residuals must reach the next step."""
+
+    def __init__(self, how):
+        super().__init__(how)
+        self.fresh = []
+
+    def training_step(self, batch, batch_idx):
+        from eae_func import passes as P
+
+        self.fresh.append(getattr(self, "eae_pass_state", None) is None)
+        x, y = batch
+        passes = P.error_feedback(P.int8())
+        return manual_step(self, self.model, x, y, loss=F.cross_entropy, fused=self.how == "fused", passes=passes)
+
+
+@pytest.mark.parametrize("how", ["eae", "fused"])
+def test_manual_step_threads_the_pass_state_from_step_to_step(how):
+    module = Feedback(how)
+    L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(module, _data())
+    assert module.fresh == [True, False, False]  # only the first step starts from init()
+    assert module.eae_pass_state["residuals"]
