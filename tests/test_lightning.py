@@ -43,8 +43,8 @@ class Lit(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _fit(how, precision="32-true", clip=None):
-    module = Lit(how, clip)
+def _fit(how, precision="32-true", clip=None, module=None):
+    module = Lit(how, clip) if module is None else module
     trainer = L.Trainer(
         max_steps=3,
         accelerator="cpu",
@@ -93,14 +93,6 @@ class Feedback(Lit):
 
 @pytest.mark.parametrize("how", ["eae", "fused"])
 def test_manual_step_threads_the_pass_state_from_step_to_step(how):
-    module = Feedback(how)
-    L.Trainer(
-        max_steps=3,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(module, _data())
+    module, _ = _fit(how, module=Feedback(how))
     assert module.fresh == [True, False, False]  # only the first step starts from init()
     assert module.eae_pass_state["residuals"]
