@@ -19,10 +19,14 @@ def tie_groups(chain: Chain, params: tuple) -> list:
     the same object in several places of ``params``, or a group of ``chain.ties`` (which survives a
     pure update that unties the objects); groups that share a member are one."""
     if not chain.ties:  # the common case, checked in one pass: no tensor object used twice
-        ids = [
+        ids = [  # a module stage's params are a flat dict of tensors (checked), any other a pytree
             id(t)
-            for p in params
-            for t in (p.values() if type(p) is dict else optree.tree_leaves(p, namespace=NAMESPACE))
+            for s, p in zip(chain.stages, params)
+            for t in (
+                p.values()
+                if s.param_names is not None and type(p) is dict
+                else optree.tree_leaves(p, namespace=NAMESPACE)
+            )
         ]
         if len(set(ids)) == len(ids):
             return []

@@ -79,3 +79,17 @@ def test_pure_function_chain_with_pytree_boundaries(depth, seed):
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
     assert isinstance(res.adjoints[0].value, tuple) and len(res.adjoints[0].value) == 2
+
+
+def test_a_tensor_shared_by_two_function_stages_inside_nested_params_gets_the_summed_gradient():
+    w = torch.randn(4, 4, dtype=torch.float64)
+
+    def layer(p, h):
+        return torch.tanh(h @ p["a"]["w"])
+
+    chain = ef.Chain([ef.stage(layer, name="s0"), ef.stage(layer, name="s1")], loss=lambda h: h.square().sum())
+    x = torch.randn(3, 4, dtype=torch.float64)
+    grads = ef.grad(chain, ({"a": {"w": w}}, {"a": {"w": w}}), x)
+    leaf = w.clone().requires_grad_()
+    torch.tanh(torch.tanh(x @ leaf) @ leaf).square().sum().backward()
+    assert all(torch.allclose(g["a"]["w"], leaf.grad, rtol=1e-12, atol=0) for g in grads)
