@@ -36,7 +36,7 @@ from . import capture
 from . import fold as F
 from . import microbatch as M
 from .adjoint import AdjointState, Measurements, fold_in
-from .capture import as_call, matches
+from .capture import as_call, canonical_names, matches
 from .chain import Slots, module_lock
 from .options import Options
 from .passes import Context
@@ -93,7 +93,7 @@ class Sweep:
     tensor's id), the trace and the stats."""
 
     def __init__(self, model: nn.Module, split_at: Sequence[str], opts: Options, pass_state: Any, device: Any):
-        self.model, self.opts, self.pass_state, self.device = model, opts, pass_state, device
+        self.opts, self.pass_state, self.device = opts, pass_state, device
         self.names = cut_modules(model, split_at)
         self.calls: dict[str, int] = {}
         self.ungraded: set[str] = set()
@@ -390,24 +390,27 @@ def sweep_model(
     (a parameter it lacks is used as the module holds it, and not differentiated); ``grads`` has the
     names of ``params`` and ``buffers`` every buffer's, updated (BatchNorm's running statistics), the
     module's own never written."""
-    names = dict(model.named_parameters())
-    unknown = sorted(set(params) - set(names))
+    own_params = list(model.named_parameters(remove_duplicate=False))
+    own_buffers = list(model.named_buffers(remove_duplicate=False))
+    first = canonical_names([*own_params, *own_buffers])  # a tied tensor's names -> its first name
+    unknown = sorted(set(params) - {first[n] for n, _ in own_params})
     if unknown:
         raise ValueError(
             f"params: {unknown[:5]} are not parameters of {type(model).__name__} "
             f"(expected the names of dict(model.named_parameters()))"
         )
-    own_buffers = dict(model.named_buffers())
-    wrong = sorted(set(buffers or {}) - set(own_buffers))
+    kept = {n: b for n, b in own_buffers if first[n] == n}
+    wrong = sorted(set(buffers or {}) - set(kept))
     if wrong:
         raise ValueError(f"buffers: {wrong[:5]} are not buffers of {type(model).__name__} (named_buffers' names)")
     leaves = {n: p.detach().requires_grad_(p.requires_grad) for n, p in params.items()}
-    fresh = {n: b.detach().clone() for n, b in {**own_buffers, **(buffers or {})}.items()}
+    fresh = {n: b.detach().clone() for n, b in {**kept, **(buffers or {})}.items()}
+    given = {**leaves, **fresh}
     run = Sweep(model, split_at, opts, opts.passes.init() if pass_state is None else pass_state, F.device_of(leaves, x))
     args, kwargs = as_call(x)
     if getattr(getattr(model, "config", None), "use_cache", None) is not None:  # a Hugging Face model: a KV
         kwargs.setdefault("use_cache", False)  # cache the forward fills would be read again by the rebuilds
-    with module_lock(model), holding(model, aliased(model, {**leaves, **fresh})):
+    with module_lock(model), holding(model, {n: given[f] for n, f in first.items() if f in given}):
         # the cuts are in place for the forward alone: a matched module run again by a custom Function's
         # own backward (a reversible layer's recompute) runs as written
         with run.installed(), F.autocast(opts.autocast, run.device):  # the loss too, as AMP computes it
@@ -444,13 +447,3 @@ def sweep_model(
     stats = dict(run.stats)
     stats["boundaries"] = {a.index: dict(a.meta) for a in run.trace}
     return value.detach(), grads, tuple(run.trace), fresh, run.pass_state, Measurements(stats)
-
-
-def aliased(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` under every name of ``model`` that holds the same tensor as one of theirs (a tied
-    embedding and head are one parameter under two names; ``named_parameters`` gives the first)."""
-    everything = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    first: dict[int, str] = {}
-    for n, t in everything:
-        first.setdefault(id(t), n)
-    return {n: tensors[first[id(t)]] for n, t in everything if first[id(t)] in tensors}
