@@ -5,14 +5,15 @@
 
 ``EAETrainer.training_step`` is ``Trainer.training_step`` with its backward replaced: the model is
 cut at run time at its repeated layers (``split_at``: by default every stack of repeated layers,
-``layers_of``: ``model.layers.*``, or encoder and decoder layers) and swept with the model computing its own loss from ``labels`` and
-``num_items_in_batch``, exactly as ``Trainer.compute_loss`` has it compute it; the loss is divided by
-the gradient accumulation steps where Trainer divides it, multiplied by the fp16 loss scaler's scale
-where ``accelerator.backward`` multiplies it, and the gradients are added into ``.grad``
-(``ef.write_grads(accumulate=True)``), so gradient accumulation, clipping, the scaler's unscale and
-the optimizer step run as Trainer runs them. bf16 runs the stages under ``torch.autocast``. The
-passes' state (error feedback's residuals) is threaded from step to step in ``trainer.eae_state``. What the
-passes record at each boundary (``meta``) is logged with Trainer's logs as ``eae/<boundary>/<key>``.
+``layers_of``: ``model.layers.*``, or encoder and decoder layers) and swept with the model computing
+its own loss from ``labels`` and ``num_items_in_batch``, exactly as ``Trainer.compute_loss`` has it
+compute it; the loss is divided by the gradient accumulation steps where Trainer divides it,
+multiplied by the fp16 loss scaler's scale where ``accelerator.backward`` multiplies it, and the
+gradients are added into ``.grad`` (``ef.write_grads(accumulate=True)``), so gradient accumulation,
+clipping, the scaler's unscale and the optimizer step run as Trainer runs them. bf16 runs the stages
+under ``torch.autocast``. The passes' state (error feedback's residuals) is threaded from step to
+step in ``trainer.eae_state``. What the passes record at each boundary (``meta``) is logged with
+Trainer's logs as ``eae/<boundary>/<key>``.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ logger = logging.getLogger(__name__)
 
 def layers_of(model: nn.Module) -> list[str]:
     """``split_at`` for a Hugging Face model: every stack of repeated layers, an ``nn.ModuleList`` of
-    two or more modules of one class (where there is none, of one module: a shared layer), innermost first (a stack inside another stack's layers is cut,
-    the outer one not), so both stacks of an encoder-decoder (BART, T5, Whisper), both towers of
-    CLIP, and every stage's blocks of ConvNeXt and Swin are cut. A MoE layer's ``experts`` are run
-    as part of their layer."""
+    two or more modules of one class (where there is none, of one module: a shared layer), innermost
+    first (a stack inside another stack's layers is cut, the outer one not), so both stacks of an
+    encoder-decoder (BART, T5, Whisper), both towers of CLIP, and every stage's blocks of ConvNeXt and
+    Swin are cut. A MoE layer's ``experts`` are run as part of their layer."""
     lists = [
         (name, m)
         for name, m in model.named_modules()
