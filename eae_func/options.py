@@ -117,9 +117,9 @@ class Options:
                 raise TypeError(f"sweep: physical must be a list of stage names or indices, got {self.physical!r}")
             set_(self, "physical", tuple(self.physical))
         set_(self, "recompute", remat.policy(self.recompute))
-        set_(self, "offload", bool(self.offload))
-        set_(self, "keep_costates", bool(self.keep_costates))
-        set_(self, "timers", bool(self.timers))
+        for name in ("offload", "keep_costates", "timers"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"sweep: {name} must be True or False, got {getattr(self, name)!r}")
         if self.update is not None and not isinstance(self.update, Fused):
             set_(self, "update", fused(self.update))
         set_(self, "data_parallel", replicas(self.data_parallel))

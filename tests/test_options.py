@@ -307,3 +307,13 @@ def test_remat_save_names_what_it_takes():
         ef.remat.save(where=3)
     with pytest.raises(TypeError, match="remat.save: keep must be a predicate"):
         ef.remat.save(keep="last")
+
+
+@given(
+    name=st.sampled_from(["offload", "keep_costates", "timers"]),
+    value=st.one_of(st.sampled_from(["False", "no", "True", "", None]), st.integers(0, 1), st.floats(0, 1)),
+)
+def test_a_boolean_option_takes_only_true_or_false(name, value):
+    """``keep_costates="False"`` was read as True; any non-bool is refused, naming the option."""
+    with pytest.raises(TypeError, match=f"sweep: {name} must be True or False"):
+        ef.Options(**{name: value})
