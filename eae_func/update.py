@@ -198,13 +198,32 @@ class Updater:
             scale = torch.clamp(self.spec.max_norm / (norm + 1e-6), max=1.0)
             due = {n: g * scale.to(g.dtype) for n, g in due.items()}
         if self.spec.fn is not None:
-            new, self.state[i] = self.spec.fn({n: self.params[i][n] for n in due}, due, self.state[i])
+            out = self.spec.fn({n: self.params[i][n] for n in due}, due, self.state[i])
+            new, self.state[i] = self._checked(i, due, out)
             for name, t in new.items():
                 for j, n in self.members.get((i, name), (None, [(i, name)]))[1]:
                     self.params[j][n] = t
         else:
             self._step(i, due)
         self.stepped.append(i)
+
+    def _checked(self, i: int, due: dict, out: Any) -> tuple:
+        """The pure update's ``(params_l, state_l)`` for stage i, its params exactly the ones it was
+        given (names, shapes, dtypes, devices): a misspelt name would add a stray entry and leave the
+        real weight as it was."""
+        where = f"fused: the update of {self.chain.where(i)}"
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], dict)):
+            raise TypeError(f"{where} must return (params_l, state_l) with params_l a dict, got {type(out).__name__}")
+        if set(out[0]) != set(due):
+            raise ValueError(f"{where} returned params {sorted(out[0])}; it was given {sorted(due)}, the same names")
+        for name, t in out[0].items():
+            old = self.params[i][name]
+            if not isinstance(t, torch.Tensor) or (t.shape, t.dtype, t.device) != (old.shape, old.dtype, old.device):
+                got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"{where} returned {name!r} as {got}; the parameter is {tuple(old.shape)} {old.dtype} on {old.device}"
+                )
+        return out
 
     def kept(self) -> tuple:
         """The kept gradients, one dict per stage in the params' structure: a tied parameter's sum in
@@ -240,7 +259,8 @@ class Updater:
             optimizer.step()
 
     def note(self, e: BaseException) -> None:
-        """Say on ``e`` which stages were already updated (an update cannot be taken back)."""
-        if self.stepped:
+        """Say on ``e`` which stages a torch.optim optimizer already updated in place (an update cannot
+        be taken back); a pure update commits nothing until the sweep returns."""
+        if self.stepped and self.spec.optimizers:
             done = ", ".join(self.chain.where(i) for i in sorted(self.stepped))
             e.add_note(f"(eae_func: the fused update had already stepped {done}; the other stages were not)")

@@ -177,3 +177,54 @@ def test_fused_gradients_never_exist_for_the_whole_network_at_once():
         peaks[fused] = live.peak
     assert peaks[False] >= L * stage_grads  # every stage's gradients at once
     assert peaks[True] <= 3 * stage_grads  # one stage's (and copies made by the step)
+
+
+def _sgd(p, g, state):
+    return {n: t - 0.1 * g[n] for n, t in p.items()}, {**state, "steps": state.get("steps", 0) + 1}
+
+
+def test_a_failing_pure_update_leaves_the_params_and_state_untouched():
+    """The pure form commits nothing until the sweep returns: an update that raises at the third
+    stage leaves the given params, their tensors and the state as they were."""
+    model, data = lm(dropout=0.0)
+    chain, params = ef.from_module(model, loss=lm_loss)
+    x, y = data[0]
+    before = [{n: t.clone() for n, t in stage.items()} for stage in params]
+    state = [{} for _ in params]
+    calls = []
+
+    def failing(p, g, s):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("update failed")
+        return _sgd(p, g, s)
+
+    with pytest.raises(RuntimeError, match="update failed") as caught:
+        ef.sweep(chain, params, x, y, update=ef.fused(failing, state))
+    assert not any("already stepped" in n for n in getattr(caught.value, "__notes__", []))
+    assert state == [{} for _ in params]
+    assert all(torch.equal(t, before[i][n]) for i, stage in enumerate(params) for n, t in stage.items())
+
+
+@pytest.mark.parametrize(
+    "wrong, match",
+    [
+        (lambda p: {("wieght" if n == "weight" else n): t for n, t in p.items()}, r"returned params \[.*'wieght'"),
+        (lambda p: {**p, "extra": next(iter(p.values()))}, r"returned params \[.*'extra'"),
+        (lambda p: {n: t.reshape(-1) if t.dim() > 1 else t for n, t in p.items()}, r"returned '[\w.]+' as \(\d+,\)"),
+        (lambda p: {n: t.double() for n, t in p.items()}, r"returned '[\w.]+' as .* torch.float64 on cpu; the parameter is"),
+        (lambda p: {n: t.tolist() for n, t in p.items()}, r"returned '[\w.]+' as list"),
+    ],
+)
+def test_a_pure_update_returning_other_params_is_refused(wrong, match):
+    """A misspelt name used to add a stray entry and leave the real weight unchanged; a wrong shape
+    or dtype was accepted."""
+    model, data = lm(dropout=0.0)
+    chain, params = ef.from_module(model, loss=lm_loss)
+
+    def update(p, g, s):
+        new, s = _sgd(p, g, s)
+        return wrong(new), s
+
+    with pytest.raises(ValueError, match=rf"fused: the update of stage \d+ .*{match}"):
+        ef.sweep(chain, params, *data[0], update=ef.fused(update, [{} for _ in params]))
