@@ -31,6 +31,7 @@ from .capture import canonical_names, fingerprint
 from .capture import layout as capture_layout
 from .chain import Chain, from_module
 from .options import Options, make
+from .passes import compose
 from .physical import Meter
 from .runner import Range, merge_counters
 from .ties import tie_grads, tie_groups
@@ -537,16 +538,23 @@ def carries_state(state: Any) -> bool:
     return state is not None and not (isinstance(state, tuple) and not any(carries_state(s) for s in state))
 
 
+def stateful(passes: Any) -> list[str]:
+    """The names of the members of ``passes`` (``None``: none) whose state carries from call to call."""
+    if passes is None:
+        return []
+    p = compose(passes)
+    return [m.name for m in (p.members or (p,)) if carries_state(m.init())]
+
+
 def dropping(where: str, opts: Options, has_state: bool) -> None:
     """Refuse passes whose state ``where`` would drop (no ``has_state=True``), naming them."""
     if not isinstance(has_state, bool):
         raise TypeError(f"{where}: has_state must be True or False, got {has_state!r}")
     if has_state:
         return
-    stateful = [m.name for m in (opts.passes.members or (opts.passes,)) if carries_state(m.init())]
-    if stateful:
+    if names := stateful(opts.passes):
         raise ValueError(
-            f"{where}: the passes {', '.join(stateful)} carry state from call to call, which {where} would drop "
+            f"{where}: the passes {', '.join(names)} carry state from call to call, which {where} would drop "
             f"(error feedback would quietly become plain quantisation); thread it: "
             f"{'grads' if where == 'grad' else '(loss, grads)'}, state = ef.{where}(..., passes=p, "
             f"pass_state=state, has_state=True), starting from state = None"

@@ -28,25 +28,23 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids.clamp(min=0), "labels": ids}
 
 
-def _train(cls, tmp_path, **extra):
+def _train(cls, tmp_path, resume_from_checkpoint=None, **extra):
     transformers.set_seed(0)
     config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
     model = transformers.GPT2LMHeadModel(config)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path),
-        max_steps=3,
         per_device_train_batch_size=4,
         learning_rate=1e-3,
         logging_steps=1,
         report_to=[],
         use_cpu=True,
-        save_strategy="no",
+        **{"save_strategy": "no", "max_steps": 3, **extra},
         seed=0,
         dataloader_num_workers=0,
-        **extra,
     )
     trainer = cls(model=model, args=args, train_dataset=Tokens())
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     logs = [(entry["loss"], entry["grad_norm"]) for entry in trainer.state.log_history if "loss" in entry]
     return model, logs, trainer
 
@@ -71,6 +69,41 @@ def test_eae_trainer_trains_as_trainer_does(tmp_path, extra):
     worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), eae_model.parameters()))
     assert worst <= tol, worst
     assert trainer.state.global_step == 3
+
+
+class Regularised:
+    """A subclass's ``compute_loss``: the model's loss plus a penalty on weights read outside its forward."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return loss + 0.1 * model.transformer.h[0].mlp.c_fc.weight.square().mean()
+
+
+class OwnLossFunc:
+    """``compute_loss_func=``: the Trainer's hook for a loss of the outputs and labels."""
+
+    def __init__(self, *a, **k):
+        def mean_logit_loss(outputs, labels, num_items_in_batch=None):
+            logits = outputs["logits"][:, :-1]
+            return nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+        super().__init__(*a, compute_loss_func=mean_logit_loss, **k)
+
+
+@pytest.mark.parametrize("how", ["compute_loss", "compute_loss_func", "label_smoothing"])
+def test_eae_trainer_sweeps_the_loss_as_the_trainer_computes_it(tmp_path, how):
+    """A subclass overriding ``compute_loss`` (Trainer's documented extension point), a
+    ``compute_loss_func`` and label smoothing: the same final weights as plain Trainer's."""
+    mixins = {"compute_loss": (Regularised,), "compute_loss_func": (OwnLossFunc,), "label_smoothing": ()}[how]
+    extra = {"label_smoothing_factor": 0.1} if how == "label_smoothing" else {}
+    model, logs, _ = _train(type("Plain", (*mixins, transformers.Trainer), {}), tmp_path / "hf", **extra)
+    eae_model, eae_logs, _ = _train(type("Swept", (*mixins, EAETrainer), {}), tmp_path / "eae", **extra)
+    _, default_logs, _ = _train(EAETrainer, tmp_path / "default")
+    assert [loss for loss, _ in eae_logs] != [loss for loss, _ in default_logs]  # the loss swept is the subclass's
+    for (loss, norm), (eae_loss, eae_norm) in zip(logs, eae_logs):
+        assert abs(loss - eae_loss) <= 1e-6 * abs(loss) and abs(norm - eae_norm) <= 1e-6 * abs(norm)
+    worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), eae_model.parameters()))
+    assert worst <= 1e-6, worst
 
 
 def test_eae_trainer_logs_what_the_passes_measure(tmp_path):

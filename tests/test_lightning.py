@@ -12,9 +12,9 @@ L = pytest.importorskip("lightning.pytorch")
 from eae_func.integrations.lightning import manual_step  # noqa: E402
 
 
-def _data():
+def _data(n=24):
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(24, 8, generator=g), torch.randint(0, 3, (24,), generator=g)
+    x, y = torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=6)
 
 
@@ -96,3 +96,62 @@ def test_manual_step_threads_the_pass_state_from_step_to_step(how):
     module, _ = _fit(how, module=Feedback(how))
     assert module.fresh == [True, False, False]  # only the first step starts from init()
     assert module.eae_pass_state["residuals"]
+
+
+class Resumable(Feedback):
+    def training_step(self, batch, batch_idx):
+        self.fresh.append(getattr(self, "eae_pass_state", None) is None)
+        x, y = batch
+        return manual_step(self, self.model, x, y, loss=F.cross_entropy, passes=_feedback())
+
+
+def _feedback():
+    from eae_func import compose
+    from eae_func import passes as P
+
+    return compose(P.error_feedback(P.int8()), P.clip_by_global_norm(10.0))
+
+
+def test_a_resumed_run_with_error_feedback_is_bit_identical(tmp_path):
+    """Four steps, against two steps, a checkpoint (with PassState) and two resumed steps; without
+    PassState a checkpointing Trainer refuses the stateful pass."""
+    from eae_func.integrations.lightning import PassState
+
+    def fit(root, steps, ckpt_path=None, callbacks=()):
+        module = Resumable("eae")
+        every = L.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1)
+        trainer = L.Trainer(
+            max_steps=steps,
+            accelerator="cpu",
+            logger=False,
+            callbacks=[every, *callbacks],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, _data(12), ckpt_path=ckpt_path)  # checkpoints at the ends of epochs
+        return module
+
+    whole = fit(tmp_path / "whole", 4, callbacks=[PassState()])
+    checkpoint = next((tmp_path / "whole").glob("*step=2.ckpt"))
+    resumed = fit(tmp_path / "resumed", 4, ckpt_path=checkpoint, callbacks=[PassState()])
+    assert whole.fresh == [True, False, False, False] and resumed.fresh == [False, False]
+    assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), resumed.parameters()))
+    saved = torch.load(checkpoint, weights_only=False)
+    assert saved.pop("eae_pass_state")[0]["residuals"]
+    torch.save(saved, tmp_path / "stateless.ckpt")
+    restarted = fit(tmp_path / "restarted", 4, ckpt_path=tmp_path / "stateless.ckpt", callbacks=[PassState()])
+    assert restarted.fresh == [True, False]  # the state mattered: without it, the run differs
+    assert not all(torch.equal(a, b) for a, b in zip(whole.parameters(), restarted.parameters()))
+    with pytest.raises(ValueError, match=r"manual_step: the passes error_feedback\(int8.* add .*PassState\(\)"):
+        fit(tmp_path / "refused", 1)
+
+
+def test_two_optimizers_without_optimizer_are_refused():
+    """Was ``'list' object has no attribute 'zero_grad'``."""
+
+    class Two(Lit):
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.model[0].parameters(), lr=0.1), torch.optim.SGD(self.model[2:].parameters())]
+
+    with pytest.raises(ValueError, match=r"manual_step: Two has 2 optimizers; .*optimizer=self.optimizers\(\)\[k\]"):
+        _fit("eae", module=Two("eae"))

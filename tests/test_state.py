@@ -53,27 +53,94 @@ def test_has_state_is_a_bool():
         ef.grad(chain, params, x, y, has_state="yes")
 
 
+def _feedback():
+    return ef.compose(P.error_feedback(P.int8()), P.clip_by_global_norm(10.0))
+
+
+class Spy:
+    """Records each ``sweep`` an integration makes (its params, arguments and gradients), to replay
+    them by hand with the pass state threaded from ``None``."""
+
+    def __init__(self, monkeypatch, module):
+        self.calls, real = [], module.sweep
+
+        def spy(model, params, *args, pass_state=None, **kw):
+            kept = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in params.items()}
+            rng = torch.get_rng_state()  # dropout
+            res = real(model, params, *args, pass_state=pass_state, **kw)
+            self.calls.append((model, kept, rng, args, kw, pass_state, res.grads))
+            return res
+
+        monkeypatch.setattr(module, "sweep", spy)
+
+    def replay(self):
+        """The hand-threaded loop: every step's gradients equal the integration's, bit for bit, and
+        each step was given the state the step before returned."""
+        state = None
+        for k, (model, kept, rng, args, kw, given, grads) in enumerate(self.calls):
+            assert (given is None) == (k == 0)
+            before = {n: t.detach().clone() for n, t in model.named_parameters()}
+            with torch.no_grad():
+                for n, t in model.named_parameters():
+                    t.copy_(kept[n])
+            torch.set_rng_state(rng)
+            res = ef.sweep(model, kept, *args, pass_state=state, **kw)
+            with torch.no_grad():
+                for n, t in model.named_parameters():
+                    t.copy_(before[n])
+            state = res.pass_state
+            assert res.grads.keys() == grads.keys()
+            same = [g is res.grads[n] is None or torch.equal(res.grads[n], g) for n, g in grads.items()]
+            assert all(same), f"step {k}"
+        return state
+
+
 transformers = pytest.importorskip("transformers")
 
 
-def test_eae_trainer_threads_the_pass_state_from_step_to_step(tmp_path):
+def test_eae_trainer_equals_a_hand_threaded_sweep_loop(tmp_path, monkeypatch):
+    from eae_func.integrations import transformers as integration
+
+    from test_integrations import _train
+
+    spy = Spy(monkeypatch, integration)
+
+    class Feedback(integration.EAETrainer):
+        def __init__(self, *a, **k):
+            super().__init__(*a, eae={"passes": _feedback()}, **k)
+
+    _, _, trainer = _train(Feedback, tmp_path)
+    assert len(spy.calls) == 3
+    state = spy.replay()
+    assert trainer.eae_state[0]["residuals"]
+    assert all(torch.equal(a, b) for a, b in zip(optree_leaves(state), optree_leaves(trainer.eae_state)))
+
+
+def optree_leaves(tree):
+    import optree
+
+    return optree.tree_leaves(tree, none_is_leaf=False)
+
+
+def test_eae_trainer_resumed_half_way_is_bit_identical(tmp_path, caplog):
+    """Four steps of error feedback + int8, against two steps, a checkpoint and two resumed steps;
+    a checkpoint without the pass state resumes differently, and says so."""
     from eae_func.integrations.transformers import EAETrainer
 
     from test_integrations import _train
 
-    seen = []
-
     class Feedback(EAETrainer):
         def __init__(self, *a, **k):
-            super().__init__(*a, eae={"passes": ef.compose(P.error_feedback(P.int8()), P.tap(seen.append))}, **k)
+            super().__init__(*a, eae={"passes": _feedback()}, **k)
 
-        def training_step(self, *a, **k):
-            before = self.eae_state
-            out = super().training_step(*a, **k)
-            seen.append(("step", before is None))
-            return out
-
-    _, _, trainer = _train(Feedback, tmp_path)
-    starts = [fresh for item in seen if isinstance(item, tuple) for _, fresh in [item]]
-    assert starts == [True, False, False]  # only the first step starts from init()
-    assert trainer.eae_state[0]["residuals"]
+    saving = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    whole, _, trainer = _train(Feedback, tmp_path / "whole", **saving)
+    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    assert (checkpoint / "eae_state.pt").is_file()
+    resumed, _, _ = _train(Feedback, tmp_path / "resumed", resume_from_checkpoint=str(checkpoint), **saving)
+    assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), resumed.parameters()))
+    (checkpoint / "eae_state.pt").unlink()
+    with caplog.at_level("WARNING"):
+        restarted, _, _ = _train(Feedback, tmp_path / "restarted", resume_from_checkpoint=str(checkpoint), **saving)
+    assert "holds no pass state; the passes start from init()" in caplog.text
+    assert not all(torch.equal(a, b) for a, b in zip(whole.parameters(), restarted.parameters()))

@@ -212,7 +212,10 @@ def test_a_failing_pure_update_leaves_the_params_and_state_untouched():
         (lambda p: {("wieght" if n == "weight" else n): t for n, t in p.items()}, r"returned params \[.*'wieght'"),
         (lambda p: {**p, "extra": next(iter(p.values()))}, r"returned params \[.*'extra'"),
         (lambda p: {n: t.reshape(-1) if t.dim() > 1 else t for n, t in p.items()}, r"returned '[\w.]+' as \(\d+,\)"),
-        (lambda p: {n: t.double() for n, t in p.items()}, r"returned '[\w.]+' as .* torch.float64 on cpu; the parameter is"),
+        (
+            lambda p: {n: t.double() for n, t in p.items()},
+            r"returned '[\w.]+' as .* torch.float64 on cpu; the parameter is",
+        ),
         (lambda p: {n: t.tolist() for n, t in p.items()}, r"returned '[\w.]+' as list"),
     ],
 )

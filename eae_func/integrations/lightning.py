@@ -15,6 +15,10 @@
 (``fused=True``): the sweep with the optimizer's update fused into the fold runs as the closure of
 ``optimizer.step(closure=...)``, so Lightning counts the step (``global_step``, ``max_steps``) and
 runs its hooks around it.
+
+The passes' state (error feedback's residuals) is threaded from step to step in
+``module.eae_pass_state``; ``PassState()`` among the Trainer's callbacks saves it in each checkpoint
+and restores it on resume (with checkpointing on, a stateful pass without it is refused).
 """
 
 from __future__ import annotations
@@ -23,11 +27,36 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from ..chain import write_grads
-from ..sweep import sweep, value_and_grad
+from ..sweep import stateful, sweep, value_and_grad
 from ..update import fused as fused_update
+
+
+class PassState(Callback):
+    """Saves ``module.eae_pass_state`` (what ``manual_step`` threads) in each checkpoint and restores
+    it on resume, so a resumed run with error feedback equals one never stopped."""
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        checkpoint["eae_pass_state"] = getattr(pl_module, "eae_pass_state", None)
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        pl_module.eae_pass_state = checkpoint.get("eae_pass_state")
+
+
+def checkpointed(module: Any, passes: Any) -> None:
+    """Refuse stateful passes whose state the Trainer's checkpoints would drop (no ``PassState``)."""
+    trainer = module.trainer
+    if not trainer.checkpoint_callbacks or any(isinstance(c, PassState) for c in trainer.callbacks):
+        return
+    if names := stateful(passes):
+        raise ValueError(
+            f"manual_step: the passes {', '.join(names)} carry state from step to step, which the Trainer's "
+            f"checkpoints would not hold (a resumed run would restart it): add "
+            f"eae_func.integrations.lightning.PassState() to Trainer(callbacks=[...]), or enable_checkpointing=False"
+        )
 
 
 def manual_step(
@@ -48,10 +77,17 @@ def manual_step(
     ``optimizer``: one of ``module.optimizers()`` (default: the only one); ``options``: the sweep's.
     Fused, a clip is per stage (``max_norm=``, as ``ef.fused`` clips), and fp16's loss scaler (which
     needs ``.grad`` to check) is refused. The passes' state is threaded from step to step in
-    ``module.eae_pass_state``."""
+    ``module.eae_pass_state`` (and checkpointed by ``PassState``)."""
     opt = optimizer if optimizer is not None else module.optimizers()
+    if isinstance(opt, list):
+        raise ValueError(
+            f"manual_step: {type(module).__name__} has {len(opt)} optimizers; say which one steps {type(model).__name__}: "
+            f"manual_step(..., optimizer=self.optimizers()[k])"
+        )
     params = dict(model.named_parameters())
     state = getattr(module, "eae_pass_state", None)
+    if state is None:
+        checkpointed(module, options.get("passes"))
     if not fused:
         (value, grads), module.eae_pass_state = value_and_grad(
             model, params, x, *loss_args, loss=loss, split_at=split_at, pass_state=state, has_state=True, **options

@@ -5,21 +5,23 @@
 
 ``EAETrainer.training_step`` is ``Trainer.training_step`` with its backward replaced: the model is
 cut at run time at its repeated layers (``split_at``: by default every stack of repeated layers,
-``layers_of``: ``model.layers.*``, or encoder and decoder layers) and swept with the model computing
-its own loss from ``labels`` and ``num_items_in_batch``, exactly as ``Trainer.compute_loss`` has it
-compute it; the loss is divided by the gradient accumulation steps where Trainer divides it,
+``layers_of``: ``model.layers.*``, or encoder and decoder layers) and the program swept is
+``self.compute_loss(model, inputs, num_items_in_batch=...)`` (Trainer's, or a subclass's override);
+the loss is divided by the gradient accumulation steps where Trainer divides it,
 multiplied by the fp16 loss scaler's scale where ``accelerator.backward`` multiplies it, and the
 gradients are added into ``.grad`` (``ef.write_grads(accumulate=True)``), so gradient accumulation,
 clipping, the scaler's unscale and the optimizer step run as Trainer runs them. bf16 runs the stages
 under ``torch.autocast``. The passes' state (error feedback's residuals) is threaded from step to
-step in ``trainer.eae_state``. What the passes record at each boundary (``meta``) is logged with
-Trainer's logs as ``eae/<boundary>/<key>``.
+step in ``trainer.eae_state``, saved in each checkpoint (``eae_state.pt``, one per process) and
+restored by ``train(resume_from_checkpoint=...)``. What the passes record at each boundary
+(``meta``) is logged with Trainer's logs as ``eae/<boundary>/<key>``.
 """
 
 from __future__ import annotations
 
 import logging
 import numbers
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +31,7 @@ from transformers import Trainer
 
 from ..chain import write_buffers, write_grads
 from ..lazy import Lazy
-from ..sweep import sweep
+from ..sweep import carries_state, stateful, sweep
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,26 @@ def layers_of(model: nn.Module) -> list[str]:
     return [f"{n}.*" for n in inner]
 
 
+class ComputedLoss(nn.Module):
+    """``trainer.compute_loss(model, inputs)`` as a module: the program the sweep cuts is the model's
+    forward and the loss as the Trainer (or a subclass overriding ``compute_loss``) computes it, label
+    smoothing and ``compute_loss_func`` included. It holds the model's own submodules, parameters and
+    buffers under their own names, so stages, gradients and logs are named as the model names them."""
+
+    _eae_of: tuple[Trainer, nn.Module]
+
+    def __init__(self, trainer: Trainer, model: nn.Module):
+        super().__init__()
+        self._modules, self._parameters, self._buffers = model._modules, model._parameters, model._buffers
+        object.__setattr__(self, "_eae_of", (trainer, model))  # not a submodule; no child's name
+
+    def forward(self, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        trainer, model = self._eae_of
+        loss = trainer.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+        assert isinstance(loss, torch.Tensor)  # return_outputs=False: the loss alone
+        return loss
+
+
 class EAETrainer(Trainer):
     """``Trainer`` whose training step is an ``ef.sweep``; ``eae``: the sweep's options (``passes``,
     ``boundary_dtype``, ``recompute``, ...), ``split_at``: where to cut (default ``layers_of(model)``)."""
@@ -71,6 +93,7 @@ class EAETrainer(Trainer):
         self.split_at = list(split_at) if split_at is not None else None
         self.eae_logs: dict[str, float] = {}
         self.eae_state: Any = None  # the passes' state, threaded from step to step
+        self._swept: ComputedLoss | None = None  # of the model
         if self.split_at is None:
             self.split_at = layers_of(self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False))
             logger.info("EAETrainer: cutting %s at %s", type(self.model).__name__, ", ".join(self.split_at))
@@ -78,18 +101,11 @@ class EAETrainer(Trainer):
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
-        if self.label_smoother is not None or self.compute_loss_func is not None:
-            raise NotImplementedError(
-                "EAETrainer: label smoothing and compute_loss_func are not swept yet; the model's own loss is"
-            )
         model.train()
         inputs = self._prepare_inputs(inputs)
-        if "labels" not in inputs:
-            raise ValueError("EAETrainer: the batch has no 'labels'; the model computes its loss from them")
         unwrapped = self.accelerator.unwrap_model(model, keep_fp32_wrapper=False)
-        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
-            n = num_items_in_batch
-            inputs = {**inputs, "num_items_in_batch": n if isinstance(n, torch.Tensor) else torch.tensor(n)}
+        if self._swept is None or self._swept._eae_of[1] is not unwrapped:
+            self._swept = ComputedLoss(self, unwrapped)
         scaled_for_ga = (
             self.loss_is_scaled_for_ga
             if self.loss_is_scaled_for_ga is not None
@@ -99,24 +115,26 @@ class EAETrainer(Trainer):
         scaler = getattr(self.accelerator, "scaler", None)
         scale = scaler.get_scale() if scaler is not None else 1.0
 
-        def loss(outputs: Any) -> torch.Tensor:
-            return outputs["loss"] / steps * scale  # as accelerator.backward scales it
+        def loss(value: torch.Tensor) -> torch.Tensor:
+            return value / steps * scale  # as accelerator.backward scales it
 
+        if getattr(getattr(unwrapped, "config", None), "use_cache", None) is not None:
+            inputs = {**inputs, "use_cache": False}  # a KV cache the forward fills would be read by the rebuilds
         options = dict(self.eae)
         if self.args.bf16 or self.args.fp16:
             options.setdefault("autocast", torch.bfloat16 if self.args.bf16 else torch.float16)
         res = sweep(
-            unwrapped,
-            dict(unwrapped.named_parameters()),
-            inputs,
+            self._swept,
+            dict(self._swept.named_parameters()),
+            {"inputs": inputs, "num_items_in_batch": num_items_in_batch},
             loss=loss,
             split_at=self.split_at,
             pass_state=self.eae_state,
             **options,
         )
         self.eae_state = res.pass_state  # error feedback's residuals, a predictor's weights: carried to the next step
-        write_grads(unwrapped, res.grads, accumulate=True)
-        write_buffers(unwrapped, res.buffers)
+        write_grads(self._swept, res.grads, accumulate=True)
+        write_buffers(self._swept, res.buffers)
         self.eae_logs = {
             f"eae/{boundary}/{key}": float(value)
             for boundary, meta in res.stats.get("boundaries", {}).items()
@@ -124,6 +142,26 @@ class EAETrainer(Trainer):
             if isinstance(value, numbers.Real | Lazy) or (isinstance(value, torch.Tensor) and value.numel() == 1)
         }
         return (res.loss / scale).detach()
+
+    def _state_file(self, checkpoint: str) -> str:
+        rank = f"_rank{self.args.process_index}" if self.args.world_size > 1 else ""
+        return os.path.join(checkpoint, f"eae_state{rank}.pt")
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Trainer's, and the passes' state (each process its own: error feedback's residuals are local)."""
+        super()._save_optimizer_and_scheduler(output_dir)
+        if carries_state(self.eae_state):
+            torch.save(self.eae_state, self._state_file(output_dir))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Trainer's, and the passes' state saved with ``checkpoint`` (none saved: they start from ``init()``)."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = self._state_file(checkpoint)
+        self.eae_state = torch.load(path, map_location=self.args.device) if os.path.isfile(path) else None
+        if self.eae_state is None and stateful(self.eae.get("passes")):
+            logger.warning("EAETrainer: %s holds no pass state; the passes start from init()", checkpoint)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Trainer's logs, with the passes' last measurements at each boundary."""
