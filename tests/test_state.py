@@ -58,26 +58,29 @@ def _feedback():
 
 
 class Spy:
-    """Records each ``sweep`` an integration makes (its params, arguments and gradients), to replay
-    them by hand with the pass state threaded from ``None``."""
+    """Records each call an integration makes of ``name`` (``sweep``, or ``value_and_grad`` with
+    ``has_state=True``) in ``module``: its params, arguments, torch RNG state and gradients, to replay
+    them by hand as sweeps with the pass state threaded from ``None``."""
 
-    def __init__(self, monkeypatch, module):
-        self.calls, real = [], module.sweep
+    def __init__(self, monkeypatch, module, name="sweep"):
+        self.calls, real = [], getattr(module, name)
 
         def spy(model, params, *args, pass_state=None, **kw):
             kept = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in params.items()}
             rng = torch.get_rng_state()  # dropout
-            res = real(model, params, *args, pass_state=pass_state, **kw)
-            self.calls.append((model, kept, rng, args, kw, pass_state, res.grads))
-            return res
+            out = real(model, params, *args, pass_state=pass_state, **kw)
+            grads = out.grads if name == "sweep" else out[0][1]
+            kw.pop("has_state", None)
+            self.calls.append((model, kept, rng, args, kw, pass_state, grads))
+            return out
 
-        monkeypatch.setattr(module, "sweep", spy)
+        monkeypatch.setattr(module, name, spy)
 
     def replay(self):
         """The hand-threaded loop: every step's gradients equal the integration's, bit for bit, and
         each step was given the state the step before returned."""
         state = None
-        for k, (model, kept, rng, args, kw, given, grads) in enumerate(self.calls):
+        for k, (model, kept, rng, args, kw, given, grads) in enumerate(list(self.calls)):
             assert (given is None) == (k == 0)
             before = {n: t.detach().clone() for n, t in model.named_parameters()}
             with torch.no_grad():
@@ -144,3 +147,16 @@ def test_eae_trainer_resumed_half_way_is_bit_identical(tmp_path, caplog):
         restarted, _, _ = _train(Feedback, tmp_path / "restarted", resume_from_checkpoint=str(checkpoint), **saving)
     assert "holds no pass state; the passes start from init()" in caplog.text
     assert not all(torch.equal(a, b) for a, b in zip(whole.parameters(), restarted.parameters()))
+
+
+def test_lightning_manual_step_equals_a_hand_threaded_sweep_loop(monkeypatch):
+    pytest.importorskip("lightning.pytorch")
+    from test_lightning import Resumable, _fit
+
+    from eae_func.integrations import lightning as integration
+
+    spy = Spy(monkeypatch, integration, "value_and_grad")
+    module, _ = _fit("eae", module=Resumable("eae"))
+    assert len(spy.calls) == 3
+    state = spy.replay()
+    assert all(torch.equal(a, b) for a, b in zip(optree_leaves(state), optree_leaves(module.eae_pass_state)))

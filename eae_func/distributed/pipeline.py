@@ -49,7 +49,7 @@ from ..chain import Chain
 from ..options import Options, make
 from ..physical import Meter
 from ..runner import Range
-from ..sweep import SweepResult, metered
+from ..sweep import SweepResult, carries_state, metered
 from ..ties import tie_groups
 from ..tree import NAMESPACE
 from .codecs import Codec, Raw
@@ -360,7 +360,7 @@ class Pipeline:
                 f"a pipelining stage receives into buffers of one shape: give a batch whose rows divide by {m}"
             )
         stages, schedule = self._schedule_for(shapes[0], m, device)
-        if _stateful(state) and not self._in_one_process_order(schedule):
+        if carries_state(state) and not self._in_one_process_order(schedule):
             raise ValueError(
                 f"Pipeline.sweep: passes {opts.passes.name!r} keep state, and schedule {self.schedule!r} runs the "
                 f"backwards of a rank's ranges out of one process's order; use one range per rank "
@@ -568,10 +568,3 @@ def _shapes(pieces: list) -> list:
         ]
         for mb in pieces
     ]
-
-
-def _stateful(state: Any) -> bool:
-    """Whether a pass state holds anything (stateless passes: ``None``, composed: tuples of ``None``)."""
-    if isinstance(state, tuple):
-        return any(_stateful(s) for s in state)
-    return state is not None
