@@ -6,7 +6,7 @@ res = ef.sweep(chain, params, x, target, passes=ef.compose(...), key=0)
 res.loss, res.grads, res.adjoints, res.buffers, res.pass_state, res.stats
 """
 
-from . import capture, estimators, passes, remat
+from . import estimators, passes, remat
 from .adjoint import AdjointState, fold_in
 from .chain import Chain, Stage, from_module, stage, write_back, write_buffers, write_grads
 from .estimators.base import Estimator, Problem
@@ -31,7 +31,6 @@ __all__ = [
     "Stage",
     "SweepResult",
     "black_box",
-    "capture",
     "compose",
     "cut",
     "estimators",

@@ -45,6 +45,8 @@ from torch.fx.passes.split_module import split_module
 
 from .tree import NAMESPACE
 
+__all__ = ["Refused"]
+
 _ROOT = "model."
 
 

@@ -36,6 +36,8 @@ from torch.distributed.tensor import DTensor
 
 from . import boundary as B
 
+__all__ = []
+
 
 def sharded_params(module: nn.Module, own: list[tuple[str, nn.Parameter]]) -> tuple[nn.Parameter, ...] | None:
     """The sharded parameters of an FSDP2 ``module`` (a stage; ``own``: its ``named_parameters()``) in

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = ["Block", "CausalSelfAttention", "RMSNorm", "SwiGLU", "TiedHead", "lm_loss", "rotary", "transformer_lm"]
+
 
 class RMSNorm(nn.Module):
     """``y = x / sqrt(mean(x^2) + eps) * weight``."""

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+__all__ = ["MATMULS", "Remat", "always", "budget", "never", "save", "where"]
+
 aten = torch.ops.aten
 MATMULS = (
     aten.mm.default,

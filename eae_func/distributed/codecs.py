@@ -28,6 +28,8 @@ from ..adjoint import AdjointState
 from ..checks import check_ratio
 from ..passes import Pass, stateless
 
+__all__ = ["Codec", "cast", "fp8", "int8", "raw", "topk"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Encoded:
@@ -205,20 +207,25 @@ class TopK(Codec):
 
 
 def raw() -> Codec:
+    """The tensor as it is (no compression)."""
     return Raw()
 
 
 def cast(dtype: torch.dtype) -> Codec:
+    """The tensor cast to ``dtype`` on the wire (fp16, bf16) and back."""
     return Cast(dtype)
 
 
 def int8() -> Codec:
+    """Symmetric per-tensor int8: ``s = max|t| / 127``, ``q = clamp(round(t / s), -127, 127)``, sent with ``s``."""
     return Int8()
 
 
 def fp8(dtype: torch.dtype = torch.float8_e4m3fn) -> Codec:
+    """Scaled per-tensor float8: ``s = max|t| / finfo(dtype).max``, ``q = dtype(clamp(t / s))``, sent with ``s``."""
     return FP8(dtype)
 
 
 def topk(ratio: float) -> Codec:
+    """The ``k = ceil(ratio n)`` entries of largest ``|t|`` (at least one) with their indices; zeros elsewhere."""
     return TopK(ratio)

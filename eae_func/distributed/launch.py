@@ -55,6 +55,7 @@ def init(backend: str | None = None, timeout: float = 60.0) -> torch.device:
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for ``MASTER_PORT`` of a local multi-process run)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -67,6 +67,7 @@ SCHEDULES = {
     "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B,
     "zero_bubble": pipelining.ScheduleInterleavedZeroBubble,
 }
+"""``Pipeline(schedule=...)``'s names for ``torch.distributed.pipelining``'s schedules."""
 SINGLE = ("gpipe", "1f1b")  # one stage range per rank
 
 

@@ -34,6 +34,8 @@ from ..chain import write_grads
 from ..sweep import stateful, sweep, value_and_grad
 from ..update import fused as fused_update
 
+__all__ = ["PassState", "manual_step"]
+
 
 class PassState(Callback):
     """Saves ``module.eae_pass_state`` (what ``manual_step`` threads) in each checkpoint and restores

@@ -33,6 +33,8 @@ from ..chain import write_buffers, write_grads
 from ..lazy import Lazy
 from ..sweep import carries_state, stateful, sweep
 
+__all__ = ["EAETrainer", "layers_of"]
+
 logger = logging.getLogger(__name__)
 
 
