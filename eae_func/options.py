@@ -31,57 +31,67 @@ CAPTURES = ("run", "graph")
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The options of a sweep (``ef.sweep``'s keyword arguments).
-
-    passes:         the ``Pass`` applied to every costate p_L..p_0 (a plain ``adj -> adj``
-                    callable is lifted; ``None``: none).
-    key:            int seed; boundary l gets ``fold_in(key, l)``.
-    boundary_dtype: store boundary states in this floating dtype (``None``: as computed).
-    offload:        keep stored boundary states on the CPU.
-    autocast:       run stages under ``torch.autocast`` with this floating dtype.
-    microbatches:   cut the batch on dim 0 into this many pieces and sum their gradients.
-    reduction:      how the loss reduces over dim 0 (``"mean"`` or ``"sum"``), to weigh the pieces.
-    estimator:      the reverse step of physical stages (``eae_func.estimators``).
-    physical:       names or indices of the physical stages (``None``: the chain's own marks);
-                    after ``bind``, their sorted indices.
-    budget:         rows the physical stages may be run on in one step (``None``: no limit).
-    recompute:      the remat policy (``eae_func.remat``; ``True``, ``False``, a predicate
-                    ``(index, name) -> bool`` or a byte budget are shorthands).
-    keep_costates:  keep costate values in the returned trace.
-    update:         an optimizer step fused into the fold (``eae_func.update.fused``; a
-                    ``torch.optim`` optimizer or a list of them is a shorthand).
-    timers:         time each stage's parts into its stats (and open profiler ranges).
-    data_parallel:  the replicas to average each stage's gradients over as the fold makes them
-                    (a ``torch.distributed`` process group or a 1-D ``DeviceMesh``; after
-                    ``__post_init__``, the group); ``False``: this rank's gradients only, said
-                    on purpose (no warning in a multi-process run).
-    compile:        ``torch.compile`` each digital stage's forward and its reverse step (the recompute
-                    and the local vjp as one graph; ``eae_func.compiled``): ``True``, a mode string or a
-                    dict of ``torch.compile``'s keyword arguments; after ``__post_init__``, that dict
-                    (``None``: off).
-    capture:        how a model (an ``nn.Module``) with ``split_at`` is cut: ``"run"`` (its forward runs as
-                    written, each call of a matched module one stage: ``eae_func.cuts``; options only a
-                    chain implements fall back to ``"graph"``), or ``"graph"`` (a chain captured by
-                    ``torch.export``, ``eae_func.capture``).
-    """
+    """The options of a sweep: the keyword arguments of ``ef.sweep``, ``ef.grad``,
+    ``ef.value_and_grad`` and ``Pipeline.sweep``. Each is declared once, here: its default, its
+    doc, and its check in ``__post_init__`` (``SweepOptions`` spells what each accepts)."""
 
     passes: Any = None
+    """A pass (``compose(...)``, or a plain ``adj -> adj`` callable) applied to every costate
+    p_L..p_0 before use (``None``: none)."""
     key: int = 0
+    """int seed; boundary l gets ``fold_in(key, l)``. Dropout draws from the global torch RNG
+    exactly as a plain forward would, and is replayed."""
     boundary_dtype: torch.dtype | None = None
+    """Store boundary states in this floating dtype (``None``: as computed)."""
     offload: bool = False
+    """Keep stored boundary states on the CPU (pinned, prefetched a stage ahead on CUDA)."""
     autocast: torch.dtype | None = None
+    """Run stages under ``torch.autocast`` with this floating dtype."""
     microbatches: int = 1
+    """Split x and the tensor loss_args on dim 0 into this many pieces and sum their gradients;
+    equal to the full batch's unless a stage mixes samples (BatchNorm's batch statistics) or
+    draws random numbers (dropout masks differ per piece), as in plain PyTorch."""
     reduction: str = "mean"
+    """How the loss reduces over dim 0 (``"mean"`` or ``"sum"``), to weigh the microbatches."""
     estimator: Any = None
+    """How physical stages get their reverse step (``eae_func.estimators``); digital stages
+    always take the exact local vjp."""
     physical: Any = None  # Sequence[int | str] | None; bound: tuple[int, ...]
+    """Names or indices of the physical stages (``None``: those made with ``physical=True`` or
+    ``ef.black_box``); they need an estimator (``E.exact()`` differentiates a torch simulation
+    exactly). After ``bind``, their sorted indices."""
     budget: int | None = None
+    """Rows the physical stages may be run on in one call, forward included; a call that would
+    exceed it raises before it runs (``None``: no limit)."""
     recompute: Any = True
+    """The remat policy (``eae_func.remat``): ``True`` rebuilds each stage's graph from its saved
+    input; ``False`` keeps every graph from the forward (memory like plain autograd); a predicate
+    ``(index, name) -> bool`` rebuilds the stages it is true for; an int is a byte budget for the
+    graphs kept. Same results at every setting."""
     keep_costates: bool = True
+    """``False`` returns the trace records with ``value=None`` (history and meta kept), saving L
+    costates of memory (``grad`` and ``value_and_grad``'s default)."""
     update: Any = None
+    """An optimizer step fused into the fold (``eae_func.update``): a ``torch.optim`` optimizer
+    (or one per stage) steps stage l's parameters in place as soon as its gradients exist, or
+    ``ef.fused(fn, state)`` a pure ``fn(params_l, grads_l, state_l) -> (params_l, state_l)``;
+    ``res.grads`` is then ``None`` and ``res.params`` / ``res.update_state`` hold the result."""
     timers: bool = True
+    """Time each stage's parts into its stats and open profiler ranges (``False``: no ``*_s``
+    seconds; ``grad`` and ``value_and_grad``'s default)."""
     data_parallel: Any = None
+    """A process group (or 1-D ``DeviceMesh``) of replicas: each stage's gradients are averaged
+    over it by an asynchronous all-reduce as soon as the fold has them (a DDP model means its own
+    group); ``False``: this rank's gradients, on purpose. After ``__post_init__``, the group."""
     compile: Any = None
+    """``torch.compile`` each digital stage's forward and its reverse step (the recompute and the
+    local vjp as one graph; ``eae_func.compiled``): ``True``, a mode string or a dict of
+    ``torch.compile``'s keyword arguments; stages running the same code on the same shapes share
+    their graphs. After ``__post_init__``, that dict (``None``: off)."""
     capture: str = "run"
+    """How a model (an ``nn.Module``) with ``split_at`` is cut: ``"run"`` (its forward runs as
+    written, each call of a matched module one stage: ``eae_func.cuts``; options only a chain
+    implements fall back to ``"graph"``), or ``"graph"`` (a chain captured by ``torch.export``)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -206,7 +216,9 @@ def compiling(given: Any) -> dict | None:
 
 
 class SweepOptions(TypedDict, total=False):
-    """``Options``' fields as keyword arguments (``**options: Unpack[SweepOptions]``)."""
+    """What each of ``Options``' fields accepts as a keyword argument (``**options:
+    Unpack[SweepOptions]``): the types a caller may give, before ``Options`` checks and normalises
+    them; its names are ``Options``' (a test holds them equal)."""
 
     passes: Pass | Callable | None
     key: int

@@ -86,8 +86,9 @@ def sweep(
     """Loss, parameter gradients and the costate trace of ``chain`` at ``params`` on ``x``.
 
     chain:          a ``Chain``, or a model (``nn.Module``) with ``loss=``: an ``nn.Sequential`` /
-                    ``nn.ModuleList`` runs one stage per child, any other model is cut at the
-                    module paths ``split_at`` by graph capture (once per input layout and mode);
+                    ``nn.ModuleList`` runs one stage per child, any other model is cut at run time
+                    at the module paths ``split_at``, each call of a matched module one stage
+                    (``capture=``);
                     or a function ``model_fn(params, x)`` with ``loss=`` (``model_fn(params, x,
                     *loss_args)`` returning the loss without it), cut at its ``ef.cut`` marks
                     (``eae_func.function``). Stages that are FSDP2 (``fully_shard``) modules run
@@ -100,51 +101,13 @@ def sweep(
     x:              the input: a tensor, a tuple of positional inputs or (captured models) a
                     dict of keyword inputs.
 
-    passes:         a pass (``compose(...)``, or a plain ``adj -> adj`` callable) applied to
-                    every costate p_L..p_0 before use.
+    loss:           with a model or a function, ``loss(output, *loss_args)``.
+    split_at:       with a model, the module paths (glob per dotted part) to cut at.
     pass_state:     the passes' state (``None``: ``passes.init()``); the new one is returned.
-    key:            int seed; boundary l gets ``fold_in(key, l)``. Dropout draws from the
-                    global torch RNG exactly as a plain forward would, and is replayed.
     buffers:        one dict per stage (``None``: the modules' own); never modified,
                     updated ones come back in ``res.buffers``.
-    boundary_dtype: store boundary states in this floating dtype; offload: keep them on the CPU.
-    autocast:       run stages under ``torch.autocast`` with this dtype.
-    microbatches:   split x and the tensor loss_args on dim 0 into this many pieces and
-                    sum their gradients; ``reduction`` ("mean" or "sum") says how the loss
-                    reduces over dim 0, so the result equals the full batch's, unless a stage
-                    mixes samples (BatchNorm's batch statistics) or draws random numbers
-                    (dropout masks differ per piece), as in plain PyTorch.
-    estimator:      how physical stages get their reverse step (``eae_func.estimators``);
-                    digital stages always take the exact local vjp.
-    physical:       names or indices of the physical stages (``None``: those made with
-                    ``physical=True`` or ``ef.black_box``); they need an estimator (``E.exact()``
-                    differentiates a torch simulation exactly).
-    budget:         rows the physical stages may be run on in this call, forward included; a call
-                    that would exceed it raises before it runs. ``res.stats[stage]`` has each
-                    physical stage's ``rows`` and ``calls``.
-    recompute:      ``True`` (the memory-saving sweep) rebuilds each stage's graph from its
-                    saved input; ``False`` keeps every stage's graph from the forward (no second
-                    forward, memory like plain autograd); a predicate ``(index, name) -> bool``
-                    rebuilds the stages it is true for; an int is a byte budget for the graphs
-                    kept (the last ones whose saved tensors fit). Same results at every setting.
-    keep_costates:  ``False`` returns the trace records with ``value=None`` (history and meta
-                    kept), saving L costates of memory; ``grad``/``value_and_grad`` use it.
-    update:         fuse the optimizer step into the fold (``eae_func.update``): a torch.optim
-                    optimizer (or one per stage) steps stage l's parameters in place as soon as
-                    its gradients exist, or ``ef.fused(fn, state)`` for a pure
-                    ``fn(params_l, grads_l, state_l) -> (params_l, state_l)``; ``res.grads`` is then
-                    ``None`` and ``res.params`` / ``res.update_state`` hold the result.
-    timers:         ``False`` leaves out the per-stage timers and profiler ranges (``stats`` then
-                    hold no ``*_s`` seconds); ``grad`` and ``value_and_grad`` return no stats and
-                    run without them.
-    data_parallel:  a process group (or 1-D ``DeviceMesh``) of replicas: each stage's gradients are
-                    averaged over it by an asynchronous all-reduce as soon as the fold has them (DDP's
-                    arithmetic; a DDP model means its own group); ``stats["data_parallel"]`` has the
-                    bytes sent and the seconds waited. ``False``: local gradients, on purpose.
-    compile:        ``torch.compile`` each digital stage's forward and its reverse step, the recompute
-                    and the local vjp as one graph (``True``, a mode, or ``torch.compile``'s keyword
-                    arguments; ``eae_func.compiled``): stages running the same code on the same shapes
-                    share their graphs, dropout is replayed as without it.
+    options:        the fields of ``Options`` (``passes``, ``key``, ``recompute``, ``update``, ...),
+                    each documented there.
     """
     return run(chain, params, x, loss_args, loss, split_at, pass_state, buffers, make("sweep", options))
 

@@ -1,5 +1,7 @@
 """Sweep options: boundary precision/offload, autocast, microbatches, keys, stats and profiler ranges."""
 
+import pathlib
+
 import optree
 import pytest
 import torch
@@ -317,3 +319,18 @@ def test_a_boolean_option_takes_only_true_or_false(name, value):
     """``keep_costates="False"`` was read as True; any non-bool is refused, naming the option."""
     with pytest.raises(TypeError, match=f"sweep: {name} must be True or False"):
         ef.Options(**{name: value})
+
+
+def test_the_options_are_declared_once():
+    """``SweepOptions`` (what a caller may pass) names exactly ``Options``' fields, each of which
+    has its doc where it is declared."""
+    import dataclasses
+
+    from eae_func.options import SweepOptions
+
+    fields = [f.name for f in dataclasses.fields(ef.Options)]
+    assert list(SweepOptions.__annotations__) == fields
+    griffe = pytest.importorskip("griffe")  # reads the attribute docstrings as the API reference does
+    root = pathlib.Path(__file__).resolve().parents[1]
+    options = griffe.load("eae_func.options", search_paths=[str(root)])["Options"]
+    assert all(options.members[name].docstring for name in fields)
