@@ -313,11 +313,25 @@ class Chain:
         )
 
     def check_buffers(self, buffers: Any) -> tuple:
-        """``buffers`` as a tuple with one dict per stage; ``None``: the modules' own."""
+        """``buffers`` as a tuple with one dict per stage, each naming only its module's buffers (a
+        misspelt name would leave the module's own in use); ``None``: the modules' own."""
         if buffers is None:
             return self.buffers()
         if not isinstance(buffers, (tuple, list)) or len(buffers) != len(self):
             raise ValueError(f"buffers: expected a tuple with one dict per stage ({len(self)}), got {buffers!r:.80}")
+        for i, (s, b) in enumerate(zip(self.stages, buffers)):
+            if not isinstance(b, Mapping):
+                continue
+            known = (
+                ()
+                if s.module is None
+                else tuple(n for n, _ in s.module.named_buffers(remove_duplicate=False))
+                if s.aliased
+                else s.buffer_names
+            )
+            unknown = sorted(set(b) - set(known))
+            if unknown:
+                raise ValueError(f"buffers: {self.where(i)} has no buffer {unknown}; its buffers are {list(known)}")
         return tuple(buffers)
 
 

@@ -400,7 +400,15 @@ def processed(
             f"pass {opts.passes.name!r} at boundary {l}: update must return (AdjointState, state), "
             f"got {type(out).__name__}"
         )
-    check_costate(chain, l, out[0], layout)
+    flat = check_costate(chain, l, out[0], layout)
+    given = optree.tree_leaves(adj.value, none_is_leaf=True, namespace=NAMESPACE)
+    if any(t is None and g is not None for t, g in zip(flat, given)):
+        at = "the chain's input" if l == 0 else f"output of {chain.where(l - 1)}"
+        raise ValueError(
+            f"pass {opts.passes.name!r} at boundary {l} ({at}): returned value=None for a costate that was a "
+            f"tensor, which would silently zero every gradient upstream of it; return a costate "
+            f"(adj.replace(value=torch.zeros_like(adj.value)) stops the signal on purpose)"
+        )
     return out
 
 
