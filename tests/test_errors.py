@@ -170,6 +170,7 @@ def test_a_misspelt_buffer_name_is_refused_naming_the_known_ones():
         ef.sweep(chain, params, torch.randn(5, 3), torch.randn(5, 2), buffers=tuple(buffers))
 
 
+@pytest.mark.filterwarnings("ignore:Using a target size")
 def test_a_loss_arg_without_the_batch_rows_is_named_with_microbatches():
     """A ``(1, d)`` target meant to broadcast cannot be cut into microbatches with the batch: the
     error names microbatches and the argument, and says what to do."""
