@@ -26,7 +26,7 @@ from .chain import Chain
 from .estimators.base import Problem
 from .microbatch import Microbatch
 from .options import Options
-from .physical import Meter
+from .physical import Meter, check_probed
 from .update import Updater
 
 
@@ -154,7 +154,10 @@ class Range:
 
         def call(i: int, params: Any, h: Any) -> Any:
             with F.replay_rng(rng.get(i), device), F.autocast(opts.autocast, device):
-                return chain.stages[i].call(params, buffers[i], h)[0]
+                out = chain.stages[i].call(params, buffers[i], h)[0]
+            if i in opts.physical:
+                check_probed(chain, i, out, h)
+            return out
 
         def feed(i: int, out: Any) -> Any:
             if rounding.dtype is None or i == len(chain) - 1:
