@@ -399,3 +399,20 @@ def test_reformers_reversible_layers_keep_their_own_backward():
     model = reformer(0.1)
     with pytest.raises(ValueError, match=r"seeds torch's generator afresh"):
         ef.grad(model, dict(model.named_parameters()), inputs, loss=lambda out: out.loss, split_at=["reformer.encoder"])
+
+
+def test_the_rebuild_runs_in_the_modes_the_forward_saw():
+    """Another thread switching the model to eval mode mid-sweep (here: a pass, before the last cut's
+    rebuild): the rebuilds still run BatchNorm in train mode, as the forward did."""
+    torch.manual_seed(0)
+    model = Stack(inner=lambda: nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6))).double().train()
+    x, y = torch.randn(5, 4, dtype=F64), torch.randn(5, 3, dtype=F64)
+    _, reference = autograd_grads(copy.deepcopy(model), x, y)
+
+    def switch(adj):
+        model.eval()
+        return adj
+
+    res = ef.sweep(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, split_at=["blocks.*"], passes=switch)
+    assert not model.training
+    assert_exact(res.grads, reference)

@@ -156,3 +156,32 @@ def test_params_share_storage_with_the_module_so_optimizers_are_seen():
     ef.write_grads(model, ef.grad(chain, params, x))
     opt.step()
     assert torch.equal(params[0]["weight"], model[0].weight.detach())
+
+
+def test_the_recompute_runs_in_the_modes_the_forward_saw():
+    """Another thread switching the model to eval mode mid-sweep (here: a pass at the loss boundary,
+    between the forward and the reverse steps, and a stage's forward switching an earlier stage): the
+    recompute still runs BatchNorm in train mode, as the forward did, and the switch stands after."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2)).double().train()
+    x, target = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    loss, reference = autograd_grads(copy.deepcopy(model), F.mse_loss, x, target)
+    reference = dict(zip([n for n, _ in model.named_parameters()], reference.values()))
+
+    def switch(adj):
+        model.eval()
+        return adj
+
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    res = ef.sweep(chain, params, x, target, passes=switch)
+    assert not model.training and not model[1].training
+    torch.testing.assert_close(res.loss, loss)
+    for k, stage in enumerate(res.grads):
+        for name, g in stage.items():
+            torch.testing.assert_close(g, reference[f"{k}.{name}"], rtol=1e-10, atol=1e-12)
+    model.train()
+    head = ef.stage(lambda p, h: switch(h) @ p["w"] + p["b"], name="head")  # switches BatchNorm_1 as it runs
+    switching = ef.Chain([*chain.stages[:3], head], loss=F.mse_loss)
+    res = ef.sweep(switching, (*params[:3], {"w": params[3]["weight"].T, "b": params[3]["bias"]}), x, target)
+    assert not model[1].training
+    torch.testing.assert_close(res.grads[1]["weight"], reference["1.weight"], rtol=1e-10, atol=1e-12)
