@@ -37,7 +37,7 @@ from . import fold as F
 from . import microbatch as M
 from .adjoint import AdjointState, Measurements, fold_in
 from .capture import as_call, canonical_names, matches
-from .chain import Slots, module_lock
+from .chain import Slots, module_lock, through_hooks
 from .options import Options
 from .passes import Context
 
@@ -445,8 +445,11 @@ def sweep_model(
             else (None,) * len(wanted)
         )
     grads: dict[str, Any] = dict.fromkeys(params)
+    hooked = {first[n]: p for n, p in own_params if p._backward_hooks}  # p.register_hook(fn): run on the sum
     for n, g in zip(wanted, glue):  # what autograd returned, what a Function put in .grad, the cuts' sum
         grads[n] = M.add(M.add(g, leaves[n].grad), run.grads.get(id(leaves[n])))
+        if n in hooked:
+            grads[n] = through_hooks(hooked[n], grads[n])
     stats = dict(run.stats)
     stats["boundaries"] = {a.index: dict(a.meta) for a in run.trace}
     return value.detach(), grads, tuple(run.trace), fresh, run.pass_state, Measurements(stats)

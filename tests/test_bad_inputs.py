@@ -389,3 +389,46 @@ def test_a_split_at_that_matches_nothing_lists_the_modules(pattern, as_string):
             loss=F.mse_loss,
             split_at=split_at,
         )
+
+
+# ----------------------------------------------------------------------------- parameter hooks
+
+HOOKS = {
+    "mask": lambda g: g * (torch.arange(g.numel()).reshape(g.shape) % 2),
+    "scale by its norm": lambda g: g * g.norm(),  # not linear: it must see the whole gradient, once
+    "observe": lambda g: None,  # returns None: the gradient stays
+}
+
+
+@given(
+    depth=st.integers(1, 3),
+    width=st.integers(2, 5),
+    seed=st.integers(0, 2**16),
+    hooks=st.lists(st.tuples(st.integers(0, 100), st.sampled_from(sorted(HOOKS))), min_size=1, max_size=3),
+    microbatches=st.sampled_from([1, 2]),
+    recompute=st.booleans(),
+    entry=st.sampled_from(["sweep", "grad", "fused"]),
+)
+def test_parameter_hooks_give_autograds_gradients(depth, width, seed, hooks, microbatches, recompute, entry):
+    """Tensor hooks on the modules' parameters (``p.register_hook(fn)``, two on one parameter run in
+    order): the gradients, and a fused SGD step, are plain autograd's with the same hooks."""
+    chain, params, x, y = problem(depth, width, seed)
+    modules = [s.module for s in chain.stages]
+    own = [p for m in modules for p in m.parameters()]
+    for k, kind in hooks:
+        own[k % len(own)].register_hook(HOOKS[kind])
+    h = x
+    for m in modules:
+        h = m(h)
+    reference = dict(zip(own, torch.autograd.grad(F.mse_loss(h, y), own)))
+    options = {"microbatches": microbatches, "recompute": recompute}
+    if entry == "fused":
+        before = [p.detach().clone() for p in own]
+        ef.sweep(chain, params, x, y, update=torch.optim.SGD(own, lr=1.0), **options)
+        for p, old in zip(own, before):
+            torch.testing.assert_close(p.detach(), old - reference[p])
+        return
+    grads = ef.sweep(chain, params, x, y, **options).grads if entry == "sweep" else ef.grad(chain, params, x, y, **options)
+    for m, stage in zip(modules, grads):
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(stage[name], reference[p])
