@@ -117,7 +117,7 @@ def through_hooks(param: torch.Tensor, grad: torch.Tensor | None) -> torch.Tenso
     gradient before accumulating it into ``.grad``: a hook's result replaces it unless it is ``None``."""
     if grad is None:
         return None
-    for hook in tuple(param._backward_hooks.values()):
+    for hook in tuple((param._backward_hooks or {}).values()):
         out = hook(grad)
         grad = grad if out is None else out
     return grad

@@ -190,7 +190,9 @@ class Updater:
             if self.owner[key] == i:
                 due[name] = self.pending.pop(group)
         due = {  # None: frozen or unused, never stepped
-            n: through_hooks(self.hooks[i, n], g) if (i, n) in self.hooks else g for n, g in due.items() if g is not None
+            n: through_hooks(self.hooks[i, n], g) if (i, n) in self.hooks else g
+            for n, g in due.items()
+            if g is not None
         }
         if not due:
             return

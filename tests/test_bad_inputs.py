@@ -305,6 +305,7 @@ def test_bad_pipeline_calls_are_named():
 
 # ----------------------------------------------------------------------------- black boxes and captures
 
+
 class NanOnProbes:
     """A black box finite on the forward's 4 rows (its first calls), NaN on every later call: the
     probes'. A class: each example makes a fresh one."""
@@ -428,7 +429,9 @@ def test_parameter_hooks_give_autograds_gradients(depth, width, seed, hooks, mic
         for p, old in zip(own, before):
             torch.testing.assert_close(p.detach(), old - reference[p])
         return
-    grads = ef.sweep(chain, params, x, y, **options).grads if entry == "sweep" else ef.grad(chain, params, x, y, **options)
+    grads = (
+        ef.sweep(chain, params, x, y, **options).grads if entry == "sweep" else ef.grad(chain, params, x, y, **options)
+    )
     for m, stage in zip(modules, grads):
         for name, p in m.named_parameters():
             torch.testing.assert_close(stage[name], reference[p])

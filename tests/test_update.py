@@ -138,10 +138,8 @@ def test_per_stage_clipping_and_what_cannot_be_fused():
     # stage: a max_norm between the stages' norms clips some and leaves the others as they are (never
     # scaled up), one below them all clips every stage
     grads = ef.grad(chain, params, x, y)
-    dues = []
-    for k, child in enumerate(model):
-        due = {n: g for n, g in grads[k].items() if not (k == len(model) - 1 and n == "weight")}
-        dues.append(due)  # the tied weight: both uses' sum, due at the embedding
+    last = len(model) - 1  # the tied weight: both uses' sum, due at the embedding, not at the head
+    dues = [{n: g for n, g in stage.items() if not (k == last and n == "weight")} for k, stage in enumerate(grads)]
     norms = [torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in d.values()])) for d in dues]
     middle = sorted(n.item() for n in norms)[len(norms) // 2]
     assert min(n.item() for n in norms) < middle < max(n.item() for n in norms)
