@@ -81,6 +81,20 @@ class Stage:
             own = slots.places[: len(self.param_names or ())]
             return frozenset(n for store, key, n in own if store[key] is not None and not store[key].requires_grad)
 
+    def hooked(self) -> dict[str, torch.Tensor]:
+        """This module stage's parameters that carry tensor hooks (``p.register_hook(fn)``), by name,
+        read now from the module's own places (an FSDP stage's run in FSDP's own backward)."""
+        if self.module is None or self.sharded is not None:
+            return {}
+        with module_lock(self.module):
+            slots = self.slots()
+            own = (
+                self.module.named_parameters()
+                if slots is None
+                else ((n, store[key]) for store, key, n in slots.places[: len(self.param_names or ())])
+            )
+            return {n: p for n, p in own if p is not None and p._backward_hooks}
+
     def default_buffers(self) -> dict[str, torch.Tensor]:
         if self.module is None:
             return {}
@@ -96,6 +110,34 @@ class Stage:
         if self.aliased or self.module is None or self.param_names is None:
             return None
         return Slots.of(self.module, self.param_names + self.buffer_names)
+
+
+def through_hooks(param: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
+    """``grad`` through ``param``'s tensor hooks in order, as autograd runs them on a leaf's whole
+    gradient before accumulating it into ``.grad``: a hook's result replaces it unless it is ``None``."""
+    if grad is None:
+        return None
+    for hook in tuple((param._backward_hooks or {}).values()):
+        out = hook(grad)
+        grad = grad if out is None else out
+    return grad
+
+
+def hooked_grads(grads: tuple, hooks: Mapping[tuple[int, str], torch.Tensor]) -> tuple:
+    """``grads`` (one dict per stage) with the gradient of each hooked parameter (``hooks``: ``(stage,
+    name) -> parameter``) through its hooks, once per gradient tensor: a tied parameter's summed
+    gradient, one tensor in each of its places, is hooked once."""
+    out = list(grads)
+    for i in {i for i, _ in hooks}:
+        out[i] = dict(grads[i])
+    done: dict[int, Any] = {}
+    for (i, name), param in hooks.items():
+        g = grads[i][name]
+        if g is not None:
+            if id(g) not in done:
+                done[id(g)] = through_hooks(param, g)
+            out[i][name] = done[id(g)]
+    return tuple(out)
 
 
 _LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -313,11 +355,25 @@ class Chain:
         )
 
     def check_buffers(self, buffers: Any) -> tuple:
-        """``buffers`` as a tuple with one dict per stage; ``None``: the modules' own."""
+        """``buffers`` as a tuple with one dict per stage, each naming only its module's buffers (a
+        misspelt name would leave the module's own in use); ``None``: the modules' own."""
         if buffers is None:
             return self.buffers()
         if not isinstance(buffers, (tuple, list)) or len(buffers) != len(self):
             raise ValueError(f"buffers: expected a tuple with one dict per stage ({len(self)}), got {buffers!r:.80}")
+        for i, (s, b) in enumerate(zip(self.stages, buffers)):
+            if not isinstance(b, Mapping):
+                continue
+            known = (
+                ()
+                if s.module is None
+                else tuple(n for n, _ in s.module.named_buffers(remove_duplicate=False))
+                if s.aliased
+                else s.buffer_names
+            )
+            unknown = sorted(set(b) - set(known))
+            if unknown:
+                raise ValueError(f"buffers: {self.where(i)} has no buffer {unknown}; its buffers are {list(known)}")
         return tuple(buffers)
 
 

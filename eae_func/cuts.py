@@ -7,7 +7,7 @@
         require grad
     loss.backward-like driver: ``torch.autograd.grad(loss, params)`` differentiates the glue
         (embeddings, masks, rotary tables, head, loss) and, at each node, runs stage l's reverse step:
-        p_l through the passes; m rebuilt at the params it ran with (RNG and autocast replayed,
+        p_l through the passes; m rebuilt at the params it ran with (RNG, autocast and modes replayed,
         buffers on throwaway clones); (J_W^T p_l, J_a^T p_l) by one ``torch.autograd.grad``; J_W^T p_l
         added to the parameters' gradients (frozen ones excluded), J_a^T p_l handed back to autograd
 
@@ -37,7 +37,7 @@ from . import fold as F
 from . import microbatch as M
 from .adjoint import AdjointState, Measurements, fold_in
 from .capture import as_call, canonical_names, matches
-from .chain import Slots, module_lock
+from .chain import Slots, module_lock, through_hooks
 from .options import Options
 from .passes import Context
 
@@ -66,9 +66,9 @@ class Call:
     """One call of a cut module, what its reverse step needs: the call's input leaves (detached) and
     their ``spec``, which of them require grad (``inputs``), the tensors the module held in its
     parameters' places (the sweep's leaves, by the module's own names, aliases included), its buffers
-    as they were before the call, torch's RNG and the autocast state, Python's and numpy's generator
-    states where the module draws from them (``HostRandom``); after the forward, which output leaves
-    are tensors and the output's spec."""
+    as they were before the call, torch's RNG and the autocast state, the modes of its modules
+    (``fold.modes_of``), Python's and numpy's generator states where the module draws from them
+    (``HostRandom``); after the forward, which output leaves are tensors and the output's spec."""
 
     index: int
     name: str
@@ -81,6 +81,7 @@ class Call:
     buffers: dict
     rng: tuple | None
     autocast: tuple
+    modes: tuple
     host: tuple | None = None
     sums: list | None = None
     out_spec: Any = None
@@ -150,6 +151,7 @@ class Sweep:
             {n: b.detach().clone() for n, b in module.named_buffers(remove_duplicate=False)},
             F.rng_state(self.device),
             autocast_state(self.device),
+            F.modes_of(module),
         )
         call.host = HOST.before(module)
         tensors = StageCall.apply(self, call, self.anchor, *[leaves[i] for i in call.inputs])
@@ -229,6 +231,7 @@ class Sweep:
                 with (
                     F.timer(self.opts, stats, "recompute_s", f"eae/{call.name}/recompute"),
                     F.replay_rng(call.rng, self.device),
+                    F.in_modes(call.modes),
                     HOST.replay(call.host),
                     replay_autocast(call.autocast),
                     module_lock(call.module),
@@ -442,8 +445,11 @@ def sweep_model(
             else (None,) * len(wanted)
         )
     grads: dict[str, Any] = dict.fromkeys(params)
+    hooked = {first[n]: p for n, p in own_params if p._backward_hooks}  # p.register_hook(fn): run on the sum
     for n, g in zip(wanted, glue):  # what autograd returned, what a Function put in .grad, the cuts' sum
         grads[n] = M.add(M.add(g, leaves[n].grad), run.grads.get(id(leaves[n])))
+        if n in hooked:
+            grads[n] = through_hooks(hooked[n], grads[n])
     stats = dict(run.stats)
     stats["boundaries"] = {a.index: dict(a.meta) for a in run.trace}
     return value.detach(), grads, tuple(run.trace), fresh, run.pass_state, Measurements(stats)

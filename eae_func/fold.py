@@ -54,6 +54,8 @@ class Entry:
     frozen:     the names of its parameters that are not trained (``requires_grad=False``).
     cached:     with ``remat.save``, the context that hands the rebuild the ops' outputs the forward
                 kept, else ``None``.
+    modes:      ``(module, training)`` for every module of a module stage as its forward ran
+                (``modes_of``): the recompute runs in them again.
     """
 
     index: int
@@ -65,6 +67,7 @@ class Entry:
     closure: Callable | None = None
     frozen: frozenset[str] = frozenset()
     cached: Any = None
+    modes: tuple = ()
 
 
 class Tape:
@@ -183,6 +186,31 @@ def _replayed(cpu: torch.Tensor, cuda: torch.Tensor | None, device: torch.device
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, device)
         yield
+
+
+def modes_of(module: torch.nn.Module | None) -> tuple:
+    """``(module, training)`` for ``module`` and every module in it (``()`` for none): the modes a
+    stage runs in, recorded by its forward so its recompute runs in them too."""
+    return () if module is None else tuple((m, m.training) for m in module.modules())
+
+
+def in_modes(modes: tuple):
+    """A context in which every module of ``modes`` (``modes_of``) is in its recorded mode: one
+    switched since (``model.eval()`` from another thread) is switched back for the block, then
+    left as it was found."""
+    changed = [(m, training) for m, training in modes if m.training != training]
+    return NULL if not changed else _switched(changed)
+
+
+@contextlib.contextmanager
+def _switched(changed: list):
+    for m, training in changed:
+        m.training = training
+    try:
+        yield
+    finally:
+        for m, training in changed:
+            m.training = not training
 
 
 def autocast(dtype: torch.dtype | None, device: torch.device):
@@ -400,7 +428,15 @@ def processed(
             f"pass {opts.passes.name!r} at boundary {l}: update must return (AdjointState, state), "
             f"got {type(out).__name__}"
         )
-    check_costate(chain, l, out[0], layout)
+    flat = check_costate(chain, l, out[0], layout)
+    given = optree.tree_leaves(adj.value, none_is_leaf=True, namespace=NAMESPACE)
+    if any(t is None and g is not None for t, g in zip(flat, given)):
+        at = "the chain's input" if l == 0 else f"output of {chain.where(l - 1)}"
+        raise ValueError(
+            f"pass {opts.passes.name!r} at boundary {l} ({at}): returned value=None for a costate that was a "
+            f"tensor, which would silently zero every gradient upstream of it; return a costate "
+            f"(adj.replace(value=torch.zeros_like(adj.value)) stops the signal on purpose)"
+        )
     return out
 
 
@@ -443,7 +479,7 @@ def forward(
         stats["boundary_bytes"] = B.nbytes(kept)
         if meter is not None and i in opts.physical:
             meter.charge(i, rows_of(h))
-        frozen = chain.stages[i].frozen()
+        frozen, modes = chain.stages[i].frozen(), modes_of(chain.stages[i].module)
         out, (outputs, out_spec), closure, rng, cached = run_stage(
             chain, i, params[i], buffers[i], h, opts, device, plan, tape, stats, frozen
         )
@@ -455,7 +491,7 @@ def forward(
                 f"parameters before it; a stage must return a floating-point tensor"
             )
         out_layout = B.Layout.of_leaves(outputs, out_spec)
-        tape.entries.append(Entry(i, kept, layout, out_layout, rng, buffers[i], closure, frozen, cached))
+        tape.entries.append(Entry(i, kept, layout, out_layout, rng, buffers[i], closure, frozen, cached, modes))
         for j in plan.evicted():  # a later graph took its place in the byte budget: rebuild it instead
             tape.entries[j - lo] = dataclasses.replace(tape.entries[j - lo], closure=None)
         kept, h = tape.stored(out, out_layout, last=i == len(chain) - 1)
@@ -639,6 +675,7 @@ def make_step(
                     with (
                         timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device),
                         replay_rng(entry.rng, device),
+                        in_modes(entry.modes),
                         autocast(opts.autocast, device),
                     ):
                         done = compiled.reverse(
@@ -656,6 +693,7 @@ def make_step(
                         with (
                             timer(opts, stats, "recompute_s", f"eae/{s.name}/recompute", device),
                             replay_rng(entry.rng, device),
+                            in_modes(entry.modes),
                             autocast(opts.autocast, device),
                             entry.cached or NULL,
                         ):
@@ -706,6 +744,7 @@ def deferred_vjp(
         with (
             timer(opts, stats, "recompute_s", f"eae/{s.name}/recompute", device),
             replay_rng(entry.rng, device),
+            in_modes(entry.modes),
             autocast(opts.autocast, device),
         ):
             inputs = [f.detach() for f in floats] if weights else floats

@@ -41,6 +41,20 @@ def _pieces(tree: Any, k: int) -> list:
     return [spec.unflatten([c[j] for c in cut]) for j in range(k)]
 
 
+def _check_rows(tree: Any, name: str, n: int, k: int, where: str) -> None:
+    """Refuse a tensor leaf of ``tree`` with a batch dim other than the batch's ``n`` rows: cut into
+    ``k`` pieces, it would not line up with the input's pieces (a ``(1, d)`` target meant to broadcast)."""
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
+    for path, t in zip(paths, leaves):
+        if isinstance(t, torch.Tensor) and t.ndim > 0 and t.shape[0] != n:
+            at = name + "".join(f"[{p!r}]" for p in path)
+            raise ValueError(
+                f"{where}: microbatches={k} cuts {at} on dim 0, but it has shape {tuple(t.shape)}, not the "
+                f"batch's {n} rows; give it {n} rows (a target meant to broadcast: t.expand({n}, ...)), let the "
+                f"loss close over it, or use microbatches=1"
+            )
+
+
 def split(x: Any, loss_args: tuple | None, k: int, reduction: str, key: int, where: str = "sweep") -> list[Microbatch]:
     """``k`` microbatches of ``x`` and ``loss_args`` (either may be ``None``: a pipeline rank that
     has no input or computes no loss); ``k`` and ``reduction`` as checked by ``Options``. The rows
@@ -56,6 +70,9 @@ def split(x: Any, loss_args: tuple | None, k: int, reduction: str, key: int, whe
         raise ValueError(
             f"{where}: microbatches={k} is more than the {n} rows of the batch; use at most {n} microbatches"
         )
+    if n is not None:
+        _check_rows(x, "x", n, k, where)
+        _check_rows(loss_args, "loss_args", n, k, where)
     xs = _pieces(x, k) if x is not None else [None] * k
     args = _pieces(loss_args, k) if loss_args is not None else [()] * k
     if n is None:

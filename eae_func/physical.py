@@ -38,8 +38,10 @@ def rows_of(h: Any) -> int:
 class Meter:
     """Rows and calls of every physical stage of ``chain`` in one step, against an optional
     ``budget`` of rows (all physical stages together; a stage made with ``repeats=r`` costs r rows
-    per row). ``charge`` is called before a stage runs, so a call that would exceed the budget
-    raises and never runs."""
+    per row). ``calls`` counts the calls that ran: a black box's calls of ``fn`` (``BlackBox.calls``),
+    one per run of any other stage; ``forward_calls``, ``jvp_calls`` and ``backward_calls`` count
+    the runs of the stage. ``charge`` is called before a stage runs, so a call that would exceed
+    the budget raises and never runs."""
 
     KINDS = ("forward_calls", "jvp_calls", "backward_calls")
 
@@ -51,7 +53,9 @@ class Meter:
         """Count one ``kind`` call of stage i on ``rows`` rows (0 for a backward, which reuses a forward)."""
         if i not in self.counts:
             return
-        rows *= getattr(self.chain.stages[i].fn, "repeats", 1)
+        fn = self.chain.stages[i].fn
+        calls = fn.calls(rows) if isinstance(fn, BlackBox) else 1
+        rows *= getattr(fn, "repeats", 1)
         if self.budget is not None and self.total + rows > self.budget:
             spent = ", ".join(f"{self.chain.stages[j].name!r} {c['rows']}" for j, c in self.counts.items())
             raise RuntimeError(
@@ -63,7 +67,31 @@ class Meter:
         counts = self.counts[i]
         counts[kind] += 1
         counts["rows"] += rows
-        counts["calls"] += kind != "backward_calls"
+        counts["calls"] += calls if kind != "backward_calls" else 0
+
+
+def check_probed(chain: Chain, i: int, out: Any, h: Any) -> None:
+    """Refuse what physical stage i returned on an estimator's probe call of input ``h`` if it is not
+    finite: the estimate made from it would be NaN while the loss, from the forward, stays finite.
+    Under a torch.func transform (a simulation the jvp forms differentiate) nothing is measured."""
+    floats = [
+        t
+        for t in optree.tree_leaves(out, namespace=NAMESPACE)
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and not wrapped(t)
+    ]
+    count = sum(int((~torch.isfinite(t)).sum()) for t in floats)
+    if count:
+        raise FloatingPointError(
+            f"estimator: {chain.where(i)} returned {count} non-finite values (NaN or inf) of "
+            f"{sum(t.numel() for t in floats)} on a probe call ({rows_of(h)} rows, inputs or parameters shifted "
+            f"by the probes); the estimate would be NaN while the loss stays finite. Keep the probed points "
+            f"where the stage measures (a smaller eps), or make it return finite values there"
+        )
+
+
+def wrapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a torch.func transform's tensor (jvp, vjp, vmap), not plain data."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)  # pyright: ignore[reportAttributeAccessIssue] (not in torch's stubs)
 
 
 def query(fn: Callable, args: Any, repeats: int, piece: Any) -> Any:
@@ -98,15 +126,17 @@ class BlackBox:
     def __repr__(self) -> str:
         return f"black_box({getattr(self.fn, '__name__', type(self.fn).__name__)})"
 
+    def calls(self, rows: int) -> int:
+        """How many times ``fn`` runs for a stage run on ``rows`` rows: ``repeats × ⌈rows / max_rows⌉``."""
+        return self.repeats * -(-rows // (self.max_rows or rows or 1))
+
     def __call__(self, params: Any, h: torch.Tensor) -> torch.Tensor:
         where = f"black box {self.__name__!r}"
         if not isinstance(h, torch.Tensor) or not (h.is_floating_point() or h.is_complex()) or h.ndim < 1:
             got = f"{h.dtype} tensor of shape {tuple(h.shape)}" if isinstance(h, torch.Tensor) else type(h).__name__
             raise TypeError(f"{where}: expected one floating-point tensor with a batch dim as input, got {got}")
         if any(
-            torch._C._functorch.is_functorch_wrapped_tensor(t)  # pyright: ignore[reportAttributeAccessIssue] (not in torch's stubs)
-            for t in (h, *optree.tree_leaves(params, namespace=NAMESPACE))
-            if isinstance(t, torch.Tensor)
+            wrapped(t) for t in (h, *optree.tree_leaves(params, namespace=NAMESPACE)) if isinstance(t, torch.Tensor)
         ):
             raise RuntimeError(
                 f"{where}: called under a torch.func transform (jvp, vjp, vmap); a black box is only "
@@ -120,6 +150,13 @@ class BlackBox:
                 pieces = [p[0] for p in pieces]
             outs = self._map(functools.partial(query, self.fn, args, self.repeats), pieces)
             outs = [self._tensor(o, h, where) for o in outs]
+            for o, piece in zip(outs, pieces):
+                if not self.per_sample and o.ndim == 0:
+                    raise ValueError(
+                        f"{where}: returned a 0-d tensor (one number) for a call on {len(piece)} rows; a black box "
+                        f"returns one row per input row, shape ({len(piece)}, ...) (use per_sample=True for a "
+                        "function of one sample, which may return a scalar)"
+                    )
             out = torch.stack(outs) if self.per_sample else torch.cat(outs)
         if out.shape[0] != h.shape[0]:
             raise ValueError(

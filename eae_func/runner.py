@@ -8,8 +8,9 @@
 ``ef.sweep`` runs it over the whole chain once per microbatch, every pipeline rank over its own
 range, and the model-level estimators' oracle over the whole chain for its exact trace. The
 estimators' probes run each stage as the tape did: ``Problem.call`` replays the stage's RNG
-state (dropout masks repeat) under the sweep's autocast, and ``Problem.feed`` rounds a stage's
-output to the boundary dtype as the forward fed it to the next stage.
+state (dropout masks repeat) in the modes its forward saw, under the sweep's autocast, and
+``Problem.feed`` rounds a stage's output to the boundary dtype as the forward fed it to the
+next stage.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .chain import Chain
 from .estimators.base import Problem
 from .microbatch import Microbatch
 from .options import Options
-from .physical import Meter
+from .physical import Meter, check_probed
 from .update import Updater
 
 
@@ -150,11 +151,15 @@ class Range:
         stages' RNG replayed, physical ones drawing afresh), the exact trace from this runner."""
         chain, opts, device = self.chain, self.at(mb), self.device
         rng = {e.index: e.rng for e in tape.entries if e.index not in opts.physical}
+        modes = {e.index: e.modes for e in tape.entries}
         rounding = B.Policy(opts.boundary_dtype)
 
         def call(i: int, params: Any, h: Any) -> Any:
-            with F.replay_rng(rng.get(i), device), F.autocast(opts.autocast, device):
-                return chain.stages[i].call(params, buffers[i], h)[0]
+            with F.replay_rng(rng.get(i), device), F.in_modes(modes.get(i, ())), F.autocast(opts.autocast, device):
+                out = chain.stages[i].call(params, buffers[i], h)[0]
+            if i in opts.physical:
+                check_probed(chain, i, out, h)
+            return out
 
         def feed(i: int, out: Any) -> Any:
             if rounding.dtype is None or i == len(chain) - 1:

@@ -29,7 +29,7 @@ from . import microbatch as M
 from .adjoint import Measurements
 from .capture import canonical_names, fingerprint
 from .capture import layout as capture_layout
-from .chain import Chain, from_module
+from .chain import Chain, from_module, hooked_grads
 from .options import Options, make
 from .passes import compose
 from .physical import Meter
@@ -147,10 +147,11 @@ def run(
     device = F.device_of(params, x)
     meter = Meter(chain, opts.physical, opts.budget)
     groups = tie_groups(chain, params)
+    hooks = {(i, n): p for i, s in enumerate(chain.stages) for n, p in s.hooked().items()}
     hold = min(opts.physical) if opts.budget is not None and opts.physical else None
     reducer = reducer_of(False if sharded else opts.data_parallel)  # FSDP stages reduce-scatter their own
     updater = (  # checked first
-        Updater(opts.update, chain, params, groups, hold, reducer)
+        Updater(opts.update, chain, params, groups, hold, reducer, hooks)
         if opts.update is not None or reducer is not None
         else None
     )
@@ -201,7 +202,8 @@ def run(
             tuple(updater.params) if pure else params,
             tuple(updater.state) if pure else None,
         )
-    return SweepResult(total, tie_grads(params, grads, groups), M.join_adjoints(traces), buffers, state, stats, params)
+    grads = hooked_grads(tie_grads(params, grads, groups), hooks)
+    return SweepResult(total, grads, M.join_adjoints(traces), buffers, state, stats, params)
 
 
 def reducer_of(group: Any) -> Any:

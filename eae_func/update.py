@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .chain import check_same_tensor
+from .chain import check_same_tensor, through_hooks
 from .microbatch import add
 
 
@@ -81,6 +81,9 @@ class Updater:
     which). Frozen parameters (``requires_grad=False``) and ones with no gradient are never stepped,
     so an optimizer over the trainable parameters only is enough.
 
+    ``hooks``: ``(stage, name) -> parameter`` for the parameters with tensor hooks, run on the
+    gradients due (``chain.through_hooks``) before their average over replicas, as under DDP.
+
     ``hold``: with a row budget, the lowest physical stage; updates of the stages above it wait
     until its reverse step ran (holding their gradients), so every charge against the budget comes
     before the first update and a step over budget updates nothing.
@@ -90,9 +93,17 @@ class Updater:
     called by ``finish`` when every stage is updated (pre-hooks too run then, after the updates)."""
 
     def __init__(
-        self, spec: Fused | None, chain: Any, params: tuple, groups: list, hold: int | None = None, reducer: Any = None
+        self,
+        spec: Fused | None,
+        chain: Any,
+        params: tuple,
+        groups: list,
+        hold: int | None = None,
+        reducer: Any = None,
+        hooks: dict | None = None,
     ):
         self.spec, self.chain, self.carry, self.hold, self.reducer = spec or Fused(), chain, None, hold, reducer
+        self.hooks = hooks or {}
         self.keeping = spec is None
         self.stepped: list[int] = []
         self.held: list[tuple[int, dict]] = []
@@ -178,7 +189,11 @@ class Updater:
             self.pending[group] = add(self.pending.get(group), g)
             if self.owner[key] == i:
                 due[name] = self.pending.pop(group)
-        due = {n: g for n, g in due.items() if g is not None}  # None: frozen or unused, never stepped
+        due = {  # None: frozen or unused, never stepped
+            n: through_hooks(self.hooks[i, n], g) if (i, n) in self.hooks else g
+            for n, g in due.items()
+            if g is not None
+        }
         if not due:
             return
         if self.reducer is None:

@@ -88,6 +88,11 @@ CASES = {
         r"reduction must be 'mean' or 'sum'",
     ),
     "buffers: one short": (lambda c, p, x, y, i: ((p, x, y), {"buffers": c.buffers()[:-1]}), r"buffers: expected"),
+    "buffers: a name stage i's module lacks": (
+        lambda c, p, x, y, i: ((p, x, y), {"buffers": replace_stage(c.buffers(), i, {"runing_mean": x[0]})}),
+        r"buffers: stage {i} \(.*\) has no buffer \['runing_mean'\]; its buffers are \[\]",
+    ),
+    "buffers: the modules' own": (lambda c, p, x, y, i: ((p, x, y), {"buffers": c.buffers()}), None),
     "pass: returns a tensor": (
         lambda c, p, x, y, i: ((p, x, y), {"passes": lambda a: a.value}),
         r"at boundary \d+ \(output of stage .*returned a Tensor",
@@ -95,6 +100,10 @@ CASES = {
     "pass: a wrong shape at boundary i": (
         lambda c, p, x, y, i: ((p, x, y), {"passes": wrong_shape_at(i)}),
         r"boundary {i}.*costate shape \(4, \d+\) differs",
+    ),
+    "pass: value=None at boundary i": (
+        lambda c, p, x, y, i: ((p, x, y), {"passes": lambda a: a.replace(value=None) if a.index == i else a}),
+        r"at boundary {i} \(.*\): returned value=None for a costate that was a tensor",
     ),
     "pass: not a pass": (lambda c, p, x, y, i: ((p, x, y), {"passes": "int8"}), r"compose: expected a pass"),
     "pass_state: the wrong structure": (
@@ -296,20 +305,48 @@ def test_bad_pipeline_calls_are_named():
 
 # ----------------------------------------------------------------------------- black boxes and captures
 
+
+class NanOnProbes:
+    """A black box finite on the forward's 4 rows (its first calls), NaN on every later call: the
+    probes'. A class: each example makes a fresh one."""
+
+    def __init__(self):
+        self.rows = 0
+
+    def __call__(self, p, h):
+        self.rows += len(h)
+        return np.tanh(h) if self.rows <= 4 else np.full(h.shape, np.nan)
+
+
+# Each case: (the black box, or a class to make one, what the error must name, whether the forward
+# alone (E.frozen()) fails).
 BOXES = {
-    "returns a list": (lambda p, h: h.tolist(), r"black box 'box': returned list, expected a numpy array"),
-    "drops a row": (lambda p, h: np.tanh(h[1:]), r"black box 'box': returned \d+ rows for an input of \d+"),
-    "writes into its input": (lambda p, h: np.tanh(h, out=h), r"read-only"),
-    "returns complex": (lambda p, h: h * 1j, r"returned a complex"),
+    "returns a list": (lambda p, h: h.tolist(), r"black box 'box': returned list, expected a numpy array", True),
+    "drops a row": (lambda p, h: np.tanh(h[1:]), r"black box 'box': returned \d+ rows for an input of \d+", True),
+    "writes into its input": (lambda p, h: np.tanh(h, out=h), r"read-only", True),
+    "returns complex": (lambda p, h: h * 1j, r"returned a complex", True),
+    "returns a scalar per call": (
+        lambda p, h: np.tanh(h).sum(),
+        r"black box 'box': returned a 0-d tensor .* shape \(\d+, \.\.\.\)",
+        True,
+    ),
+    "returns NaN on the probes": (NanOnProbes, r"estimator: stage 1 \('box'\) returned \d+ non-finite", False),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BOXES))
-@given(width=st.integers(2, 5), seed=st.integers(0, 2**16), method=st.sampled_from(["zbp", "direct", "frozen"]))
-def test_a_misbehaving_black_box_is_named(case, width, seed, method):
-    fn, names = BOXES[case]
+@given(
+    width=st.integers(2, 5),
+    seed=st.integers(0, 2**16),
+    method=st.sampled_from(["zbp", "direct", "frozen"]),
+    max_rows=st.sampled_from([None, 3]),
+)
+def test_a_misbehaving_black_box_is_named(case, width, seed, method, max_rows):
+    """Every misbehaving black box is named with the stage (split into calls of ``max_rows`` or
+    not); one that fails only on the probes runs as well-formed without them (``E.frozen()``)."""
+    fn, names, on_forward = BOXES[case]
     chain, params, x, y = problem(2, width, seed)
-    box = ef.black_box(fn, name="box", numpy=True)
+    box = ef.black_box(fn() if isinstance(fn, type) else fn, name="box", numpy=True, max_rows=max_rows)
     chain = ef.Chain([chain.stages[0], box, chain.stages[1]], loss=chain.loss)
     params = (params[0], {}, params[1])
     estimator = {
@@ -318,9 +355,14 @@ def test_a_misbehaving_black_box_is_named(case, width, seed, method):
         "frozen": E.frozen(),
     }[method]
     before = _snapshot(params, x, y)
-    with pytest.raises((TypeError, ValueError)) as info:
-        ef.sweep(chain, params, x, y, estimator=estimator)
-    assert re.search(names, _message(info.value)) and "stage 1 ('box')" in _message(info.value), _message(info.value)
+    if method == "frozen" and not on_forward:
+        res = ef.sweep(chain, params, x, y, estimator=estimator)
+        assert res.grads[0]["0.weight"] is None and torch.isfinite(res.grads[2]["0.weight"]).all()
+    else:
+        with pytest.raises((TypeError, ValueError, FloatingPointError)) as info:
+            ef.sweep(chain, params, x, y, estimator=estimator)
+        message = _message(info.value)
+        assert re.search(names, message) and "stage 1 ('box')" in message, message
     with pytest.raises(ValueError, match=r"differentiates the physical stages, but stage 1 \('box'\)"):
         ef.sweep(chain, params, x, y, estimator=E.exact())
     assert all(torch.equal(t, c) for t, c in before)
@@ -348,3 +390,48 @@ def test_a_split_at_that_matches_nothing_lists_the_modules(pattern, as_string):
             loss=F.mse_loss,
             split_at=split_at,
         )
+
+
+# ----------------------------------------------------------------------------- parameter hooks
+
+HOOKS = {
+    "mask": lambda g: g * (torch.arange(g.numel()).reshape(g.shape) % 2),
+    "scale by its norm": lambda g: g * g.norm(),  # not linear: it must see the whole gradient, once
+    "observe": lambda g: None,  # returns None: the gradient stays
+}
+
+
+@given(
+    depth=st.integers(1, 3),
+    width=st.integers(2, 5),
+    seed=st.integers(0, 2**16),
+    hooks=st.lists(st.tuples(st.integers(0, 100), st.sampled_from(sorted(HOOKS))), min_size=1, max_size=3),
+    microbatches=st.sampled_from([1, 2]),
+    recompute=st.booleans(),
+    entry=st.sampled_from(["sweep", "grad", "fused"]),
+)
+def test_parameter_hooks_give_autograds_gradients(depth, width, seed, hooks, microbatches, recompute, entry):
+    """Tensor hooks on the modules' parameters (``p.register_hook(fn)``, two on one parameter run in
+    order): the gradients, and a fused SGD step, are plain autograd's with the same hooks."""
+    chain, params, x, y = problem(depth, width, seed)
+    modules = [s.module for s in chain.stages]
+    own = [p for m in modules for p in m.parameters()]
+    for k, kind in hooks:
+        own[k % len(own)].register_hook(HOOKS[kind])
+    h = x
+    for m in modules:
+        h = m(h)
+    reference = dict(zip(own, torch.autograd.grad(F.mse_loss(h, y), own)))
+    options = {"microbatches": microbatches, "recompute": recompute}
+    if entry == "fused":
+        before = [p.detach().clone() for p in own]
+        ef.sweep(chain, params, x, y, update=torch.optim.SGD(own, lr=1.0), **options)
+        for p, old in zip(own, before):
+            torch.testing.assert_close(p.detach(), old - reference[p])
+        return
+    grads = (
+        ef.sweep(chain, params, x, y, **options).grads if entry == "sweep" else ef.grad(chain, params, x, y, **options)
+    )
+    for m, stage in zip(modules, grads):
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(stage[name], reference[p])

@@ -399,3 +399,37 @@ def test_reformers_reversible_layers_keep_their_own_backward():
     model = reformer(0.1)
     with pytest.raises(ValueError, match=r"seeds torch's generator afresh"):
         ef.grad(model, dict(model.named_parameters()), inputs, loss=lambda out: out.loss, split_at=["reformer.encoder"])
+
+
+def test_the_rebuild_runs_in_the_modes_the_forward_saw():
+    """Another thread switching the model to eval mode mid-sweep (here: a pass, before the last cut's
+    rebuild): the rebuilds still run BatchNorm in train mode, as the forward did."""
+    torch.manual_seed(0)
+    model = Stack(inner=lambda: nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6))).double().train()
+    x, y = torch.randn(5, 4, dtype=F64), torch.randn(5, 3, dtype=F64)
+    _, reference = autograd_grads(copy.deepcopy(model), x, y)
+
+    def switch(adj):
+        model.eval()
+        return adj
+
+    res = ef.sweep(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, split_at=["blocks.*"], passes=switch)
+    assert not model.training
+    assert_exact(res.grads, reference)
+
+
+def test_parameter_hooks_act_as_under_autograd():
+    """``p.register_hook(fn)`` on a cut module's parameter, on the glue's and on a module called twice
+    (a non-linear hook: once, on the summed gradient), at run-time cuts and where an option falls back
+    to graph capture: the gradients autograd gives."""
+    torch.manual_seed(0)
+    model = Stack(blocks=2, calls=(0, 1, 0)).double()
+    mask = (torch.rand(6, 4) > 0.5).double()
+    model.embed.weight.register_hook(lambda g: g * mask)
+    model.blocks[0].weight.register_hook(lambda g: g * g.norm())
+    model.blocks[1].bias.register_hook(lambda g: -g)
+    x, y = torch.randn(6, 4, dtype=F64), torch.randn(6, 3, dtype=F64)
+    res, _, reference = sweep_and_autograd(model, x, y)
+    assert_exact(res.grads, reference)
+    params = dict(model.named_parameters())
+    assert_exact(ef.grad(model, params, x, y, loss=F.mse_loss, split_at=["blocks.*"], microbatches=2), reference, 1e-10)

@@ -137,3 +137,48 @@ def test_an_error_inside_a_stage_names_the_stage():
     with pytest.raises(RuntimeError) as info:
         ef.sweep(chain, ({"w": torch.ones(3, 2)},), torch.ones(4, 5))
     assert "in the forward of stage 0 ('proj')" in "".join(info.value.__notes__)
+
+
+def test_a_pass_that_drops_the_costate_is_refused_naming_the_boundary():
+    """A pass returning ``value=None`` where the costate was a tensor would zero every gradient
+    upstream of that boundary: refused, naming the pass and the boundary."""
+    _, chain, params, x, y = small()
+    for at in (2, 0):
+        drop = Pass(
+            init=lambda: None,
+            update=lambda a, s, ctx, at=at: (a.replace(value=None) if a.index == at else a, s),
+            name="drop",
+        )
+        with pytest.raises(ValueError, match=rf"pass 'drop' at boundary {at} \(.*\): returned value=None"):
+            ef.sweep(chain, params, x, y, passes=drop)
+
+
+def test_a_misspelt_buffer_name_is_refused_naming_the_known_ones():
+    """``buffers=`` whose dict names a buffer the stage's module does not have (``runing_mean``) is
+    refused, not ignored in favour of the module's own statistics."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).eval()
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    buffers = list(chain.buffers())
+    stats = dict(buffers[1])
+    stats["runing_mean"] = stats.pop("running_mean") + 1.0
+    buffers[1] = stats
+    with pytest.raises(
+        ValueError,
+        match=r"buffers: stage 1 \('BatchNorm1d_1'\) has no buffer \['runing_mean'\]; its buffers are "
+        r"\['running_mean', 'running_var', 'num_batches_tracked'\]",
+    ):
+        ef.sweep(chain, params, torch.randn(5, 3), torch.randn(5, 2), buffers=tuple(buffers))
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")
+def test_a_loss_arg_without_the_batch_rows_is_named_with_microbatches():
+    """A ``(1, d)`` target meant to broadcast cannot be cut into microbatches with the batch: the
+    error names microbatches and the argument, and says what to do."""
+    _, chain, params, x, y = small()
+    with pytest.raises(
+        ValueError, match=r"sweep: microbatches=2 cuts loss_args\[0\] on dim 0, .*shape \(1, 2\).*5 rows.*expand"
+    ):
+        ef.sweep(chain, params, x, y[:1], microbatches=2)
+    broadcast = ef.sweep(chain, params, x, y[:1])  # one piece: broadcast as the loss does
+    expanded = ef.sweep(chain, params, x, y[:1].expand(5, 2), microbatches=2)
+    torch.testing.assert_close(expanded.loss, broadcast.loss)

@@ -260,6 +260,19 @@ def test_randk_is_unbiased(seed, ratio):
     assert ((mean - value).abs() <= 6 * se + 1e-6).all()
 
 
+@pytest.mark.parametrize("n, ratio", [(10, 0.25), (7, 0.5), (64, 0.3), (3, 0.9)])
+def test_randk_scales_what_it_keeps_by_n_over_k(n, ratio):
+    """Each kept entry is ``p_i n / k`` with ``k = ceil(ratio n)``: sizes where ``n / k`` is not
+    ``1 / ratio`` (the scale that would be biased there)."""
+    value = _randn((n,), 1.0, n)
+    k = math.ceil(ratio * n)
+    assert n / k != pytest.approx(1 / ratio)
+    out = apply1(P.randk(ratio), record(value))
+    kept = out.value != 0
+    assert int(kept.sum()) == k
+    torch.testing.assert_close(out.value[kept], value[kept] * (n / k), rtol=1e-6, atol=0)
+
+
 @given(value=tensors, ratio=st.floats(0.01, 1.0))
 def test_topk_keeps_the_largest_entries(value, ratio):
     out = apply1(P.topk(ratio), record(value))

@@ -156,3 +156,64 @@ def test_params_share_storage_with_the_module_so_optimizers_are_seen():
     ef.write_grads(model, ef.grad(chain, params, x))
     opt.step()
     assert torch.equal(params[0]["weight"], model[0].weight.detach())
+
+
+def test_the_recompute_runs_in_the_modes_the_forward_saw():
+    """Another thread switching the model to eval mode mid-sweep (here: a pass at the loss boundary,
+    between the forward and the reverse steps, and a stage's forward switching an earlier stage): the
+    recompute still runs BatchNorm in train mode, as the forward did, and the switch stands after."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2)).double().train()
+    x, target = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    loss, reference = autograd_grads(copy.deepcopy(model), F.mse_loss, x, target)
+    reference = dict(zip([n for n, _ in model.named_parameters()], reference.values()))
+
+    def switch(adj):
+        model.eval()
+        return adj
+
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    res = ef.sweep(chain, params, x, target, passes=switch)
+    assert not model.training and not model[1].training
+    torch.testing.assert_close(res.loss, loss)
+    for k, stage in enumerate(res.grads):
+        for name, g in stage.items():
+            torch.testing.assert_close(g, reference[f"{k}.{name}"], rtol=1e-10, atol=1e-12)
+    model.train()
+    head = ef.stage(lambda p, h: switch(h) @ p["w"] + p["b"], name="head")  # switches BatchNorm_1 as it runs
+    switching = ef.Chain([*chain.stages[:3], head], loss=F.mse_loss)
+    res = ef.sweep(switching, (*params[:3], {"w": params[3]["weight"].T, "b": params[3]["bias"]}), x, target)
+    assert not model[1].training
+    torch.testing.assert_close(res.grads[1]["weight"], reference["1.weight"], rtol=1e-10, atol=1e-12)
+
+
+def test_parameter_hooks_act_as_under_autograd():
+    """``p.register_hook(fn)`` on a module's parameter (the usual way to mask or prune a gradient):
+    the sweep hands ``fn`` the parameter's whole gradient once, as autograd does before accumulating
+    it into ``.grad``: a tied parameter's sum over its uses, every microbatch's, before a fused update."""
+    torch.manual_seed(0)
+    model = transformer_lm(vocab=11, dim=8, depth=2, n_heads=2).double()
+    tokens = torch.randint(0, 11, (4, 6))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    mask = (torch.rand(32, 8) > 0.5).double()
+    seen = []
+    model[1].ffn.w1.weight.register_hook(lambda g: g * mask)
+    model[0].weight.register_hook(lambda g: g * g.norm())  # the tied weight, not linear: once, on the sum
+    model[2].attn_norm.weight.register_hook(lambda g: seen.append(g.clone()))  # returns None: observes
+    _, reference = autograd_grads(model, lm_loss, x, y)
+    assert len(seen) == 1
+    chain, params = ef.from_module(model, loss=lm_loss)
+    for options in ({}, {"microbatches": 2}):
+        seen.clear()
+        assert_grads_match(chain, ef.grad(chain, params, x, y, **options), reference, rtol=1e-10, atol=1e-12)
+        assert len(seen) == 1
+    flat = ef.grad(model, dict(model.named_parameters()), x, y, loss=lm_loss)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(flat[name], reference[p], rtol=1e-10, atol=1e-12)
+    before = {p: p.detach().clone() for p in model.parameters()}
+    model.zero_grad(set_to_none=True)
+    seen.clear()
+    ef.sweep(chain, params, x, y, update=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert len(seen) == 1
+    for p, old in before.items():
+        torch.testing.assert_close(p.detach(), old - 0.1 * reference[p], rtol=1e-10, atol=1e-12)

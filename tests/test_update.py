@@ -53,10 +53,11 @@ def train(model, data, make_optimizer, fused: bool, microbatches: int = 1, **fus
 
 
 @pytest.mark.parametrize("name", sorted(optimizers()))
-@pytest.mark.parametrize("microbatches", [1, 2])
+@pytest.mark.parametrize("microbatches", [1, 2, 3])
 def test_fused_steps_give_bit_identical_parameters(name, microbatches):
     """Dropout, a tied embedding/head (updated once, with both uses' gradients), an LR scheduler,
-    and with microbatches the update in the last microbatch's fold."""
+    and with microbatches the update in the last microbatch's fold, on every piece's gradients
+    (three pieces: the middle one's too)."""
     model, data = lm()
     fused = train(copy.deepcopy(model), data, optimizers()[name], fused=True, microbatches=microbatches)
     plain = train(copy.deepcopy(model), data, optimizers()[name], fused=False, microbatches=microbatches)
@@ -133,22 +134,25 @@ def test_per_stage_clipping_and_what_cannot_be_fused():
     with pytest.raises(ValueError, match=r"parameter 'weight' of stage 0 .* not among the optimizer's"):
         ef.sweep(chain, params, x, y, update=torch.optim.SGD(model[1].parameters(), lr=0.1))
     assert all(torch.equal(a, b) for a, b in zip(untouched, model.parameters()))  # refused before any step
-    # per-stage clipping: each stage's due gradients scaled to norm <= max_norm, as clip_grad_norm_ per stage
-    before = [p.detach().clone() for p in model.parameters()]
+    # per-stage clipping: each stage's due gradients scaled to norm <= max_norm, as clip_grad_norm_ per
+    # stage: a max_norm between the stages' norms clips some and leaves the others as they are (never
+    # scaled up), one below them all clips every stage
     grads = ef.grad(chain, params, x, y)
-    ef.sweep(chain, params, x, y, update=ef.fused(opt, max_norm=1e-3))
-    for k, child in enumerate(model):
-        names = [n for n, _ in child.named_parameters()]
-        due = {n: g for n, g in grads[k].items() if not (k == len(model) - 1 and n == "weight")}
-        if k == 0:
-            due["weight"] = grads[0]["weight"]  # the tied weight: both uses' sum, due at the embedding
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in due.values()]))
-        scale = min(1.0, 1e-3 / (norm.item() + 1e-6))
-        for n in names:
-            if n in due:
-                p = dict(child.named_parameters())[n]
-                old = before[[id(q) for q in model.parameters()].index(id(p))]
-                torch.testing.assert_close(p.detach(), old - 0.1 * scale * due[n], rtol=1e-5, atol=1e-8)
+    last = len(model) - 1  # the tied weight: both uses' sum, due at the embedding, not at the head
+    dues = [{n: g for n, g in stage.items() if not (k == last and n == "weight")} for k, stage in enumerate(grads)]
+    norms = [torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in d.values()])) for d in dues]
+    middle = sorted(n.item() for n in norms)[len(norms) // 2]
+    assert min(n.item() for n in norms) < middle < max(n.item() for n in norms)
+    for max_norm in (1e-3, middle):
+        before = {p: p.detach().clone() for p in model.parameters()}
+        ef.sweep(chain, params, x, y, update=ef.fused(opt, max_norm=max_norm))
+        for child, due, norm in zip(model, dues, norms):
+            scale = min(1.0, max_norm / (norm.item() + 1e-6))
+            for n, p in child.named_parameters():
+                if n in due:
+                    torch.testing.assert_close(p.detach(), before[p] - 0.1 * scale * due[n], rtol=1e-5, atol=1e-8)
+        for p, old in before.items():  # back to the weights the gradients were taken at
+            p.data.copy_(old)
 
 
 def test_fused_gradients_never_exist_for_the_whole_network_at_once():
