@@ -184,7 +184,7 @@ def run(
     meter = Meter(chain, opts.physical, opts.budget)
     groups = tie_groups(chain, params)
     hold = min(opts.physical) if opts.budget is not None and opts.physical else None
-    reducer = reducer_of(False if sharded else opts.data_parallel)  # FSDP stages reduce-scatter their own
+    reducer = reducer_of(False if sharded else opts.data_parallel, chain, params, groups)  # FSDP: its own
     updater = (  # checked first
         Updater(opts.update, chain, params, groups, hold, reducer)
         if opts.update is not None or reducer is not None
@@ -240,9 +240,10 @@ def run(
     return SweepResult(total, tie_grads(params, grads, groups), M.join_adjoints(traces), buffers, state, stats, params)
 
 
-def reducer_of(group: Any) -> Any:
-    """The ``Reducer`` of ``data_parallel=group`` (``None``: none); a multi-process run without
-    ``data_parallel=`` is warned that its gradients are this rank's alone (``False`` says so on purpose)."""
+def reducer_of(group: Any, chain: Chain, params: tuple, groups: list) -> Any:
+    """The ``Reducer`` of ``data_parallel=group`` (``None``: none), once the replicas agree on the chain
+    (``data_parallel.agree``); a multi-process run without ``data_parallel=`` is warned that its
+    gradients are this rank's alone (``False`` says so on purpose)."""
     if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         warnings.warn(
             "sweep: in a multi-process run without data_parallel=, the gradients are this rank's batch "
@@ -252,8 +253,9 @@ def reducer_of(group: Any) -> Any:
         )
     if group is None or group is False:
         return None
-    from .distributed.data_parallel import Reducer
+    from .distributed.data_parallel import Reducer, agree, replica_layout
 
+    agree(group, replica_layout(chain, params, groups))
     return Reducer(group)
 
 
