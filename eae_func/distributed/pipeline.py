@@ -432,6 +432,7 @@ class Pipeline:
         per shape and count: pipelining infers what crosses each cut on the first step)."""
         key = (repr(shape), m, str(device))
         if key not in self._schedules:
+            specs: dict = {}  # range -> the tree structure of what it sends, shared by this rank's ranges
             stages = [
                 RangeStage(
                     r,
@@ -442,6 +443,7 @@ class Pipeline:
                     self.group,
                     (self.boundary_codec, self.costate_codec),
                     f"rank {self.rank}, {self._range_name(r)}",
+                    specs,
                 )
                 for r in self.owned
             ]
