@@ -132,7 +132,10 @@ def _replicas_differ(case):
     "case, named",
     [
         ("extra layer", r"stage 6 \('Linear_6'\) 'weight' \(shape \(4, 4\), torch.float64, trained\) only on rank 1"),
-        ("frozen layer", r"stage 0 \('Linear_0'\) 'weight': trained on rank 0, frozen \(requires_grad=False\) on rank 1"),
+        (
+            "frozen layer",
+            r"stage 0 \('Linear_0'\) 'weight': trained on rank 0, frozen \(requires_grad=False\) on rank 1",
+        ),
     ],
 )
 def test_replicas_that_differ_make_every_rank_raise_naming_the_difference(case, named):

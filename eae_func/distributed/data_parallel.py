@@ -189,7 +189,7 @@ def replica_layout(chain: Chain, params: tuple, groups: list) -> dict:
             name = ".".join(map(str, path))
             trained = is_differentiable(t) and str(path[0]) not in frozen
             entries.append((chain.where(i), name, tuple(t.shape), str(t.dtype), trained))
-    ties = [[f"{chain.where(i)} {'.'.join(map(str, path))!r}" for i, path in group] for group in groups]
+    ties = [" = ".join(f"{chain.where(i)} {'.'.join(map(str, path))!r}" for i, path in group) for group in groups]
     return {"stages": list(chain.labels), "params": entries, "ties": ties}
 
 
@@ -198,21 +198,23 @@ def replica_differences(layouts: list, ranks: list) -> list[str]:
     first, r0 = layouts[0], ranks[0]
     out = []
     for theirs, r in zip(layouts[1:], ranks[1:]):
-        if theirs["stages"] != first["stages"]:
+        if len(theirs["stages"]) != len(first["stages"]):
             out.append(f"{len(first['stages'])} stages on rank {r0}, {len(theirs['stages'])} on rank {r}")
-        mine = {(label, name): rest for label, name, *rest in first["params"]}
-        other = {(label, name): rest for label, name, *rest in theirs["params"]}
-        for key in list(mine) + [k for k in other if k not in mine]:
-            a, b = mine.get(key), other.get(key)
-            where = f"{key[0]} {key[1]!r}"
-            if a is None or b is None:
-                out.append(f"{where} ({_described(a or b)}) only on rank {r if a is None else r0}")
+        out += [f"{a} on rank {r0} is {b} on rank {r}" for a, b in zip(first["stages"], theirs["stages"]) if a != b]
+        mine = {f"{label} {name!r}": rest for label, name, *rest in first["params"]}
+        other = {f"{label} {name!r}": rest for label, name, *rest in theirs["params"]}
+        for where, a in mine.items():
+            b = other.get(where)
+            if b is None:
+                out.append(f"{where} ({_described(a)}) only on rank {r0}")
             elif a[:2] != b[:2]:
                 out.append(f"{where}: shape {a[0]}, {a[1]} on rank {r0}, shape {b[0]}, {b[1]} on rank {r}")
             elif a[2] != b[2]:
                 out.append(f"{where}: {_trained(a[2])} on rank {r0}, {_trained(b[2])} on rank {r}")
+        out += [f"{where} ({_described(b)}) only on rank {r}" for where, b in other.items() if where not in mine]
         if theirs["ties"] != first["ties"]:
-            out.append(f"tied parameters {first['ties']} on rank {r0}, {theirs['ties']} on rank {r}")
+            ties = [", ".join(layout["ties"]) or "none" for layout in (first, theirs)]
+            out.append(f"tied parameters: {ties[0]} on rank {r0}, {ties[1]} on rank {r}")
     return out
 
 
@@ -225,6 +227,11 @@ def _trained(trained: bool) -> str:
     return "trained" if trained else "frozen (requires_grad=False)"
 
 
+def layout_digest(layout: dict) -> bytes:
+    """32 bytes that equal on two ranks exactly when their ``replica_layout`` do (sha256 of its repr)."""
+    return hashlib.sha256(repr(layout).encode()).digest()
+
+
 _AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> digests of the layouts agreed on it
 
 
@@ -233,7 +240,7 @@ def agree(group: Any, layout: dict) -> None:
     ``PeerError`` naming the difference. The first step with a layout costs one all_gather of its
     32-byte digest (the layouts themselves are gathered only when the digests differ); later steps
     with a layout agreed on ``group`` cost nothing."""
-    digest = hashlib.sha256(repr(layout).encode()).digest()
+    digest = layout_digest(layout)
     agreed = _AGREED.setdefault(group, set())
     if digest in agreed:
         return
