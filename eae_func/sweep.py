@@ -139,7 +139,9 @@ def sweep(
     data_parallel:  a process group (or 1-D ``DeviceMesh``) of replicas: each stage's gradients are
                     averaged over it by an asynchronous all-reduce as soon as the fold has them (DDP's
                     arithmetic; a DDP model means its own group); ``stats["data_parallel"]`` has the
-                    bytes sent and the seconds waited. ``False``: local gradients, on purpose.
+                    bytes sent and the seconds waited. ``False``: local gradients, on purpose. The
+                    replicas must be one model: the first step with a layout checks it (one all_gather
+                    of a digest) and every rank raises ``PeerError`` naming any difference.
     compile:        ``torch.compile`` each digital stage's forward and its reverse step, the recompute
                     and the local vjp as one graph (``True``, a mode, or ``torch.compile``'s keyword
                     arguments; ``eae_func.compiled``): stages running the same code on the same shapes

@@ -418,6 +418,15 @@ def _pytree_boundaries():
     out = {
         "(h, mask) gpipe m=2": _compare(chain, params, x, y, schedule="gpipe", microbatches=2, ranges=[(0, 1), (1, 4)]),
         "dict 1f1b m=2": _compare(chain, params, x, y, schedule="1f1b", microbatches=2, ranges=[(0, 2), (2, 4)]),
+        "interleaved 1f1b m=2, a cut of each kind on each rank": _compare(
+            chain,
+            params,
+            x,
+            y,
+            schedule="interleaved_1f1b",
+            microbatches=2,
+            ranges=[(0, 1), (1, 2), (2, 3), (3, 4)],
+        ),
         "dict zero bubble m=2, int8 wire": _compare(
             chain, params, x, y, schedule="zero_bubble", microbatches=2, ranges=[(0, 2), (2, 4)], codec=D.codecs.int8()
         ),
