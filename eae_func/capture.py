@@ -342,7 +342,10 @@ class Refused(ValueError):
     """What a capture refuses to run (it would differ from eager silently), raised as it is."""
 
 
-_APPLY_LOCK = threading.Lock()
+LOCK = threading.RLock()
+"""Held by a capture from first look to cache entry: ``torch.export`` swaps a model's tensors for fake
+ones while it traces, so a second thread capturing (or fingerprinting) the same model meanwhile would
+read the fakes. One capture at a time; the second finds the first's in the cache."""
 
 
 @contextlib.contextmanager
@@ -357,7 +360,7 @@ def custom_functions():
             applied.add(cls.__qualname__)
         return original.__func__(cls, *args, **kwargs)
 
-    with _APPLY_LOCK:
+    with LOCK:
         function.apply = classmethod(apply)  # type: ignore[method-assign, assignment]
         try:
             yield applied

@@ -434,7 +434,8 @@ def from_module(
         if not isinstance(model, nn.Module):
             raise TypeError(f"from_module: split_at cuts a model's own forward, got a {type(model).__name__}")
         fsdp.refuse_capture(model)
-        stages, names = capture.cut_model(model, example, split_at)
+        with capture.LOCK:
+            stages, names = capture.cut_model(model, example, split_at)
         named_children = list(zip(names, stages))
     else:
         named_children = (

@@ -141,10 +141,11 @@ def captured(fn: Callable, params: Any, inputs: tuple) -> Captured:
         cache = _CAPTURED.setdefault(owner, {})
     except TypeError:  # not weakly referenceable: captured every call
         cache = {}
-    now = closure(fn)
-    if key not in cache or cache[key][0] != now:
-        cache[key] = now, capture_function(fn, params, inputs)
-    return cache[key][1]
+    with capture.LOCK:  # a second thread capturing the same function waits and finds this capture
+        now = closure(fn)
+        if key not in cache or cache[key][0] != now:
+            cache[key] = now, capture_function(fn, params, inputs)
+        return cache[key][1]
 
 
 def _layout(tree: Any) -> tuple:

@@ -82,7 +82,9 @@ class Options:
     data_parallel: Any = None
     """A process group (or 1-D ``DeviceMesh``) of replicas: each stage's gradients are averaged
     over it by an asynchronous all-reduce as soon as the fold has them (a DDP model means its own
-    group); ``False``: this rank's gradients, on purpose. After ``__post_init__``, the group."""
+    group); ``False``: this rank's gradients, on purpose. The replicas must be one model: the first
+    step with a layout checks it (one all_gather of a digest) and every rank raises ``PeerError``
+    naming any difference. After ``__post_init__``, the group."""
     compile: Any = None
     """``torch.compile`` each digital stage's forward and its reverse step (the recompute and the
     local vjp as one graph; ``eae_func.compiled``): ``True``, a mode string or a dict of

@@ -23,11 +23,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import cuts, fsdp, function
+from . import capture, cuts, fsdp, function
 from . import fold as F
 from . import microbatch as M
 from .adjoint import Measurements
-from .capture import canonical_names, fingerprint
+from .capture import canonical_names
 from .capture import layout as capture_layout
 from .chain import Chain, from_module, hooked_grads
 from .options import Options, make
@@ -149,7 +149,7 @@ def run(
     groups = tie_groups(chain, params)
     hooks = {(i, n): p for i, s in enumerate(chain.stages) for n, p in s.hooked().items()}
     hold = min(opts.physical) if opts.budget is not None and opts.physical else None
-    reducer = reducer_of(False if sharded else opts.data_parallel)  # FSDP stages reduce-scatter their own
+    reducer = reducer_of(False if sharded else opts.data_parallel, chain, params, groups)  # FSDP: its own
     updater = (  # checked first
         Updater(opts.update, chain, params, groups, hold, reducer, hooks)
         if opts.update is not None or reducer is not None
@@ -206,9 +206,10 @@ def run(
     return SweepResult(total, grads, M.join_adjoints(traces), buffers, state, stats, params)
 
 
-def reducer_of(group: Any) -> Any:
-    """The ``Reducer`` of ``data_parallel=group`` (``None``: none); a multi-process run without
-    ``data_parallel=`` is warned that its gradients are this rank's alone (``False`` says so on purpose)."""
+def reducer_of(group: Any, chain: Chain, params: tuple, groups: list) -> Any:
+    """The ``Reducer`` of ``data_parallel=group`` (``None``: none), once the replicas agree on the chain
+    (``data_parallel.agree``); a multi-process run without ``data_parallel=`` is warned that its
+    gradients are this rank's alone (``False`` says so on purpose)."""
     if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         warnings.warn(
             "sweep: in a multi-process run without data_parallel=, the gradients are this rank's batch "
@@ -218,8 +219,9 @@ def reducer_of(group: Any) -> Any:
         )
     if group is None or group is False:
         return None
-    from .distributed.data_parallel import Reducer
+    from .distributed.data_parallel import Reducer, agree, replica_layout
 
+    agree(group, replica_layout(chain, params, groups))
     return Reducer(group)
 
 
@@ -248,11 +250,12 @@ def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Seque
         if not isinstance(model, nn.Module):
             raise TypeError(f"sweep: split_at cuts a model's own forward, got a {type(model).__name__}")
         layout = tuple(capture_layout(optree.tree_leaves(x, namespace=NAMESPACE)))
-        cache = _CAPTURED.setdefault(model, {})
-        cache_key, now = (tuple(split_at), layout), fingerprint(model)
-        if cache_key not in cache or cache[cache_key][0] != now:
-            cache[cache_key] = now, from_module(model, loss, split_at=split_at, example=x)[0]
-        captured = cache[cache_key][1]
+        with capture.LOCK:  # a second thread capturing the same model waits and finds this capture
+            cache = _CAPTURED.setdefault(model, {})
+            cache_key, now = (tuple(split_at), layout), capture.fingerprint(model)
+            if cache_key not in cache or cache[cache_key][0] != now:
+                cache[cache_key] = now, from_module(model, loss, split_at=split_at, example=x)[0]
+            captured = cache[cache_key][1]
         chain = Chain(captured.stages, loss=loss, ties=captured.ties)
         prefixes = [None] * len(chain)
     names = {}

@@ -435,3 +435,101 @@ def test_parameter_hooks_give_autograds_gradients(depth, width, seed, hooks, mic
     for m, stage in zip(modules, grads):
         for name, p in m.named_parameters():
             torch.testing.assert_close(stage[name], reference[p])
+
+
+# ----------------------------------------------------------------------------- across ranks, without ranks
+
+LEAF = st.tuples(
+    st.sampled_from([torch.float32, torch.float64, torch.int64, torch.bool]), st.lists(st.integers(1, 3), max_size=2)
+)
+
+
+@given(
+    leaves=st.lists(LEAF, min_size=1, max_size=4),
+    as_dict=st.booleans(),
+    present=st.lists(st.booleans(), min_size=4, max_size=4),
+    codec=st.sampled_from(["raw", "int8", "topk"]),
+    broken=st.sampled_from([None, "shape", "structure"]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_pytree_costate_crosses_a_rank_boundary_as_sent_or_is_named(leaves, as_dict, present, codec, broken, seed):
+    """What a pipeline rank sends for a boundary's costate (a flag per leaf, a payload per floating leaf)
+    fills exactly what its neighbour receives into, and carries the codec's round trip of every floating
+    leaf that has a costate, ``None`` elsewhere; a costate of another shape or structure is named."""
+    import eae_func.distributed as D
+    from eae_func.distributed import stage as S
+
+    torch.manual_seed(seed)
+    state = [torch.zeros(shape, dtype=dtype) for dtype, shape in leaves]
+    boundary = {f"v{k}": t for k, t in enumerate(state)} if as_dict else tuple(state)
+    metas, spec = optree.tree_flatten(boundary, namespace=NAMESPACE)
+    costate = [
+        torch.randn(t.shape, dtype=t.dtype) if t.is_floating_point() and on else None for t, on in zip(metas, present)
+    ]
+    wire = {"raw": D.codecs.Raw(), "int8": D.codecs.int8(), "topk": D.codecs.topk(0.5)}[codec]
+    what = "the costate at boundary 2 (the input of rank 1, stage 2 ('s'))"
+    given_costate = spec.unflatten(costate)
+    floats = [k for k, t in enumerate(costate) if t is not None]
+    if broken == "shape" and floats:
+        costate[floats[0]] = torch.zeros(7, *costate[floats[0]].shape)
+        given_costate = spec.unflatten(costate)
+    elif broken == "structure":
+        given_costate = [*costate, None]
+    if broken is not None and (broken == "structure" or floats):
+        with pytest.raises(ValueError, match=re.escape(what) + " has (a leaf of shape|another structure)"):
+            S.costate_leaves(given_costate, spec, metas, what)
+        return
+    values = S.costate_leaves(given_costate, spec, metas, what)
+    encoded = [None if v is None else wire.encode(v) for v in values]
+    flags, sent = S.costate_message(encoded, metas, wire, torch.device("cpu"))
+    inbox_flags, inbox = S.costate_inbox(metas, wire, torch.device("cpu"))
+    sending, receiving = [flags, *S.wire_tensors(sent)], [inbox_flags, *S.wire_tensors(inbox)]
+    assert [(t.shape, t.dtype) for t in sending] == [(t.shape, t.dtype) for t in receiving]
+    for into, t in zip(receiving, sending):
+        into.copy_(t)
+    received = optree.tree_leaves(S.received_costate(inbox_flags, inbox, spec), none_is_leaf=True, namespace=NAMESPACE)
+    for got, t in zip(received, costate):
+        assert (got is None) == (t is None)
+        assert got is None or torch.equal(got, wire.encode(t).decode())
+
+
+@given(
+    widths=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+    change=st.sampled_from([None, "freeze", "widen", "double", "extra layer", "tie"]),
+    pick=st.integers(0, 3),
+    ranks=st.integers(2, 4),
+)
+def test_replicas_that_differ_are_named_and_the_same_ones_agree(widths, change, pick, ranks):
+    """The check ``data_parallel=`` makes at its first step, without ranks: equal layouts have one
+    digest and no difference; a replica changed in one way is named, with its rank and the stage."""
+    from eae_func.distributed import data_parallel as DP
+    from eae_func.ties import tie_groups
+
+    def layout(changed):
+        torch.manual_seed(0)
+        layers = [nn.Linear(a, b) for a, b in zip([3, *widths], widths)]
+        layers += [nn.Linear(widths[-1], widths[-1]) for _ in range(2)]  # a pair that may be tied
+        i = pick % len(widths)
+        if changed == "freeze":
+            layers[i].requires_grad_(False)
+        elif changed == "widen":
+            layers[i] = nn.Linear(layers[i].in_features, layers[i].out_features + 1)
+        elif changed == "double":
+            layers[i].double()
+        elif changed == "extra layer":
+            layers.append(nn.Linear(widths[-1], 2))
+        elif changed == "tie":
+            layers[-1].weight = layers[-2].weight
+        chain, params = ef.from_module(nn.Sequential(*layers), loss=F.mse_loss)
+        return DP.replica_layout(chain, params, tie_groups(chain, params))
+
+    same, other = layout(None), layout(change)
+    assert DP.layout_digest(same) == DP.layout_digest(layout(None))
+    differences = DP.replica_differences([same] * (ranks - 1) + [other], list(range(ranks)))
+    if change is None:
+        assert differences == []
+        return
+    assert DP.layout_digest(other) != DP.layout_digest(same)
+    assert differences and all(f"rank {ranks - 1}" in d for d in differences), differences
+    stage = {"extra layer": len(widths) + 2, "tie": len(widths)}.get(change, pick % len(widths))
+    assert any(f"stage {stage} " in d for d in differences), differences

@@ -3,6 +3,7 @@ averaged over the replicas as the fold makes them, bitwise DDP's average; fused 
 on the average; the DDP model trains on normally afterwards; a multi-process sweep without
 ``data_parallel=`` is warned that its gradients are local."""
 
+import re
 import warnings
 
 import pytest
@@ -109,3 +110,62 @@ def test_data_parallel_takes_a_group_or_a_1d_mesh():
     x, y = _batch(0)
     grads = ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, data_parallel=False)
     assert all(g is not None for g in grads.values())
+
+
+def _replicas_differ(case):
+    """One data_parallel= step where rank 1's replica is not rank 0's: every rank's outcome."""
+    rank = dist.get_rank()
+    model = _model()
+    if rank == 1 and case == "extra layer":
+        model.append(nn.Linear(4, 4).double())
+    if rank == 1 and case == "frozen layer":
+        model[0].requires_grad_(False)
+    x, y = _batch(rank)
+    try:
+        ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, data_parallel=dist.group.WORLD)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "returned gradients"
+
+
+@pytest.mark.parametrize(
+    "case, named",
+    [
+        ("extra layer", r"stage 6 \('Linear_6'\) 'weight' \(shape \(4, 4\), torch.float64, trained\) only on rank 1"),
+        (
+            "frozen layer",
+            r"stage 0 \('Linear_0'\) 'weight': trained on rank 0, frozen \(requires_grad=False\) on rank 1",
+        ),
+    ],
+)
+def test_replicas_that_differ_make_every_rank_raise_naming_the_difference(case, named):
+    for out in D.run(_replicas_differ, 2, case, timeout=120, pg_timeout=30):
+        assert out.startswith("PeerError: sweep: data_parallel= replicas differ"), out
+        assert re.search(named, out), out
+        assert "give every replica the same model" in out
+
+
+def _agreement_collectives():
+    """The all_gathers of the replica check over steps: the first with a layout, and once more when every
+    replica freezes a layer (a new layout); the frozen layer then gets no gradient."""
+    gather, calls = dist.all_gather, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return gather(*args, **kwargs)
+
+    dist.all_gather = counting
+    model = _model()
+    x, y = _batch(dist.get_rank())
+    counts = []
+    for step in range(4):
+        if step == 2:
+            model[0].requires_grad_(False)
+        grads = ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, data_parallel=dist.group.WORLD)
+        counts.append(len(calls))
+    return counts, grads["0.weight"] is None
+
+
+def test_the_replicas_agreement_costs_one_small_collective_per_layout():
+    for counts, frozen_none in D.run(_agreement_collectives, 2, timeout=120, pg_timeout=30):
+        assert counts == [1, 1, 2, 2] and frozen_none

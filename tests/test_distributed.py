@@ -10,6 +10,7 @@ Each spawned run checks several things and returns numbers; the tests assert on 
 import os
 import time
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ import eae_func.distributed as D
 from eae_func import estimators as E
 from eae_func import passes as P
 from eae_func.models import lm_loss, transformer_lm
+from eae_func.tree import NAMESPACE
 
 VOCAB = 32
 
@@ -51,9 +53,20 @@ def _trace_error(res, ref):
     largest value difference, and whether index, stage and history all agree."""
     by_index = {a.index: a for a in ref.adjoints}
     same = all((a.stage, a.history) == (by_index[a.index].stage, by_index[a.index].history) for a in res.adjoints)
-    same = same and all((a.value is None) == (by_index[a.index].value is None) for a in res.adjoints)
+    same = same and all(
+        optree.tree_structure(a.value, none_is_leaf=True, namespace=NAMESPACE)
+        == optree.tree_structure(by_index[a.index].value, none_is_leaf=True, namespace=NAMESPACE)
+        for a in res.adjoints
+    )
     err = max(
-        ((a.value - by_index[a.index].value).abs().max().item() for a in res.adjoints if a.value is not None),
+        (
+            (u - v).abs().max().item()
+            for a in res.adjoints
+            for u, v in zip(
+                optree.tree_leaves(a.value, namespace=NAMESPACE),
+                optree.tree_leaves(by_index[a.index].value, namespace=NAMESPACE),
+            )
+        ),
         default=0.0,
     )
     return err, same, [a.index for a in res.adjoints]
@@ -371,6 +384,104 @@ def test_compressed_gradient_average_is_identical_on_replicas_and_within_the_int
         by_stage.setdefault(stage_rank, []).append(r["checksum"])
     for sums in by_stage.values():
         assert sums[0] == sums[1]
+
+
+# ----------------------------------------------------------------------------- pytree boundaries
+
+
+def _masked(width=8):
+    """A chain whose boundaries are pytrees: ``(h, mask)`` with a boolean mask after stage 0, then a
+    dict with the mask, an integer count per row and a float leaf no later stage uses (no costate)."""
+    g = torch.Generator().manual_seed(0)
+
+    def first(p, x):
+        return torch.tanh(x @ p["w"]), x > 0
+
+    def middle(p, hm):
+        h, mask = hm
+        return {"h": torch.tanh(h @ p["w"]) * mask, "mask": mask, "n": mask.sum(-1), "unused": 2 * h}
+
+    def gated(p, d):
+        return torch.tanh(d["h"] @ p["w"]) * d["mask"] + 0.01 * d["n"].unsqueeze(-1)
+
+    stages = [ef.stage(f, name=f.__name__) for f in (first, middle, gated)] + [
+        ef.stage(lambda p, h: h @ p["w"], name="head")
+    ]
+    params = tuple({"w": torch.randn(width, width, generator=g, dtype=torch.float64) / 3} for _ in stages)
+    chain = ef.Chain(stages, loss=lambda out, y: torch.nn.functional.mse_loss(out, y))
+    return chain, params, torch.randn(8, width, generator=g, dtype=torch.float64), torch.randn(8, width, generator=g)
+
+
+def _pytree_boundaries():
+    chain, params, x, y = _masked()
+    y = y.double()
+    out = {
+        "(h, mask) gpipe m=2": _compare(chain, params, x, y, schedule="gpipe", microbatches=2, ranges=[(0, 1), (1, 4)]),
+        "dict 1f1b m=2": _compare(chain, params, x, y, schedule="1f1b", microbatches=2, ranges=[(0, 2), (2, 4)]),
+        "interleaved 1f1b m=2, a cut of each kind on each rank": _compare(
+            chain,
+            params,
+            x,
+            y,
+            schedule="interleaved_1f1b",
+            microbatches=2,
+            ranges=[(0, 1), (1, 2), (2, 3), (3, 4)],
+        ),
+        "dict zero bubble m=2, int8 wire": _compare(
+            chain, params, x, y, schedule="zero_bubble", microbatches=2, ranges=[(0, 2), (2, 4)], codec=D.codecs.int8()
+        ),
+    }
+    return {name: {k: r[k] for k in ("grad_err", "loss_err", "trace_err", "trace_same")} for name, r in out.items()}
+
+
+def test_boundaries_that_are_pytrees_cross_ranks_as_in_one_process():
+    """A tuple with a boolean mask, a dict with integer and unused leaves: every rank's gradients, loss
+    and trace are the single-process sweep's (int8 costates: with ``codec.as_pass()`` there)."""
+    for out in D.run(_pytree_boundaries, 2, timeout=120):
+        for name, r in out.items():
+            assert r["grad_err"] == r["loss_err"] == r["trace_err"] == 0.0 and r["trace_same"], (name, r)
+
+
+def _gpt2_pipeline():
+    """A captured Hugging Face GPT-2 (its cuts carry dicts: the residual stream and the causal mask; the
+    tied embedding and head on the two ranks) on two ranks against the single-process sweep."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=3, n_embd=32, n_head=4, vocab_size=64, n_positions=32, attn_implementation="eager"
+    )
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+
+    def next_token_loss(out, ids):
+        return torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    chain, params = ef.from_module(model, loss=next_token_loss, split_at=["transformer.h.*"], example=ids[:2])
+    r = _compare(chain, params, ids, ids, schedule="1f1b", microbatches=2, ranges=[(0, 2), (2, 5)])
+    return {k: r[k] for k in ("grad_err", "loss_err", "trace_err", "trace_same")}
+
+
+def test_a_captured_gpt2_pipelines_over_two_ranks_as_in_one_process():
+    pytest.importorskip("transformers")
+    for r in D.run(_gpt2_pipeline, 2, timeout=120):
+        assert r["grad_err"] == r["loss_err"] == r["trace_err"] == 0.0 and r["trace_same"], r
+
+
+def _hooked_pipeline():
+    """Tensor hooks on the tied embedding (its two uses on two ranks) and on a block's weight."""
+    chain, params = _lm()
+    for p in (chain.stages[0].module.weight, next(chain.stages[2].module.parameters())):
+        p.register_hook(lambda g: g * (torch.arange(g.numel()).reshape(g.shape) % 2))
+    x, y = _batch(4)
+    r = _compare(chain, params, x, y, schedule="1f1b", microbatches=2)
+    masked = ef.grad(chain, params, x, y)[0]["weight"].flatten()[::2]
+    return {"grad_err": r["grad_err"], "hooked": bool((masked == 0).all())}
+
+
+def test_parameter_hooks_act_on_a_pipeline_as_in_one_process():
+    for r in D.run(_hooked_pipeline, 2, timeout=120):
+        assert r == {"grad_err": 0.0, "hooked": True}, r
 
 
 # ----------------------------------------------------------------------------- faults

@@ -85,8 +85,16 @@ def test_codec_rejects_bad_arguments():
     for ratio in (0.0, 1.5, True):  # a bool is not a ratio
         with pytest.raises(ValueError, match=r"topk: ratio must be a finite number and > 0 and <= 1"):
             K.topk(ratio)
-    with pytest.raises(TypeError, match="tensor costate"):
-        K.int8().as_pass().apply(AdjointState((torch.ones(2), None), 1, "s"))
+    with pytest.raises(TypeError, match="wire codecs take tensor costates, boundary 1 has a int"):
+        K.int8().as_pass().apply(AdjointState((torch.ones(2), 3), 1, "s"))
+
+
+def test_a_pytree_costate_crosses_the_wire_leaf_by_leaf():
+    """Each tensor leaf is coded (bytes and ratio of all of them); a leaf without a costate stays ``None``."""
+    adj, _ = K.int8().as_pass().apply(AdjointState((torch.ones(2), None, {"h": -torch.ones(3)}), 1, "s"))
+    assert torch.equal(adj.value[0], torch.ones(2)) and adj.value[1] is None
+    assert torch.equal(adj.value[2]["h"], -torch.ones(3))
+    assert adj.meta["wire_bytes"] == 2 + 4 + 3 + 4 and adj.history == ("wire:int8",)
 
 
 @given(

@@ -447,6 +447,43 @@ def test_two_threads_sweeping_one_module_leave_it_intact_and_get_its_gradients()
         assert all(torch.equal(grads[i][n], reference[i][n]) for i in range(len(chain)) for n in reference[i])
 
 
+@pytest.mark.parametrize("what", ["model", "function"])
+def test_two_threads_capturing_one_fresh_model_or_function_at_once_both_get_its_gradients(what):
+    """torch.export swaps a model's tensors for fake ones while it traces: first captures are serialised."""
+    import threading
+
+    x, y = _batch()
+    for _ in range(3):  # a fresh model and function each time: both threads miss the cache
+        model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
+        params = dict(model.named_parameters())
+        want = _autograd(model, x, y)
+
+        def fresh(params, h):  # the model's forward as a function with a cut
+            h = ef.cut(torch.tanh(F.linear(h, params["0.weight"], params["0.bias"])), "one")
+            return F.linear(h, params["2.weight"], params["2.bias"])
+
+        barrier, results = threading.Barrier(2), [None, None]
+
+        def work(k, model=model, params=params, fresh=fresh, barrier=barrier, results=results):
+            barrier.wait()
+            try:
+                if what == "model":
+                    results[k] = ef.grad(model, params, x, y, loss=F.mse_loss, split_at=["0", "2"], capture="graph")
+                else:
+                    results[k] = ef.grad(fresh, params, x, y, loss=F.mse_loss)
+            except Exception as e:  # noqa: BLE001 - asserted below
+                results[k] = e
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        for grads in results:
+            assert isinstance(grads, dict), grads
+            assert all(torch.allclose(grads[n], want[n], rtol=1e-10, atol=1e-12) for n in want)
+
+
 def test_a_fused_step_over_its_row_budget_updates_nothing():
     """The reverse step's probes of a physical stage are charged before any stage is updated."""
     chain, params = _with_a_physical_stage()

@@ -21,12 +21,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import optree
 import torch
 
 from .. import quantise as Q
 from ..adjoint import AdjointState
 from ..checks import check_ratio
 from ..passes import Pass, stateless
+from ..tree import NAMESPACE
 
 __all__ = ["Codec", "cast", "fp8", "int8", "raw", "topk"]
 
@@ -86,20 +88,20 @@ class Codec:
         return self.name
 
 
-def round_trip(codec: Codec, adj: AdjointState) -> tuple[AdjointState, Encoded]:
-    """``(adj with its costate replaced by decode(encode(costate)), the Encoded)``.
-
-    The costate must be a single tensor: that is what crosses a rank boundary.
-    """
-    if not isinstance(adj.value, torch.Tensor):
-        raise TypeError(
-            f"{codec.name}: wire codecs take a tensor costate, boundary {adj.index} has a {type(adj.value).__name__}"
-        )
-    enc = codec.encode(adj.value)
-    own = adj.value.numel() * adj.value.element_size()
-    return adj.applied(
-        f"wire:{codec.name}", enc.decode(), wire_bytes=enc.nbytes, wire_ratio=enc.nbytes / own if own else 1.0
-    ), enc
+def round_trip(codec: Codec, adj: AdjointState) -> tuple[AdjointState, list]:
+    """``(adj with each tensor of its costate replaced by decode(encode(tensor)), the Encoded of each
+    leaf)``: a costate is a tensor or a pytree of them, ``None`` where a leaf has none (no Encoded)."""
+    leaves, spec = optree.tree_flatten(adj.value, none_is_leaf=True, namespace=NAMESPACE)
+    for t in leaves:
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"{codec.name}: wire codecs take tensor costates, boundary {adj.index} has a {type(t).__name__}"
+            )
+    encoded = [None if t is None else codec.encode(t) for t in leaves]
+    sent = sum(enc.nbytes for enc in encoded if enc is not None)
+    own = sum(t.numel() * t.element_size() for t in leaves if t is not None)
+    value = spec.unflatten([None if enc is None else enc.decode() for enc in encoded])
+    return adj.applied(f"wire:{codec.name}", value, wire_bytes=sent, wire_ratio=sent / own if own else 1.0), encoded
 
 
 class Raw(Codec):

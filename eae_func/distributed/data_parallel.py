@@ -5,14 +5,16 @@ or stage by stage as the fold makes them: ``Reducer``), and a pipeline x data-pa
     with a codec:                      g <- (1/R) sum_r decode(encode(g_r))   (all_gather of payloads)
 
 Every replica ends with the same average (bit-identical: all decode the same payloads
-and add them in rank order).
+and add them in rank order). Replicas must be one model: ``agree`` checks it at the first step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import time
+import weakref
 from typing import Any
 
 import optree
@@ -21,6 +23,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..adjoint import NAMESPACE
+from ..boundary import is_differentiable
+from ..chain import Chain
 from .codecs import Codec, Encoded
 from .launch import PeerError
 
@@ -171,3 +175,95 @@ class Reducer:
             self.stats["wait_s"] += time.perf_counter() - start
             done.append((i, {n: averaged[n] for n in shapes}))
         return done
+
+
+def replica_layout(chain: Chain, params: tuple, groups: list) -> dict:
+    """What the replicas of a ``data_parallel=`` sweep must share for their stage-by-stage reductions to
+    pair up: the stages, each parameter leaf's path, shape, dtype and whether it is trained (a float
+    and not ``requires_grad=False`` in its module), and the tied groups (``tie_groups``)."""
+    entries = []
+    for i, (stage, p) in enumerate(zip(chain.stages, params)):
+        frozen = stage.frozen()
+        paths, leaves, _ = optree.tree_flatten_with_path(p, namespace=NAMESPACE)
+        for path, t in zip(paths, leaves):
+            name = ".".join(map(str, path))
+            trained = is_differentiable(t) and str(path[0]) not in frozen
+            entries.append((chain.where(i), name, tuple(t.shape), str(t.dtype), trained))
+    ties = [" = ".join(f"{chain.where(i)} {'.'.join(map(str, path))!r}" for i, path in group) for group in groups]
+    return {"stages": list(chain.labels), "params": entries, "ties": ties}
+
+
+def replica_differences(layouts: list, ranks: list) -> list[str]:
+    """What differs between each rank's ``replica_layout`` and the first rank's, in words."""
+    first, r0 = layouts[0], ranks[0]
+    out = []
+    for theirs, r in zip(layouts[1:], ranks[1:]):
+        if len(theirs["stages"]) != len(first["stages"]):
+            out.append(f"{len(first['stages'])} stages on rank {r0}, {len(theirs['stages'])} on rank {r}")
+        out += [f"{a} on rank {r0} is {b} on rank {r}" for a, b in zip(first["stages"], theirs["stages"]) if a != b]
+        mine = {f"{label} {name!r}": rest for label, name, *rest in first["params"]}
+        other = {f"{label} {name!r}": rest for label, name, *rest in theirs["params"]}
+        for where, a in mine.items():
+            b = other.get(where)
+            if b is None:
+                out.append(f"{where} ({_described(a)}) only on rank {r0}")
+            elif a[:2] != b[:2]:
+                out.append(f"{where}: shape {a[0]}, {a[1]} on rank {r0}, shape {b[0]}, {b[1]} on rank {r}")
+            elif a[2] != b[2]:
+                out.append(f"{where}: {_trained(a[2])} on rank {r0}, {_trained(b[2])} on rank {r}")
+        out += [f"{where} ({_described(b)}) only on rank {r}" for where, b in other.items() if where not in mine]
+        if theirs["ties"] != first["ties"]:
+            ties = [", ".join(layout["ties"]) or "none" for layout in (first, theirs)]
+            out.append(f"tied parameters: {ties[0]} on rank {r0}, {ties[1]} on rank {r}")
+    return out
+
+
+def _described(entry: list) -> str:
+    shape, dtype, trained = entry
+    return f"shape {shape}, {dtype}, {_trained(trained)}"
+
+
+def _trained(trained: bool) -> str:
+    return "trained" if trained else "frozen (requires_grad=False)"
+
+
+def layout_digest(layout: dict) -> bytes:
+    """32 bytes that equal on two ranks exactly when their ``replica_layout`` do (sha256 of its repr)."""
+    return hashlib.sha256(repr(layout).encode()).digest()
+
+
+_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> digests of the layouts agreed on it
+
+
+def agree(group: Any, layout: dict) -> None:
+    """Every replica of ``group`` has this ``layout`` (``replica_layout``), or every one raises
+    ``PeerError`` naming the difference. The first step with a layout costs one all_gather of its
+    32-byte digest (the layouts themselves are gathered only when the digests differ); later steps
+    with a layout agreed on ``group`` cost nothing."""
+    digest = layout_digest(layout)
+    agreed = _AGREED.setdefault(group, set())
+    if digest in agreed:
+        return
+    ranks, rank = dist.get_process_group_ranks(group), dist.get_rank()
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.int64).to(device)
+    everyone = [torch.empty_like(mine) for _ in ranks]
+    try:
+        dist.all_gather(everyone, mine, group=group)
+        if all(torch.equal(d, mine) for d in everyone):
+            if len(agreed) >= 8:  # bounded: a model frozen step by step in new ways does not grow it
+                agreed.clear()
+            agreed.add(digest)
+            return
+        layouts: list = [None] * len(ranks)
+        dist.all_gather_object(layouts, layout, group=group)
+    except RuntimeError as e:
+        raise PeerError(
+            f"rank {rank}: sweep: data_parallel= exchanging the replicas' layouts failed or timed out: {e}"
+        ) from e
+    raise PeerError(
+        f"sweep: data_parallel= replicas differ, so their gradients cannot be averaged stage by stage: "
+        f"{'; '.join(replica_differences(layouts, ranks)[:8])}; give every replica the same model (the same "
+        f"stages, and each parameter's name, shape, dtype and requires_grad)"
+    )

@@ -45,7 +45,7 @@ from torch.distributed import pipelining
 from .. import fold as F
 from .. import microbatch as M
 from ..adjoint import Measurements
-from ..chain import Chain
+from ..chain import Chain, hooked_grads
 from ..options import Options, make
 from ..physical import Meter
 from ..runner import Range
@@ -388,6 +388,8 @@ class Pipeline:
                 stage.end()
             loss = self._share_loss(loss)
             grads = self._tie(params, grads, groups)
+            hooks = {(n, name): p for n, i in enumerate(self.stages) for name, p in chain.stages[i].hooked().items()}
+            grads = hooked_grads(grads, hooks)  # p.register_hook: on each parameter's whole gradient, as autograd
         stats = metered(stats, chain, meter)
         stats["wire"] = dict(step.counts)
         stats["schedule"] = {
@@ -433,6 +435,7 @@ class Pipeline:
         per shape and count: pipelining infers what crosses each cut on the first step)."""
         key = (repr(shape), m, str(device))
         if key not in self._schedules:
+            specs: dict = {}  # range -> the tree structure of what it sends, shared by this rank's ranges
             stages = [
                 RangeStage(
                     r,
@@ -443,6 +446,7 @@ class Pipeline:
                     self.group,
                     (self.boundary_codec, self.costate_codec),
                     f"rank {self.rank}, {self._range_name(r)}",
+                    specs,
                 )
                 for r in self.owned
             ]

@@ -6,13 +6,17 @@ call it, the engine's one runner (``eae_func.runner.Range``) computes inside it.
     I(j):  the same, each stage's weight half deferred                 (zero-bubble schedules)
     W(j):  the deferred weight halves of microbatch j
 
-Pipelining's own stage runs autograd on its module; this one overrides the compute
-(``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``) and the messages
-(``get_{fwd,bwd}_{send,recv}_ops``: a codec's payload tensors; a costate also carries a one-byte
-flag, 0 where no costate flows) and leaves the rest to pipelining: the schedule, batching and
-waiting on the point-to-point ops, and the inference of what crosses each cut, from one forward
-of microbatch 0 per pipeline and shape (RNG forked, physical stages not metered). Its module has
-no parameters: gradients are the runner's, summed over microbatches in order, never ``.grad``.
+A boundary is any pytree of tensors (``(h, mask)``, a captured model's ``{node: tensor}``): its leaves
+cross as pipelining's tuple of tensors, floating ones through the codec, integer and boolean ones
+raw; its costate is a one-byte flag per leaf (0 where that leaf has no costate: an integer leaf, or
+none flows) and the codec's payload of every floating leaf. Pipelining's own stage runs autograd on
+its module; this one overrides the compute (``forward_one_chunk``, ``backward_one_chunk``,
+``backward_weight_one_chunk``) and the messages (``get_{fwd,bwd}_{send,recv}_ops``) and leaves the
+rest to pipelining: the schedule, batching and waiting on the point-to-point ops, and the inference
+of what crosses each cut, from one forward of microbatch 0 per pipeline and shape (RNG forked,
+physical stages not metered), whose metadata going forward also carries the boundary's tree
+structure (``_send_meta`` / ``_recv_meta``). Its module has no parameters: gradients are the
+runner's, summed over microbatches in order, never ``.grad``.
 """
 
 from __future__ import annotations
@@ -27,10 +31,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
+from .. import boundary as B
 from .. import fold as F
 from ..microbatch import Microbatch
 from ..runner import Piece, Range
 from .codecs import Codec, Encoded, Raw, round_trip
+
+RAW = Raw()
 
 
 @dataclasses.dataclass
@@ -67,8 +74,9 @@ class Step:
 
 class RangeStage(PipelineStage):
     """Stage range ``index`` (stages ``lo..hi-1`` of the chain) of ``num_ranges``, on ``device``,
-    talking over ``group``; ``where`` names it in errors. ``begin(runner, step)`` before each step,
-    ``end()`` after it."""
+    talking over ``group``; ``where`` names it in errors; ``specs`` (shared by a rank's ranges) maps a
+    range to the tree structure of what it sends. ``begin(runner, step)`` before each step, ``end()``
+    after it."""
 
     def __init__(
         self,
@@ -80,9 +88,10 @@ class RangeStage(PipelineStage):
         group: Any,
         codecs: tuple[Codec, Codec],
         where: str,
+        specs: dict,
     ):
         super().__init__(torch.nn.Module(), index, num_ranges, device, group=group)
-        self.lo, self.hi, self.codecs, self.where = lo, hi, codecs, where
+        self.lo, self.hi, self.codecs, self.where, self.specs = lo, hi, codecs, where, specs
         self.runner: Range | None = None
         self.step: Step | None = None
         self.tapes: dict[int, F.Tape] = {}
@@ -90,8 +99,8 @@ class RangeStage(PipelineStage):
         self.done: dict[int, Piece] = {}
         self.inbox: dict[int, Any] = {}  # boundary states received, encoded
         self.outbox: dict[int, Any] = {}  # boundary states to send
-        self.costates_in: dict[int, tuple] = {}  # (flag, encoded) received
-        self.costates_out: dict[int, tuple] = {}  # (flag, encoded) to send
+        self.costates_in: dict[int, tuple] = {}  # (flags, encoded per leaf) received
+        self.costates_out: dict[int, tuple] = {}  # (flags, encoded per leaf) to send
 
     def begin(self, runner: Range, step: Step) -> None:
         self.end()
@@ -108,7 +117,11 @@ class RangeStage(PipelineStage):
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple, kwargs: dict | None = None, save_forward_output=True):
         j, step, runner = fwd_chunk_id, self._step, self._runner
         with step.computing(f"the forward of microbatch {j} on {self.where}"):
-            h = None if self.is_first else self.inbox.pop(j).decode()
+            h = (
+                None
+                if self.is_first
+                else self.specs[self.stage_index - 1].unflatten([enc.decode() for enc in self.inbox.pop(j)])
+            )
             self.ran_with[j] = step.buffers
             tape = runner.forward(step.buffers, step.pieces[j], h)
             lo, hi = self.lo, self.hi
@@ -116,17 +129,16 @@ class RangeStage(PipelineStage):
             self.tapes[j] = tape
             if self.is_last:
                 return None
-            out = self.outbox[j] = tape.take_output()
-            single_tensor(out, f"the output of {self.where}, sent to the next stage range")
-            return out
+            self.outbox[j] = tape.take_output()
+            return self.outbox[j]
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
         j, step, runner = bwd_chunk_id, self._step, self._runner
         with step.computing(f"the backward of microbatch {j} on {self.where}"):
             received = None
             if not self.is_last:
-                flag, enc = self.costates_in.pop(j)
-                received = enc.decode() if flag.item() else None
+                flags, encoded = self.costates_in.pop(j)
+                received = received_costate(flags, encoded, self.specs[self.stage_index])
             piece = runner.backward(
                 self.tapes.pop(j),
                 self.ran_with.pop(j),
@@ -148,97 +160,100 @@ class RangeStage(PipelineStage):
             self.done[j] = dataclasses.replace(piece, grads=grads)
 
     def _send_costate(self, j: int, piece: Piece) -> Piece:
-        """Queue p_lo for the previous range, encoded; the trace's record of boundary lo becomes
-        the round trip (what the previous range receives)."""
-        meta = self._crossing("inputs")
-        codec = self.codecs[1]
-        p = piece.costate
-        flag = torch.ones(1, dtype=torch.uint8, device=self.device)
-        if p is None:
-            flag.zero_()
-            self.costates_out[j] = flag, self._empty(codec, meta)
-            return piece
+        """Queue p_lo for the previous range, each leaf encoded; the trace's record of boundary lo
+        becomes the round trip (what the previous range receives)."""
+        metas, codec, spec = self._crossing("inputs"), self.codecs[1], self.specs[self.stage_index - 1]
         what = f"the costate at boundary {self.lo} (the input of {self.where})"
-        single_tensor(p, what)
-        if tuple(p.shape) != tuple(meta.shape):
-            raise ValueError(
-                f"{what} has shape {tuple(p.shape)} after the passes, the boundary state has shape "
-                f"{tuple(meta.shape)}: the previous stage range cannot use it"
-            )
-        p = p.to(meta.dtype)
-        if isinstance(codec, Raw):
-            self.costates_out[j] = flag, codec.encode(p)
-            return piece
-        record, enc = round_trip(codec, piece.trace[-1].replace(value=p))
-        if not self._runner.opts.keep_costates:
-            record = record.replace(value=None)
-        self.costates_out[j] = flag, enc
-        return dataclasses.replace(piece, trace=piece.trace[:-1] + (record,))
+        values = costate_leaves(piece.costate, spec, metas, what)
+        if isinstance(codec, Raw) or all(t is None for t in values):
+            encoded = [None if t is None else codec.encode(t) for t in values]
+        else:
+            record, encoded = round_trip(codec, piece.trace[-1].replace(value=spec.unflatten(values)))
+            if not self._runner.opts.keep_costates:
+                record = record.replace(value=None)
+            piece = dataclasses.replace(piece, trace=piece.trace[:-1] + (record,))
+        self.costates_out[j] = costate_message(encoded, metas, codec, self.device)
+        return piece
 
     # -- messages
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
         if self.is_first:
             return []
-        enc = self.inbox[fwd_chunk_id] = self._empty(self.codecs[0], self._crossing("inputs"))
-        return self._ops(dist.irecv, enc.payload, self.stage_index - 1, "activation", "received")
+        metas = self._crossing("inputs")
+        encoded = self.inbox[fwd_chunk_id] = [empty(self._codec(0, meta), meta, self.device) for meta in metas]
+        return self._ops(dist.irecv, wire_tensors(encoded), self.stage_index - 1, "activation", "received")
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
         if self.is_last:
             return []
-        enc = self.codecs[0].encode(self.outbox.pop(fwd_chunk_id))
-        return self._ops(dist.isend, enc.payload, self.stage_index + 1, "activation", "sent")
+        leaves = self.specs[self.stage_index].flatten_up_to(self.outbox.pop(fwd_chunk_id))
+        encoded = [self._codec(0, t).encode(t) for t in leaves]
+        return self._ops(dist.isend, wire_tensors(encoded), self.stage_index + 1, "activation", "sent")
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
         if self.is_last or not self.has_backward:
             return []
-        flag = torch.zeros(1, dtype=torch.uint8, device=self.device)
-        enc = self._empty(self.codecs[1], self._crossing("outputs"))
-        self.costates_in[bwd_chunk_id] = flag, enc
-        return self._ops(dist.irecv, (flag, *enc.payload), self.stage_index + 1, "costate", "received")
+        flags, encoded = self.costates_in[bwd_chunk_id] = costate_inbox(
+            self._crossing("outputs"), self.codecs[1], self.device
+        )
+        return self._ops(dist.irecv, (flags, *wire_tensors(encoded)), self.stage_index + 1, "costate", "received")
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
         if self.is_first or not self.has_backward:
             return []
-        flag, enc = self.costates_out.pop(bwd_chunk_id)
-        return self._ops(dist.isend, (flag, *enc.payload), self.stage_index - 1, "costate", "sent")
+        flags, encoded = self.costates_out.pop(bwd_chunk_id)
+        return self._ops(dist.isend, (flags, *wire_tensors(encoded)), self.stage_index - 1, "costate", "sent")
 
     def _ops(self, op, tensors: Sequence[torch.Tensor], peer_range: int, kind: str, direction: str) -> list:
         self._step.count(kind, direction, tensors)
         peer = self._resolve_peer_global_rank(peer_range)
         return [dist.P2POp(op, t, peer, self.group) for t in tensors]
 
-    def _empty(self, codec: Codec, meta: Any) -> Encoded:
-        shape, arg = tuple(meta.shape), codec.arg_for(tuple(meta.shape))
-        payload = tuple(torch.zeros(s, dtype=d, device=self.device) for s, d in codec.layout(shape, meta.dtype, arg))
-        return Encoded(codec, shape, meta.dtype, arg, payload)
+    def _codec(self, kind: int, leaf: Any) -> Codec:
+        """The boundary (``kind`` 0) or costate (1) codec of a leaf (a tensor or its metadata): integer
+        and boolean leaves cross raw."""
+        return self.codecs[kind] if differentiable(leaf) else RAW
 
     # -- what pipelining's metadata inference runs
 
-    def _compute_outputs(self, *args: torch.Tensor, module: torch.nn.Module, **kwargs: Any) -> torch.Tensor:
-        """The range's output on microbatch 0 (the first range) or on zeros of the received shape,
-        the RNG forked and physical stages not metered: what crosses the cut after this range,
-        marked as expecting a costate. The last range sends nothing: a placeholder."""
+    def _compute_outputs(self, *args: torch.Tensor, module: torch.nn.Module, **kwargs: Any) -> Any:
+        """The range's output on microbatch 0 (the first range) or on zeros of the received leaves,
+        the RNG forked and physical stages not metered: what crosses the cut after this range, its
+        leaves (the floating ones marked as expecting a costate) and, in ``specs``, its structure.
+        The last range sends nothing: a placeholder."""
         runner = dataclasses.replace(self._runner, meter=None)
-        h = None if self.is_first else torch.zeros_like(args[0]).detach()
+        zeros = [torch.zeros_like(a).detach() for a in args]
+        h = None if self.is_first else self.specs[self.stage_index - 1].unflatten(zeros)
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             tape = runner.forward(self._step.buffers, self._step.pieces[0], h)
         if self.is_last:
             return torch.zeros((), device=self.device, requires_grad=True)
-        out = tape.take_output()
-        single_tensor(out, f"the output of {self.where}, sent to the next stage range")
-        return out.detach().requires_grad_(out.is_floating_point())
+        leaves, self.specs[self.stage_index] = B.leaves(tape.take_output(), f"the output of {self.where}")
+        return tuple(t.detach().requires_grad_(differentiable(t)) for t in leaves)
 
     def _compute_input_grads(self, outputs: list, all_fwd_inputs: list, grad_outputs: list | None = None) -> tuple:
         """A costate of each floating input's shape and dtype (the runner computes the real ones)."""
         return tuple(torch.zeros_like(t) if t.is_floating_point() else None for t in all_fwd_inputs)
 
-    def _crossing(self, side: str) -> Any:
-        """Pipelining's metadata (shape, dtype) of what enters (``"inputs"``) or leaves this range."""
+    def _send_meta(self, meta: Any, dst_stage: int) -> None:
+        """Pipelining's metadata for another rank; going forward, with the tree structure of the boundary."""
+        if dst_stage == self.stage_index + 1:
+            meta = (meta, self.specs[self.stage_index])
+        super()._send_meta(meta, dst_stage)
+
+    def _recv_meta(self, src_stage: int) -> Any:
+        meta = super()._recv_meta(src_stage)
+        if src_stage == self.stage_index - 1:
+            meta, self.specs[src_stage] = meta
+        return meta
+
+    def _crossing(self, side: str) -> tuple:
+        """Pipelining's metadata (shape, dtype) of each leaf of what enters (``"inputs"``) or leaves this range."""
         metas = getattr(self._stage_meta, side)
         assert metas is not None, "pipelining infers the metadata on the first step"
-        return metas[0]
+        return tuple(metas)
 
     @property
     def _step(self) -> Step:
@@ -251,6 +266,55 @@ class RangeStage(PipelineStage):
         return self.runner
 
 
-def single_tensor(value: Any, what: str) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{what}: only a single tensor can cross a rank boundary, got {type(value).__name__}")
+def differentiable(leaf: Any) -> bool:
+    """Whether a tensor (or pipelining's metadata of one) has a costate: a floating or complex dtype."""
+    return leaf.dtype.is_floating_point or leaf.dtype.is_complex
+
+
+def empty(codec: Codec, meta: Any, device: torch.device) -> Encoded:
+    """Zeros where ``codec``'s payload of a tensor like ``meta`` (its shape and dtype) is received."""
+    shape, arg = tuple(meta.shape), codec.arg_for(tuple(meta.shape))
+    payload = tuple(torch.zeros(s, dtype=d, device=device) for s, d in codec.layout(shape, meta.dtype, arg))
+    return Encoded(codec, shape, meta.dtype, arg, payload)
+
+
+def costate_leaves(costate: Any, spec: Any, metas: Sequence, what: str) -> list:
+    """The costate of a boundary of structure ``spec`` and leaves like ``metas``, one entry per leaf:
+    ``None`` where it has none and at every integer or boolean leaf (the fold would not use one), else
+    the leaf's costate in the leaf's dtype. Another structure, or a leaf of another shape, is refused."""
+    try:
+        leaves = [None] * len(metas) if costate is None else spec.flatten_up_to(costate)
+    except ValueError as e:
+        raise ValueError(f"{what} has another structure than the boundary state {spec}: {e}") from e
+    for t, meta in zip(leaves, metas):
+        if t is not None and tuple(t.shape) != tuple(meta.shape):
+            raise ValueError(
+                f"{what} has a leaf of shape {tuple(t.shape)} after the passes, the boundary state's has "
+                f"shape {tuple(meta.shape)}: the previous stage range cannot use it"
+            )
+    return [None if t is None or not differentiable(m) else t.to(m.dtype) for t, m in zip(leaves, metas)]
+
+
+def costate_message(encoded: Sequence, metas: Sequence, codec: Codec, device: torch.device) -> tuple:
+    """``(flags, encoded)`` as they go on the wire: a flag per leaf (1 where ``encoded`` has a costate),
+    the codec's payload of every floating leaf (zeros where it has none), nothing for the others."""
+    flags = torch.tensor([enc is not None for enc in encoded], dtype=torch.uint8, device=device)
+    return flags, [
+        enc if enc is not None or not differentiable(m) else empty(codec, m, device) for enc, m in zip(encoded, metas)
+    ]
+
+
+def costate_inbox(metas: Sequence, codec: Codec, device: torch.device) -> tuple:
+    """``(flags, encoded)`` to receive a costate message into (``costate_message``'s layout)."""
+    flags = torch.zeros(len(metas), dtype=torch.uint8, device=device)
+    return flags, [empty(codec, m, device) if differentiable(m) else None for m in metas]
+
+
+def received_costate(flags: torch.Tensor, encoded: Sequence, spec: Any) -> Any:
+    """The costate a received message carries, in the boundary's structure ``spec`` (``None`` leaves)."""
+    return spec.unflatten([enc.decode() if flag else None for flag, enc in zip(flags.tolist(), encoded)])
+
+
+def wire_tensors(encoded: Sequence[Encoded | None]) -> list[torch.Tensor]:
+    """The tensors that go on the wire for a boundary's leaves, in leaf order (none for ``None``)."""
+    return [t for enc in encoded if enc is not None for t in enc.payload]
