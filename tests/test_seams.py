@@ -185,19 +185,22 @@ def test_an_optimizers_step_hooks_and_scheduler_see_one_step_per_sweep():
 
 
 def test_a_failed_fused_step_names_the_stages_it_already_stepped():
+    """A torch.optim optimizer updates in place stage by stage: a failure names what it already
+    stepped (a pure update commits nothing, test_update)."""
     model = _mlp()
     chain, params = ef.from_module(model, loss=F.mse_loss)
     x, y = _batch()
     calls = []
 
-    def update(p, grads, state):
-        calls.append(len(calls))
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return {n: t - 0.1 * grads[n] for n, t in p.items()}, state
+    class Failing(torch.optim.SGD):
+        def step(self, closure=None):
+            calls.append(len(calls))
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return super().step(closure)
 
     with pytest.raises(KeyboardInterrupt) as info:
-        ef.sweep(chain, params, x, y, update=ef.fused(update, [()] * len(chain)))
+        ef.sweep(chain, params, x, y, update=Failing(model.parameters(), lr=0.1))
     assert any(
         "had already stepped stage 4 ('Linear_4'); the other stages were not" in n for n in info.value.__notes__
     ), info.value.__notes__
