@@ -33,6 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.func import functional_call, vjp
 
+from .cache import kept
 from .capture import CapturedStage
 from .chain import module_lock
 
@@ -114,11 +115,13 @@ def _compiled(opts: Any) -> tuple:
     """The compiled forward and reverse of module and function stages, then of captured pieces'
     graphs, for ``opts.compile`` (``torch.compile``'s keyword arguments, whose values may be dicts:
     keyed by their repr)."""
-    key = repr(sorted(opts.compile.items()))
-    if key not in _COMPILED:
-        options = {"dynamic": False, **opts.compile}  # one graph per stage kind and shape
-        _COMPILED[key] = tuple(torch.compile(fn, **options) for fn in (_run, _reverse, _run_graph, _reverse_graph))
-    return _COMPILED[key]
+    options = {"dynamic": False, **opts.compile}  # one graph per stage kind and shape
+    return kept(
+        _COMPILED,
+        repr(sorted(opts.compile.items())),
+        None,
+        lambda: tuple(torch.compile(fn, **options) for fn in (_run, _reverse, _run_graph, _reverse_graph)),
+    )
 
 
 def _target(stage: Any) -> Any:

@@ -46,6 +46,7 @@ from torch import nn
 from torch.export.graph_signature import InputKind
 
 from . import capture
+from .cache import kept
 from .chain import Stage
 from .tree import NAMESPACE
 
@@ -142,10 +143,7 @@ def captured(fn: Callable, params: Any, inputs: tuple) -> Captured:
     except TypeError:  # not weakly referenceable: captured every call
         cache = {}
     with capture.LOCK:  # a second thread capturing the same function waits and finds this capture
-        now = closure(fn)
-        if key not in cache or cache[key][0] != now:
-            cache[key] = now, capture_function(fn, params, inputs)
-        return cache[key][1]
+        return kept(cache, key, closure(fn), lambda: capture_function(fn, params, inputs))
 
 
 def _layout(tree: Any) -> tuple:

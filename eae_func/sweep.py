@@ -27,6 +27,7 @@ from . import capture, cuts, fsdp, function
 from . import fold as F
 from . import microbatch as M
 from .adjoint import Measurements
+from .cache import kept
 from .capture import canonical_names
 from .capture import layout as capture_layout
 from .chain import Chain, from_module, hooked_grads
@@ -251,11 +252,12 @@ def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Seque
             raise TypeError(f"sweep: split_at cuts a model's own forward, got a {type(model).__name__}")
         layout = tuple(capture_layout(optree.tree_leaves(x, namespace=NAMESPACE)))
         with capture.LOCK:  # a second thread capturing the same model waits and finds this capture
-            cache = _CAPTURED.setdefault(model, {})
-            cache_key, now = (tuple(split_at), layout), capture.fingerprint(model)
-            if cache_key not in cache or cache[cache_key][0] != now:
-                cache[cache_key] = now, from_module(model, loss, split_at=split_at, example=x)[0]
-            captured = cache[cache_key][1]
+            captured = kept(
+                _CAPTURED.setdefault(model, {}),
+                (tuple(split_at), layout),
+                capture.fingerprint(model),
+                lambda: from_module(model, loss, split_at=split_at, example=x)[0],
+            )
         chain = Chain(captured.stages, loss=loss, ties=captured.ties)
         prefixes = [None] * len(chain)
     names = {}
