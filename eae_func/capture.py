@@ -90,30 +90,22 @@ PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))  # its parameters, buffers, children and hooks: read apart
+
+
 def fingerprint(model: nn.Module) -> tuple:
     """What a capture of ``model`` depends on, as one comparable value: the module tree (paths,
     classes, identities, training flags, hooks), every parameter and buffer (identity, shape,
-    dtype, device, requires_grad) and every module's plain attributes (numbers, strings, flags: a
-    dropout probability, a flag ``forward`` reads), one level into other objects they hold (a
-    Hugging Face config). A capture whose fingerprint differs from the model's is stale."""
-    objects: dict[int, tuple] = {}
-
-    def plain(obj: Any) -> tuple:
-        return tuple((k, v) for k, v in vars(obj).items() if isinstance(v, PLAIN))
+    dtype, device, requires_grad) and every module's other attributes by ``described`` (numbers,
+    strings, flags, a Hugging Face config and what it holds, at any depth). A capture whose
+    fingerprint differs from the model's is stale."""
+    seen: dict[int, Any] = {}
 
     def attributes(module: nn.Module) -> tuple:
-        out = []
-        for k, v in vars(module).items():
-            if isinstance(v, PLAIN):
-                out.append((k, v))
-            elif hasattr(v, "__dict__") and not isinstance(v, (nn.Module, torch.Tensor, type)) and not callable(v):
-                if id(v) not in objects:
-                    objects[id(v)] = plain(v)
-                out.append((k, id(v), objects[id(v)]))
-        return tuple(out)
+        return tuple((k, described(v, seen)) for k, v in vars(module).items() if k not in _MODULE_INTERNALS)
 
     modules = tuple(
-        (name, id(m), type(m), attributes(m), tuple(tuple(getattr(m, h).keys()) for h in _HOOKS))
+        (name, id(m), type(m), m.training, attributes(m), tuple(tuple(getattr(m, h).keys()) for h in _HOOKS))
         for name, m in model.named_modules(remove_duplicate=False)
     )
     tensors = tuple(
@@ -122,6 +114,37 @@ def fingerprint(model: nn.Module) -> tuple:
     )
     hooks = tuple(tuple(d.keys()) for d in _global_hooks())
     return modules, tensors, hooks
+
+
+def described(v: Any, seen: dict[int, Any]) -> Any:
+    """``v`` as a comparable value that changes when anything a captured program may read of it
+    changes: plain values as they are, tensors by identity, shape, dtype, device and requires_grad,
+    modules by ``fingerprint``, containers and objects' attributes at every depth (``cfg.sub.scale``),
+    functions, classes and Python modules by identity. ``seen`` holds what was described (an object
+    met again gets the same description, whatever the order; one met inside itself, a cycle mark)."""
+    if isinstance(v, PLAIN):
+        return v
+    key = id(v)
+    if key in seen:
+        return seen[key] if seen[key] is not None else ("cycle", key)
+    seen[key] = None
+    if isinstance(v, torch.Tensor):
+        out: Any = (key, v.shape, v.dtype, v.device, v.requires_grad)
+    elif isinstance(v, nn.Module):
+        out = fingerprint(v)
+    elif isinstance(v, (list, tuple, set, frozenset)):
+        out = (
+            type(v),
+            tuple(described(e, seen) for e in (sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v)),
+        )
+    elif isinstance(v, dict):
+        out = type(v), tuple((k, described(e, seen)) for k, e in v.items())
+    elif isinstance(v, (types.ModuleType, type)) or callable(v) or not hasattr(v, "__dict__"):
+        out = key
+    else:
+        out = key, type(v), tuple((k, described(e, seen)) for k, e in vars(v).items())
+    seen[key] = out
+    return out
 
 
 def numpy_drew(before: dict) -> bool:

@@ -317,26 +317,11 @@ def _reachable(fn: Any, depth: int = 0):
 
 
 def closure(fn: Any) -> tuple:
-    """A comparable fingerprint of what ``fn`` reads from outside (``_reachable``): modules by
-    ``capture.fingerprint``, tensors by identity, shape, dtype, device and requires_grad, plain values
-    as they are, containers one level in, other objects by identity and plain attributes (a config)."""
-
-    def value(v: Any, nested: bool) -> Any:
-        if isinstance(v, nn.Module):
-            return capture.fingerprint(v)
-        if isinstance(v, torch.Tensor):
-            return id(v), v.shape, v.dtype, v.device, v.requires_grad
-        if isinstance(v, capture.PLAIN):
-            return v
-        if isinstance(v, (list, tuple)) and not nested:
-            return type(v), tuple(value(e, True) for e in v)
-        if isinstance(v, dict) and not nested:
-            return dict, tuple((k, value(e, True)) for k, e in v.items())
-        if isinstance(v, (types.ModuleType, type)) or callable(v) or not hasattr(v, "__dict__"):
-            return id(v)
-        return id(v), tuple((k, e) for k, e in vars(v).items() if isinstance(e, capture.PLAIN))
-
-    return tuple((name, value(v, False)) for name, v in _reachable(fn))
+    """A comparable fingerprint of what ``fn`` reads from outside (``_reachable``), each value by
+    ``capture.described``: at every depth, so a nested dict or ``cfg.sub.scale`` changed between
+    calls makes a new capture."""
+    seen: dict[int, Any] = {}
+    return tuple((name, capture.described(v, seen)) for name, v in _reachable(fn))
 
 
 def _trainable(fn: Callable) -> dict:

@@ -4,6 +4,7 @@ custom autograd Functions, hooks whose behaviour changes between calls, a module
 data-dependent control flow (Hugging Face MoE models in float64); the live peak is checkpointing's."""
 
 import copy
+import types
 
 import pytest
 import torch
@@ -433,3 +434,51 @@ def test_parameter_hooks_act_as_under_autograd():
     assert_exact(res.grads, reference)
     params = dict(model.named_parameters())
     assert_exact(ef.grad(model, params, x, y, loss=F.mse_loss, split_at=["blocks.*"], microbatches=2), reference, 1e-10)
+
+
+class Config:
+    def __init__(self):
+        self.sub = types.SimpleNamespace(scale=1.0, table={"gain": [1.0]})
+
+
+class Configured(nn.Module):
+    """Reads ``self.cfg.sub.scale`` and ``self.cfg.sub.table["gain"][0]``: two and more levels deep."""
+
+    def __init__(self, cfg, width=6):
+        super().__init__()
+        self.cfg, self.linear = cfg, nn.Linear(width, width)
+
+    def forward(self, h):
+        return self.linear(h) * self.cfg.sub.scale * self.cfg.sub.table["gain"][0]
+
+
+@pytest.mark.parametrize("change", ["cfg.sub.scale", "cfg.sub.table['gain'][0]"])
+def test_a_graph_capture_sees_what_its_model_reads_at_any_depth(change):
+    """Changed between calls, a value read several levels deep makes a new capture (the gradients
+    are the new model's), where a one-level fingerprint kept the stale graph."""
+    torch.manual_seed(0)
+    cfg = Config()
+    model = Stack(inner=lambda: Configured(cfg)).double()
+    x, y = torch.randn(5, 4, dtype=F64), torch.randn(5, 3, dtype=F64)
+    for value in (1.0, 3.0):
+        if change == "cfg.sub.scale":
+            cfg.sub.scale = value
+        else:
+            cfg.sub.table["gain"][0] = value
+        res, _, reference = sweep_and_autograd(model, x, y, capture="graph")
+        assert_exact(res.grads, reference)
+
+
+def test_a_function_capture_sees_what_it_reads_at_any_depth():
+    settings_ = {"layer": {"scale": [2.0]}}
+    params = {"w": torch.randn(4, 4, dtype=F64), "v": torch.randn(4, 3, dtype=F64)}
+    x, y = torch.randn(5, 4, dtype=F64), torch.randn(5, 3, dtype=F64)
+
+    def model_fn(p, h):
+        return ef.cut(torch.tanh(h @ p["w"]) * settings_["layer"]["scale"][0], "a") @ p["v"]
+
+    for value in (2.0, 5.0):
+        settings_["layer"]["scale"][0] = value
+        got = ef.grad(model_fn, params, x, y, loss=F.mse_loss)
+        want = torch.func.grad(lambda p: F.mse_loss(model_fn(p, x), y))(params)
+        assert_exact(got, want)
