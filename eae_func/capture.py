@@ -487,7 +487,8 @@ def split(
     module, signature = program.graph_module, program.graph_signature
     _keep_casts(module, stage_of)
     user_inputs = [s.arg.name for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
-    user_outputs = [s.arg.name for s in signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
+    returned = next(v for v in module.graph.nodes if v.op == "output").args[0]  # after _keep_casts rewired them
+    user_outputs = [v.name for v, s in zip(returned, signature.output_specs) if s.kind == OutputKind.USER_OUTPUT]
     if len(user_outputs) != len(signature.output_specs):
         kinds = sorted({str(s.kind) for s in signature.output_specs if s.kind != OutputKind.USER_OUTPUT})
         raise RuntimeError(
