@@ -268,7 +268,7 @@ def main(argv=None):
             times[name].append(time.perf_counter() - start)
     median = {n: statistics.median(t) for n, t in times.items()}
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    peaks = dict.fromkeys(METHODS, float("nan"))  # --quick: not measured
+    peaks: dict = {}  # --quick: not measured, printed as "-"
     for name in () if args.quick else METHODS:
         cmd = [
             sys.executable,
@@ -290,7 +290,7 @@ def main(argv=None):
         compile_s = max(first[name] - median[name], 0.0) if "compile" in name else 0.0
         print(
             f"{name:<30} {median[name] / median['autograd']:>14.2f}x {compile_s:>10.1f} "
-            f"{peaks[name]:>8.1f} {errors[name]:>19.1e}"
+            f"{f'{peaks[name]:.1f}' if name in peaks else '-':>8} {errors[name]:>19.1e}"
         )
 
 
