@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 
+from extras import extra
 from peak_rss import step_peak_mb
 
 METHODS = (
@@ -60,7 +61,8 @@ def build(args):
 
 
 def llama_config(depth: int):
-    from transformers import LlamaConfig
+    with extra("hf"):
+        from transformers import LlamaConfig
 
     return LlamaConfig(
         hidden_size=256,
@@ -76,7 +78,9 @@ def llama_model(depth: int, checkpointed: bool):
     """transformers' ``LlamaModel`` of ``depth`` layers (seed 0), with Hugging Face's gradient
     checkpointing (non-reentrant) or without."""
     import torch
-    from transformers import LlamaModel
+
+    with extra("hf"):
+        from transformers import LlamaModel
 
     torch.manual_seed(0)
     model = LlamaModel(llama_config(depth)).train()
@@ -90,7 +94,9 @@ def llama_layers(depth: int) -> list:
     each with its rotary tables, as ``h -> h'`` modules."""
     import torch
     from torch import nn
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    with extra("hf"):
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     config = llama_config(depth)
 

@@ -32,8 +32,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import nn
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(
+        f"eae_func.integrations.lightning: {e.name} is not installed; it comes with eae_func's lightning extra: "
+        f"pip install 'eae_func[lightning]'",
+        name=e.name,
+    ) from e
 
 from ..chain import write_grads
 from ..sweep import stateful, sweep
