@@ -32,7 +32,7 @@ def chosen(log: str | Sequence[str], options: Mapping[str, Any], where: str) -> 
             f"{where}: logging the costate norm reads the costates, which keep_costates=False drops; "
             f"leave keep_costates at True or log no 'norm'"
         )
-    return log if log == "all" else tuple(log)
+    return "all" if log == "all" else tuple(log)
 
 
 def boundary_logs(res: SweepResult, log: str | tuple[str, ...]) -> dict[str, Any]:
