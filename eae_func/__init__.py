@@ -4,11 +4,12 @@ grads = ef.grad(model_fn, params, x, target, loss=loss_fn, passes=ef.compose(...
 chain, params = ef.from_module(model, loss=loss_fn)
 res = ef.sweep(chain, params, x, target, passes=ef.compose(...), key=0)
 res.loss, res.grads, res.adjoints, res.buffers, res.pass_state, res.stats
+out = ef.apply(chain, params, x)  # the chain's output, its stages run forward
 """
 
 from . import estimators, passes, remat
 from .adjoint import AdjointState, fold_in
-from .chain import Chain, Stage, from_module, stage, write_back, write_buffers, write_grads
+from .chain import Chain, Stage, apply, from_module, stage, write_back, write_buffers, write_grads
 from .estimators.base import Estimator, Problem
 from .function import cut
 from .options import Options
@@ -30,6 +31,7 @@ __all__ = [
     "Problem",
     "Stage",
     "SweepResult",
+    "apply",
     "black_box",
     "compose",
     "cut",

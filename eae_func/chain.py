@@ -377,6 +377,29 @@ class Chain:
         return tuple(buffers)
 
 
+def apply(chain: Chain, params: Sequence, x: Any, buffers: Sequence | None = None) -> Any:
+    """The chain's output ``x_L = h_L(params_L, ... h_1(params_1, x))``: the stages run forward in
+    order, as the sweep's forward runs them, on ``params`` (one entry per stage) and ``buffers`` (one
+    dict per stage; default: the modules' own), which are not modified, under the caller's autograd
+    and module modes (``torch.no_grad()``, ``model.eval()`` to evaluate). The loss the sweep
+    differentiates is ``chain.loss(apply(chain, params, x), *loss_args)``. A model or a function
+    ``model_fn(params, x)`` runs forward by calling it (``ef.cut`` is the identity there)."""
+    if not isinstance(chain, Chain):
+        raise TypeError(
+            f"apply: expected a Chain (ef.from_module, ef.Chain), got {type(chain).__name__}; "
+            f"a model or a function model_fn(params, x) runs forward by calling it"
+        )
+    chain.check_params(params)
+    buffers = chain.check_buffers(buffers)
+    for i, s in enumerate(chain.stages):
+        try:
+            x, _ = s.call(params[i], buffers[i], x)
+        except Exception as e:
+            e.add_note(f"(eae_func.apply: in {chain.where(i)})")
+            raise
+    return x
+
+
 def _base_name(s: Stage) -> str:
     target = s.module if s.module is not None else s.fn
     return type(target).__name__ if isinstance(target, nn.Module) else getattr(target, "__name__", "stage")

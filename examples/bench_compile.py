@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 
+from extras import extra
 from peak_rss import step_peak_mb
 
 METHODS = (
@@ -60,7 +61,8 @@ def build(args):
 
 
 def llama_config(depth: int):
-    from transformers import LlamaConfig
+    with extra("hf"):
+        from transformers import LlamaConfig
 
     return LlamaConfig(
         hidden_size=256,
@@ -76,7 +78,9 @@ def llama_model(depth: int, checkpointed: bool):
     """transformers' ``LlamaModel`` of ``depth`` layers (seed 0), with Hugging Face's gradient
     checkpointing (non-reentrant) or without."""
     import torch
-    from transformers import LlamaModel
+
+    with extra("hf"):
+        from transformers import LlamaModel
 
     torch.manual_seed(0)
     model = LlamaModel(llama_config(depth)).train()
@@ -90,7 +94,9 @@ def llama_layers(depth: int) -> list:
     each with its rotary tables, as ``h -> h'`` modules."""
     import torch
     from torch import nn
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    with extra("hf"):
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     config = llama_config(depth)
 
@@ -268,7 +274,7 @@ def main(argv=None):
             times[name].append(time.perf_counter() - start)
     median = {n: statistics.median(t) for n, t in times.items()}
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    peaks = dict.fromkeys(METHODS, float("nan"))  # --quick: not measured
+    peaks: dict = {}  # --quick: not measured, printed as "-"
     for name in () if args.quick else METHODS:
         cmd = [
             sys.executable,
@@ -290,7 +296,7 @@ def main(argv=None):
         compile_s = max(first[name] - median[name], 0.0) if "compile" in name else 0.0
         print(
             f"{name:<30} {median[name] / median['autograd']:>14.2f}x {compile_s:>10.1f} "
-            f"{peaks[name]:>8.1f} {errors[name]:>19.1e}"
+            f"{f'{peaks[name]:.1f}' if name in peaks else '-':>8} {errors[name]:>19.1e}"
         )
 
 

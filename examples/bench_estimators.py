@@ -12,10 +12,11 @@ parameter gradients (concatenated) to the exact ones, the queries per sample (su
 the physical stages, res.stats: input probing + parameter probing) and the wall time of
 one ``ef.sweep``. Then the speed-up of the batched estimators (all probes in one vmapped /
 folded call) over the same estimator run one probe at a time (chunk=1: a Python loop over
-probes) at n = 64. Saves cosine vs n per estimator to examples/estimators_cosine.png.
+probes) at n = 64. Plots cosine vs n per estimator into ``--out`` (default ``./eae_out``;
+matplotlib, from the ``examples`` extra).
 
     python examples/bench_estimators.py            # full table
-    python examples/bench_estimators.py --quick    # small models, n in {8, 32}
+    python examples/bench_estimators.py --quick    # small models, n in {8, 32}, speed-ups at n = 16
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from torch import nn
 import eae_func as ef
 from eae_func import estimators as E
 from eae_func.models import Block
+
+from extras import add_out, pyplot, save
 
 ESTIMATORS = {
     "zbp-jvp": lambda p, eps: E.zbp(p, method="jvp"),
@@ -135,15 +138,7 @@ def speedup_table(label, model, x, y, physical, n, eps, repeats) -> None:
         print(f"| {name} | {1e3 * batched:.1f} | {1e3 * loop:.1f} | {loop / batched:.1f}x | {alone:.1f}x |")
 
 
-def plot(curves: dict, ns: list, path: pathlib.Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"\n(matplotlib not installed: no plot written to {path})")
-        return
+def plot(plt, curves: dict, ns: list, out: pathlib.Path) -> None:
     colors = {"zbp": "tab:blue", "np": "tab:orange", "direct": "tab:green"}
     styles = {"jvp": ("-", "o"), "fd": (":", "^"), "oracle": ("--", "s")}  # forms coincide for the same probes
     fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.2), squeeze=False)
@@ -159,18 +154,18 @@ def plot(curves: dict, ns: list, path: pathlib.Path) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"\nplot: {path}")
+    save(fig, out, "estimators_cosine.png", dpi=120)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small models, n in {8, 32}, no speed-up repeats")
+    parser.add_argument("--quick", action="store_true", help="small models, n in {8, 32}, speed-ups at n = 16 once")
     parser.add_argument("--eps", type=float, default=1e-3, help="finite-difference step (float32)")
     parser.add_argument("--chunk", type=int, default=128, help="probes per chunk (memory bound)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (small problems: 1)")
-    parser.add_argument("--plot", type=pathlib.Path, default=pathlib.Path(__file__).with_name("estimators_cosine.png"))
+    add_out(parser)
     args = parser.parse_args()
+    plt = pyplot()  # a missing matplotlib says so before anything runs
     torch.set_num_threads(args.threads)
     ns = [8, 32] if args.quick else [8, 32, 128, 512]
     width, batch = (16, 8) if args.quick else (64, 32)
@@ -180,8 +175,8 @@ def main() -> None:
     problems = {"deep MLP": mlp_problem(width, batch), "transformer": transformer_problem(dim, seq, tbatch)}
     curves = {label: accuracy_table(label, *p, ns, args.chunk, args.eps) for label, p in problems.items()}
     for label, p in problems.items():
-        speedup_table(label, *p, n=64, eps=args.eps, repeats=1 if args.quick else 3)
-    plot(curves, ns, args.plot)
+        speedup_table(label, *p, n=16 if args.quick else 64, eps=args.eps, repeats=1 if args.quick else 3)
+    plot(plt, curves, ns, args.out)
 
 
 if __name__ == "__main__":

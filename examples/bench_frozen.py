@@ -20,9 +20,13 @@ import time
 
 import torch
 import torch.nn.functional as F
-import transformers
 
 import eae_func as ef
+
+from extras import extra
+
+with extra("hf"):
+    import transformers
 
 
 class LoRA(torch.nn.Module):

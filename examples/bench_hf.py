@@ -56,6 +56,8 @@ import subprocess
 import sys
 import time
 
+from extras import extra
+
 METHODS = ("autograd", "hf-checkpoint", "eae_func")
 MB = 2**20
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -88,7 +90,9 @@ def peak_rss(reset: bool) -> int:
 
 def worker(spec: dict) -> dict:
     import torch
-    import transformers
+
+    with extra("hf"):
+        import transformers
 
     import eae_func
 
@@ -167,7 +171,8 @@ REGIMES = {"compute": dict(width=256, layers=6, seq=128, batch=4), "host": dict(
 
 def build(family: str, tune: str, width: int, layers: int):
     """``(model, split_at)``: a tiny random GPT-2 or Llama, all of it trained or LoRA on a frozen base."""
-    import transformers
+    with extra("hf"):
+        import transformers
 
     torch_seed(0)
     heads = 4
@@ -188,7 +193,8 @@ def build(family: str, tune: str, width: int, layers: int):
         )
         model, split_at, targets = transformers.LlamaForCausalLM(config), ["model.layers.*"], ["q_proj", "v_proj"]
     if tune == "lora":
-        import peft
+        with extra("bench"):
+            import peft
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets))
         split_at = [f"base_model.model.{p}" for p in split_at]
@@ -207,7 +213,9 @@ def regimes(args: argparse.Namespace) -> None:
     import pstats
 
     import torch
-    import transformers
+
+    with extra("hf"):
+        import transformers
 
     import eae_func
 
@@ -308,7 +316,9 @@ def main(argv=None) -> None:
         regimes(args)
         return
     import torch
-    import transformers
+
+    with extra("hf"):
+        import transformers
 
     print("# Hugging Face GPT-2: one gradient step\n")
     print(

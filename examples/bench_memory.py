@@ -98,6 +98,8 @@ import sys
 import time
 import weakref
 
+from extras import extra
+
 METHODS = ("autograd", "checkpoint", "eae-runtime", "eae_func")
 DIM, HEADS, KV_HEADS, FFN = 256, 8, 4, 1024
 MB = 2**20
@@ -125,7 +127,8 @@ def build(depth: int, batch: int, seq: int, device: str, seed: int = 0):
 
     torch.manual_seed(seed)
     if BLOCK == "eae-runtime":  # the peer package's own block, as its users build it
-        from eae_runtime.contrib import PreNormTransformerBlock
+        with extra("bench"):
+            from eae_runtime.contrib import PreNormTransformerBlock
 
         blocks = [
             PreNormTransformerBlock(DIM, HEADS, KV_HEADS, max_seq_len=max(seq, 256), ffn_hidden_dim=FFN).to(device)
@@ -166,7 +169,8 @@ def make_step(method: str, blocks: list, x, target):
 
         return step
     if method == "eae-runtime":
-        from eae_runtime import EAERuntime, RuntimeConfig
+        with extra("bench"):
+            from eae_runtime import EAERuntime, RuntimeConfig
 
         rt = EAERuntime(nn.ModuleList(blocks), None, RuntimeConfig())
         params = [p for b in blocks for p in b.parameters()]
@@ -271,7 +275,8 @@ def peak_rss() -> int:
 
 
 def worker(spec: dict) -> dict:
-    import eae_runtime  # noqa: F401
+    with extra("bench"):
+        import eae_runtime  # noqa: F401
     import torch
 
     import eae_func  # noqa: F401  (every process imports the same modules)

@@ -11,7 +11,8 @@ is left is each method's Python and dispatch cost per stage. One step is forward
 The methods alternate step by step (interleaved), and the table gives the median microseconds
 per stage over ``--reps`` rounds. Then tokens/s of a training forward + gradient step of
 ``examples/train_lm.py``'s model (4 blocks of width 128, sequence 64, batch 8) for the same
-three methods, and a cProfile summary of where eae_func's and checkpoint's time goes.
+three methods, and a cProfile summary of where eae_func's and checkpoint's time goes (``--profile``:
+also eae_func's top functions by own time, cProfile's own listing).
 
     python examples/bench_overhead.py            # 8 and 32 stages, 30 rounds
     python examples/bench_overhead.py --quick    # a smoke run
@@ -110,6 +111,7 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="smoke run: depth 4, 3 rounds, a small LM")
+    parser.add_argument("--profile", action="store_true", help="also print eae_func's top functions under cProfile")
     args = parser.parse_args()
     if args.quick:
         args.depths, args.reps = [4], 3
@@ -151,7 +153,8 @@ def main() -> None:
     for name in ours:
         print(f"| {name} | {ours[name] / depth * 1e6:.0f} | {theirs[name] / depth * 1e6:.0f} |")
     print(f"| all | {sum(ours.values()) / depth * 1e6:.0f} | {sum(theirs.values()) / depth * 1e6:.0f} |")
-    print(f"\neae_func's top functions by own time:\n{top}")
+    if args.profile:
+        print(f"\neae_func's top functions by own time:\n{top}")
 
 
 if __name__ == "__main__":

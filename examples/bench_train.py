@@ -39,7 +39,8 @@ a cost that depends on the order of frees rather than on the method's work.
 all graphs kept (the last ones that fit), and the last graph kept with ``remat.save`` (matmul
 outputs kept) on the 0..L-1 blocks before it, beside
 ``torch.utils.checkpoint.checkpoint_sequential`` with 1..L segments; it
-writes examples/bench_train_curve.png.
+plots it into ``--out`` (default ``./eae_out``; matplotlib, from the ``examples`` extra). The
+llama block needs the ``hf`` extra, eae-runtime the ``bench`` extra.
 
     python examples/bench_train.py --depths 12               # both blocks, depth 12
     python examples/bench_train.py --depths 6 12 24 --curve  # the tables and plot of docs/benchmarks.md
@@ -59,9 +60,9 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from bench_memory import LiveBytes, peak_rss, reset_peak_rss, usable_cores  # noqa: E402
+from extras import add_out, extra, pyplot, save  # noqa: E402
 from peak_rss import keep_heap  # noqa: E402
 
-HERE = pathlib.Path(__file__).parent
 METHODS = ("autograd", "checkpoint", "checkpoint+hooks", "eae-runtime", "eae_func", "eae_func fused")
 BLOCKS = ("block", "llama")
 DIM, HEADS, KV_HEADS, FFN = 256, 8, 4, 1024
@@ -78,8 +79,9 @@ def make_blocks(kind: str, depth: int):
         from eae_func.models import Block
 
         return [Block(DIM, HEADS, KV_HEADS, FFN) for _ in range(depth)]
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    with extra("hf"):
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     config = LlamaConfig(
         hidden_size=DIM,
@@ -152,7 +154,8 @@ def make_step(method: str, blocks: list, x, target):
 
         return step
     if method == "eae-runtime":
-        from eae_runtime import EAERuntime, RuntimeConfig
+        with extra("bench"):
+            from eae_runtime import EAERuntime, RuntimeConfig
 
         rt, opt = EAERuntime(nn.ModuleList(blocks), None, RuntimeConfig()), torch.optim.AdamW(params, lr=1e-3)
 
@@ -274,7 +277,7 @@ def run(spec: dict, env: dict | None = None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def curve(depth: int, batch: int, seq: int, threads: int, steps: int, heap_kept: bool) -> None:
+def curve(depth: int, batch: int, seq: int, threads: int, steps: int, heap_kept: bool, plt, folder) -> None:
     """Step time against live peak: eae_func's remat budgets beside checkpoint_sequential's segments."""
     import torch
     from torch import nn
@@ -328,11 +331,6 @@ def curve(depth: int, batch: int, seq: int, threads: int, steps: int, heap_kept:
             "checkpoint_sequential": f"{setting} segments",
         }[method]
         print(f"| {method} | {label} | {peak:.1f} | {statistics.median(times[method, setting]):.3f} |")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     labels = {
         "eae_func": "eae_func (recompute= byte budget)",
@@ -351,8 +349,7 @@ def curve(depth: int, batch: int, seq: int, threads: int, steps: int, heap_kept:
     )
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(HERE / "bench_train_curve.png", dpi=120)
-    print(f"\nplot: {HERE / 'bench_train_curve.png'}")
+    save(fig, folder, "bench_train_curve.png", dpi=120)
 
 
 def main(argv=None) -> None:
@@ -374,10 +371,12 @@ def main(argv=None) -> None:
     parser.add_argument("--keep-heap", action="store_true", help="time with glibc keeping freed memory mapped")
     parser.add_argument("--quick", action="store_true", help="smoke run: depth 2, batch 2, seq 32, 1 step")
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
+    add_out(parser)
     args = parser.parse_args(argv)
     if args._worker:
         print(json.dumps(worker(json.loads(args._worker))))
         return
+    plt = pyplot() if args.curve else None  # a missing matplotlib says so before anything runs
     if args.quick:
         args.depths, args.batch, args.seq, args.steps = [2], 2, 32, 1
     print(
@@ -432,7 +431,7 @@ def main(argv=None) -> None:
                 flush=True,
             )
     if args.curve:
-        curve(args.depths[0], args.batch, args.seq, args.threads, max(args.steps, 2), args.keep_heap)
+        curve(args.depths[0], args.batch, args.seq, args.threads, max(args.steps, 2), args.keep_heap, plt, args.out)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import sys
 import time
 import warnings
 
+from extras import extra
+
 TINY = dict(
     hidden_size=32,
     num_hidden_layers=2,
@@ -66,7 +68,8 @@ MAX_PARAMS = 5_000_000
 
 
 def mappings():
-    from transformers.models.auto import modeling_auto as MA
+    with extra("hf"):
+        from transformers.models.auto import modeling_auto as MA
 
     table = {}
     for mapping, causal in (
@@ -81,8 +84,10 @@ def mappings():
 
 def build(kind: str, class_name: str, causal: bool):
     import torch
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    with extra("hf"):
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config = CONFIG_MAPPING[kind]()
     present = config.to_dict()
@@ -185,7 +190,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--types", nargs="+", help="model types (default: all)")
     args = parser.parse_args(argv)
     import torch
-    import transformers
+
+    with extra("hf"):
+        import transformers
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()

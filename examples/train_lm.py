@@ -5,10 +5,12 @@ cosine schedule, gradient accumulation by microbatches, a pass pipeline on
 every costate. The same model is trained a second time with plain autograd
 from the same seed and batches; the script reports the largest loss gap
 between the two runs and plots both curves and the costate norm at every
-boundary over training.
+boundary over training, into ``--out`` (default ``./eae_out``). Needs the ``examples`` extra (tqdm,
+matplotlib).
 
     python examples/train_lm.py                       # a few minutes on 2 CPU cores
     python examples/train_lm.py --passes int8,clip --steps 300 --depth 6 --width 192
+    python examples/train_lm.py --quick               # a smoke run: a tiny model, 4 steps
 """
 
 from __future__ import annotations
@@ -16,17 +18,19 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import pathlib
 import time
 
 import torch
-from tqdm import tqdm
 
 import eae_func as ef
 from eae_func import passes as P
 from eae_func.models import lm_loss, transformer_lm
 
+from extras import add_out, extra, pyplot, save
 from text_data import batches, split_tokens, stdlib_docstrings
+
+with extra("examples"):
+    from tqdm import tqdm
 
 PASSES = {
     "stats": P.stats,
@@ -37,7 +41,6 @@ PASSES = {
     "fp8": P.fp8,
     "topk": lambda: P.topk(0.25),
 }
-HERE = pathlib.Path(__file__).parent
 
 
 def cosine_schedule(warmup: int, total: int):
@@ -90,19 +93,14 @@ def train(model: torch.nn.Module, data: torch.Tensor, args, use_eae: bool):
     return losses, norms
 
 
-def plot(eae_losses, ref_losses, norms, names, path_loss, path_norms):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(plt, eae_losses, ref_losses, norms, names, out):
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(ref_losses, label="plain autograd", lw=3, alpha=0.4)
     ax.plot(eae_losses, label="EAE (eae_func)", lw=1)
     ax.set(xlabel="step", ylabel="training loss", title="Same seed, same batches")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path_loss, dpi=80)
+    save(fig, out, "train_lm_loss.png", dpi=80)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     series = torch.tensor(norms).T
     for name, s in zip(names, series):
@@ -110,7 +108,7 @@ def plot(eae_losses, ref_losses, norms, names, path_loss, path_norms):
     ax.set(xlabel="step", ylabel="|p_l|", title="Costate norm at every boundary")
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(path_norms, dpi=80)
+    save(fig, out, "train_lm_costates.png", dpi=80)
 
 
 def main(argv=None):
@@ -127,7 +125,13 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--corpus-bytes", type=int, default=2_000_000)
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 block of width 32, 4 steps")
+    add_out(parser)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.depth, args.width, args.steps, args.batch, args.seq = 1, 32, 4, 4, 32
+        args.eval_batches, args.corpus_bytes = 1, 100_000
+    plt = None if args.no_plots else pyplot()  # a missing matplotlib says so before anything trains
 
     train_data, valid_data = split_tokens(stdlib_docstrings(args.corpus_bytes))
     print(f"corpus: {len(train_data):,} training bytes, {len(valid_data):,} held-out bytes")
@@ -144,10 +148,9 @@ def main(argv=None):
     print(
         f"max |loss_EAE - loss_autograd| over {args.steps} steps: {gap:.2e} (relative {rel:.2e}), passes: {args.passes}"
     )
-    if not args.no_plots:
+    if plt is not None:
         names = [f"p{i}" for i in range(len(norms[0]), 0, -1)]
-        plot(eae_losses, ref_losses, norms, names, HERE / "train_lm_loss.png", HERE / "train_lm_costates.png")
-        print(f"plots: {HERE / 'train_lm_loss.png'}, {HERE / 'train_lm_costates.png'}")
+        plot(plt, eae_losses, ref_losses, norms, names, args.out)
     return gap, rel
 
 

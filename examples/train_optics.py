@@ -19,7 +19,8 @@ Methods, each trained with AdamW for ``--epochs`` and tested on the (noisy) hard
 
 Prints the table (test accuracy, rows simulated per step, wall time) and plots the cosine of
 each estimator's costate at the optics' input to the exact one (the twin at the true distance,
-noiseless) against n, beside the mismatched twin's.
+noiseless) against n, beside the mismatched twin's, into ``--out`` (default ``./eae_out``). Needs
+the ``examples`` extra (LightPipes, scikit-learn, matplotlib).
 
     python examples/train_optics.py
     python examples/train_optics.py --epochs 2 --probes 8 --workers 2
@@ -30,19 +31,21 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import math
-import pathlib
 import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from LightPipes import Begin, Forvard, Intensity, SubPhase, cm, mm, nm
-from sklearn.datasets import load_digits
 
 import eae_func as ef
 from eae_func import estimators as E
 
-HERE = pathlib.Path(__file__).parent
+from extras import add_out, extra, pyplot, save
+
+with extra("examples"):
+    from LightPipes import Begin, Forvard, Intensity, SubPhase, cm, mm, nm
+    from sklearn.datasets import load_digits
+
 GRID, SIZE, WAVELENGTH, DISTANCE = 16, 2 * mm, 633 * nm, 50 * cm
 
 
@@ -96,14 +99,6 @@ def init_params():
     )
 
 
-def predict(chain, params, x) -> torch.Tensor:
-    h = x
-    with torch.no_grad():
-        for s, p in zip(chain.stages, params):
-            h = s.call(p, {}, h)[0]
-    return h
-
-
 def train(chain, estimator, x, y, args):
     params = init_params()
     leaves = [t for p in params for t in p.values()]
@@ -152,9 +147,11 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=2, help="processes running the simulator")
     parser.add_argument("--train", type=int, default=1400, help="training samples (the rest of 1797 test)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny data, one epoch, no plot")
+    add_out(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.epochs, args.train, args.probes, args.batch = 1, 64, 2, 32
+    plt = None if args.quick else pyplot()  # a missing matplotlib says so before anything trains
 
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
@@ -190,7 +187,8 @@ def main(argv=None):
         print("|---|---|---|---|")
         for name, (chain, estimator) in methods.items():
             trained, rows, wall = train(chain, estimator, x[train_idx], y[train_idx], args)
-            logits = predict(hardware, trained, x[test_idx])
+            with torch.no_grad():
+                logits = ef.apply(hardware, trained, x[test_idx])
             acc = (logits.argmax(-1) == y[test_idx]).float().mean().item()
             print(f"| {name} | {acc:.3f} | {rows:.0f} | {wall:.1f} |", flush=True)
 
@@ -202,12 +200,7 @@ def main(argv=None):
         "\ncosine of the costate at the optics' input to the exact one, by n:",
         {k: [round(c, 2) for c in v] for k, v in curves.items()},
     )
-    if not args.quick:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    if plt is not None:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for name, values in curves.items():
             ax.plot(ns, values, marker="o", label=name, linestyle="--" if name.startswith("twin") else "-")
@@ -220,8 +213,7 @@ def main(argv=None):
         )
         ax.legend(loc="lower right", fontsize=8)
         fig.tight_layout()
-        fig.savefig(HERE / "train_optics_cosine.png", dpi=120)
-        print(f"plot: {HERE / 'train_optics_cosine.png'}")
+        save(fig, args.out, "train_optics_cosine.png", dpi=120)
 
 
 if __name__ == "__main__":

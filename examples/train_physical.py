@@ -8,26 +8,29 @@ gradient copy of the medium is the reference. Prints test accuracy, queries per 
 wall time per estimator, and plots accuracy against queries. Methods that differentiate
 (exact backprop, zbp with jvp) train on a noiseless simulation of the medium, as one
 would with a device model; the finite-difference methods query the noisy medium itself.
-Every model is tested on the noisy medium.
+Every model is tested on the noisy medium (``ef.apply``: the trained chain run forward). Needs the
+``examples`` extra (scikit-learn, matplotlib); the plot goes to ``--out`` (default ``./eae_out``).
 
     python examples/train_physical.py
     python examples/train_physical.py --epochs 10 --probes 64 --noise 0.01
+    python examples/train_physical.py --quick      # a smoke run: 200 samples, 1 epoch, 4 probes
 """
 
 from __future__ import annotations
 
 import argparse
-import pathlib
 import time
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 
 import eae_func as ef
 from eae_func import estimators as E
 
-HERE = pathlib.Path(__file__).parent
+from extras import add_out, extra, pyplot, save
+
+with extra("examples"):
+    from sklearn.datasets import load_digits
 
 
 def medium(width: int, noise: float, seed: int):
@@ -62,11 +65,8 @@ def init_params(width: int):
 
 
 def accuracy(chain, params, x, y) -> float:
-    h = x
     with torch.no_grad():
-        for s, p in zip(chain.stages, params):
-            h = s.call(p, {}, h)[0]
-    return (h.argmax(-1) == y).float().mean().item()
+        return (ef.apply(chain, params, x).argmax(-1) == y).float().mean().item()
 
 
 def train(chain, x, y, estimator, args):
@@ -95,14 +95,19 @@ def main(argv=None):
     parser.add_argument("--eps", type=float, default=3e-2, help="finite-difference step")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 200 samples, 1 epoch, 4 probes")
+    add_out(parser)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.epochs, args.probes = 1, 4
+    plt = None if args.no_plot else pyplot()  # a missing matplotlib says so before anything trains
 
     torch.manual_seed(0)
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     y = torch.tensor(digits.target)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    train_idx, test_idx = perm[:1400], perm[1400:]
+    train_idx, test_idx = (perm[:150], perm[150:200]) if args.quick else (perm[:1400], perm[1400:])
     hardware, simulation = network(args.width, args.noise), network(args.width, 0.0)
     probes = E.Probes(args.probes, "rademacher")
     estimators = {  # name: (estimator, needs a differentiable simulation of the medium)
@@ -124,12 +129,7 @@ def main(argv=None):
         acc = accuracy(hardware, params, x[test_idx], y[test_idx])
         rows.append((name, acc, queries))
         print(f"| {name} | {acc:.3f} | {queries:.0f} | {wall:.1f} |", flush=True)
-    if not args.no_plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    if plt is not None:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for name, acc, q in rows:
             ax.scatter(max(q, 1), acc, label=name)
@@ -141,8 +141,7 @@ def main(argv=None):
         )
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(HERE / "train_physical.png", dpi=80)
-        print(f"plot: {HERE / 'train_physical.png'}")
+        save(fig, args.out, "train_physical.png", dpi=80)
 
 
 if __name__ == "__main__":

@@ -106,16 +106,47 @@ def test_eae_trainer_sweeps_the_loss_as_the_trainer_computes_it(tmp_path, how):
     assert worst <= 1e-6, worst
 
 
-def test_eae_trainer_logs_what_the_passes_measure(tmp_path):
+@pytest.mark.parametrize(
+    "eae_log, keys",
+    [
+        (None, ("norm",)),  # the default
+        (("norm", "clip_norm", "clipped"), ("norm", "clip_norm", "clipped")),
+        ("all", ("norm", "int8_scale", "clip_norm", "clip_scale", "clipped")),
+        ((), ()),
+    ],
+    ids=["default", "chosen", "all", "none"],
+)
+def test_eae_trainer_logs_named_boundaries(tmp_path, eae_log, keys):
+    """One entry per cut layer, named as ``res.adjoints`` names it (no loss or input costate); the
+    default is the costate norm, ``eae_log=`` chooses; the values are read only when Trainer logs."""
     from eae_func import passes as P
+    from eae_func.lazy import Lazy
 
-    class Norms(EAETrainer):
+    class Logged(EAETrainer):
         def __init__(self, *a, **k):
-            super().__init__(*a, eae={"passes": ef.compose(P.int8(), P.clip_by_global_norm(1.0))}, **k)
+            chosen = {} if eae_log is None else {"eae_log": eae_log}
+            super().__init__(*a, eae={"passes": ef.compose(P.int8(), P.clip_by_global_norm(1.0))}, **chosen, **k)
 
-    _, _, trainer = _train(Norms, tmp_path)
-    logged = {k for entry in trainer.state.log_history for k in entry if k.startswith("eae/")}
-    assert {"eae/1/clip_norm", "eae/1/clipped"} <= logged, trainer.state.log_history[0]
+    _, _, trainer = _train(Logged, tmp_path)
+    want = {f"eae/transformer.h.{i}/{key}" for i in range(3) for key in keys}
+    for entry in trainer.state.log_history:
+        if "loss" in entry:
+            assert {k for k in entry if k.startswith("eae/")} == want
+    assert set(trainer.eae_logs) == want
+    assert all(isinstance(v, torch.Tensor | Lazy) for v in trainer.eae_logs.values())  # unread until logged
+    assert all(trainer.state.log_history[0][f"eae/transformer.h.{i}/norm"] > 0 for i in range(3) if keys)
+
+
+def test_eae_trainer_refuses_a_log_it_cannot_make(tmp_path):
+    from eae_func.integrations.transformers import EAETrainer
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16))
+    with pytest.raises(TypeError, match=r"EAETrainer\(eae_log=...\): expected \"all\" or a sequence of names"):
+        EAETrainer(model=model, args=args, eae_log="norm")
+    with pytest.raises(ValueError, match="keep_costates=False drops"):
+        EAETrainer(model=model, args=args, eae={"keep_costates": False})
+    EAETrainer(model=model, args=args, eae={"keep_costates": False}, eae_log=("clip_norm",))
 
 
 def _seq2seq(kind):

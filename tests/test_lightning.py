@@ -75,6 +75,35 @@ def test_fused_manual_step_counts_the_step_and_equals_manual_backward():
     assert worst <= 1e-6, worst
 
 
+class Logged(Lit):
+    """manual_step with a clip, logging the default set or a chosen one."""
+
+    def __init__(self, how, chosen):
+        super().__init__(how)
+        self.chosen = chosen
+
+    def training_step(self, batch, batch_idx):
+        from eae_func import passes as P
+
+        x, y = batch
+        log = {} if self.chosen is None else {"log": self.chosen}
+        fused = self.how == "fused"
+        clip = P.clip_by_global_norm(1.0)
+        return manual_step(self, self.model, x, y, loss=F.cross_entropy, fused=fused, passes=clip, **log)
+
+
+@pytest.mark.parametrize("how", ["eae", "fused"])
+@pytest.mark.parametrize("chosen, keys", [(None, ("norm",)), (("norm", "clipped"), ("norm", "clipped")), ((), ())])
+def test_manual_step_logs_named_boundaries(how, chosen, keys):
+    """One entry per boundary but the input, named by the stage whose output it is; norm by default."""
+    _, trainer = _fit(how, module=Logged(how, chosen))
+    stages = ("Linear_0", "Tanh_1", "Linear_2", "GELU_3", "Linear_4")
+    logged = {k for k in trainer.callback_metrics if k.startswith("eae/")}
+    assert logged == {f"eae/{stage}/{key}" for stage in stages for key in keys}
+    if keys:
+        assert trainer.callback_metrics["eae/Linear_4/norm"] > 0
+
+
 class Feedback(Lit):
     """manual_step with error feedback: the residuals must reach the next step."""
 

@@ -1,11 +1,12 @@
 """Every code block of README.md and of the documentation's pages is executed.
 
-Python blocks run verbatim, in order (the README, then the pages in the site's nav order), in one
-namespace. Shell blocks: each
-command line runs from the repository root, except `pip install ...` steps (the
-test environment is their result) and the test command itself (this run);
-benchmark scripts run with `--quick` appended so the suite stays fast, which
-checks that the command and its flags work, not the numbers.
+Python blocks run verbatim, each alone in a fresh namespace, as a reader who copies one block runs
+it: with its own imports and data. Shell blocks: each command line runs from the repository root,
+except `pip install ...` steps (the test environment is their result) and the test command itself
+(this run); benchmark scripts run with `--quick` appended so the suite stays fast, which checks that
+the command and its flags work, not the numbers. No command changes what git tracks (the examples
+write to `--out`, by default `eae_out/`, ignored); the docs' figures are made by
+`examples/make_figures.py`, whose smoke run writes where it is told.
 """
 
 import importlib.util
@@ -44,17 +45,31 @@ def shell_commands():
                 yield words
 
 
-def test_python_blocks_run(tmp_path, monkeypatch):
+PYTHON = [  # each page's python blocks, numbered from 1
+    pytest.param(page, body, id=f"{page}:{i}")
+    for page in PAGES
+    for i, body in enumerate((b for lang, b, p in BLOCKS if p == page and lang == "python"), 1)
+]
+EXTRAS = {"transformers": "hf", "lightning": "lightning"}  # what a block may import beyond eae_func's needs
+
+
+def git_status() -> str | None:
+    """What git sees changed in the checkout (``None`` outside a git checkout)."""
+    done = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else None
+
+
+def test_the_pages_have_python_blocks():
+    assert len({param.values[0] for param in PYTHON}) > 3
+
+
+@pytest.mark.parametrize("page, body", PYTHON)
+def test_python_block_runs_alone(page, body, tmp_path, monkeypatch):
+    for module, extra in EXTRAS.items():
+        if f"import {module}" in body and importlib.util.find_spec(module) is None:
+            pytest.skip(f"the optional extra eae_func[{extra}] is not installed")
     monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "readme"}
-    blocks = [(body, page) for lang, body, page in BLOCKS if lang == "python"]
-    assert len({page for _, page in blocks}) > 3
-    for body, page in blocks:
-        if "import transformers" in body and importlib.util.find_spec("transformers") is None:
-            continue  # the optional extra eae_func[hf] is not installed
-        if "import lightning" in body and importlib.util.find_spec("lightning") is None:
-            continue  # the optional extra eae_func[lightning] is not installed
-        exec(compile(body, page, "exec"), namespace)
+    exec(compile(body, page, "exec"), {"__name__": "readme"})
 
 
 @pytest.mark.parametrize("words", list(shell_commands()), ids=lambda w: " ".join(w))
@@ -65,5 +80,25 @@ def test_shell_commands_run(words):
         words = [*words, "--quick"]
     tools = str(pathlib.Path(sys.executable).parent)  # this environment's ruff, pyright, mkdocs (and its python)
     env = {**os.environ, "PATH": tools + os.pathsep + os.environ.get("PATH", "")}
+    before = git_status()
     done = subprocess.run(words, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert git_status() == before, "the command changed the checkout"
+
+
+def test_the_figures_command_writes_only_where_told(tmp_path):
+    """Every plotting example's smoke run, through the one command that makes the docs' figures."""
+    for module in ("matplotlib", "sklearn", "tqdm", "LightPipes"):
+        pytest.importorskip(module)  # the examples extra
+    before = git_status()
+    command = [sys.executable, "examples/make_figures.py", "--quick", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert git_status() == before, "make_figures.py --out elsewhere changed the checkout"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "bench_train_curve.png",
+        "estimators_cosine.png",
+        "train_lm_costates.png",
+        "train_lm_loss.png",
+        "train_physical.png",
+    ]

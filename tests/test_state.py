@@ -155,7 +155,7 @@ def test_lightning_manual_step_equals_a_hand_threaded_sweep_loop(monkeypatch):
 
     from eae_func.integrations import lightning as integration
 
-    spy = Spy(monkeypatch, integration, "value_and_grad")
+    spy = Spy(monkeypatch, integration)
     module, _ = _fit("eae", module=Resumable("eae"))
     assert len(spy.calls) == 3
     state = spy.replay()

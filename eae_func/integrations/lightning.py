@@ -19,6 +19,11 @@ runs its hooks around it.
 The passes' state (error feedback's residuals) is threaded from step to step in
 ``module.eae_pass_state``; ``PassState()`` among the Trainer's callbacks saves it in each checkpoint
 and restores it on resume (with checkpointing on, a stateful pass without it is refused).
+
+Each step logs (``module.log_dict``), per boundary named by its stage (``res.adjoints``' names; the
+input's costate left out), ``eae/<stage>/norm``: the 2-norm of the costate of the stage's output after
+the passes, a device scalar Lightning reads when it logs; ``log=`` chooses more or fewer
+(``eae_func.integrations.logs``).
 """
 
 from __future__ import annotations
@@ -27,12 +32,21 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+try:
+    from lightning.pytorch.callbacks import Callback
+except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(
+        f"eae_func.integrations.lightning: {e.name} is not installed; it comes with eae_func's lightning extra: "
+        f"pip install 'eae_func[lightning]'",
+        name=e.name,
+    ) from e
+
 from ..chain import write_grads
-from ..sweep import stateful, sweep, value_and_grad
+from ..sweep import stateful, sweep
 from ..update import fused as fused_update
+from .logs import DEFAULT, boundary_logs, chosen
 
 __all__ = ["PassState", "manual_step"]
 
@@ -61,6 +75,12 @@ def checkpointed(module: Any, passes: Any) -> None:
         )
 
 
+def logged(module: Any, res: Any, log: str | tuple[str, ...]) -> None:
+    """``module.log_dict`` of ``boundary_logs``: the norms as device scalars, the passes' numbers read."""
+    if values := boundary_logs(res, log):
+        module.log_dict({k: v if isinstance(v, torch.Tensor) else float(v) for k, v in values.items()})
+
+
 def manual_step(
     module: Any,
     model: nn.Module,
@@ -72,6 +92,7 @@ def manual_step(
     gradient_clip_val: float | None = None,
     gradient_clip_algorithm: str | None = None,
     fused: bool = False,
+    log: str | Sequence[str] = DEFAULT,
     **options: Any,
 ) -> torch.Tensor:
     """One optimizer step of ``module`` (a ``LightningModule`` with ``automatic_optimization =
@@ -79,29 +100,34 @@ def manual_step(
     ``optimizer``: one of ``module.optimizers()`` (default: the only one); ``options``: the sweep's.
     Fused, a clip is per stage (``max_norm=``, as ``ef.fused`` clips), and fp16's loss scaler (which
     needs ``.grad`` to check) is refused. The passes' state is threaded from step to step in
-    ``module.eae_pass_state`` (and checkpointed by ``PassState``)."""
+    ``module.eae_pass_state`` (and checkpointed by ``PassState``). ``log``: what ``module.log_dict``
+    gets per boundary as ``eae/<stage>/<name>``: ``"norm"`` (the costate's 2-norm, the default) and
+    names the passes record (``"clip_norm"``, ``"clipped"``, ...; read at every step, where the norm
+    stays on the device), ``"all"`` for the norm and every number they record, ``()`` nothing."""
     opt = optimizer if optimizer is not None else module.optimizers()
     if isinstance(opt, list):
         raise ValueError(
             f"manual_step: {type(module).__name__} has {len(opt)} optimizers; say which one steps {type(model).__name__}: "
             f"manual_step(..., optimizer=self.optimizers()[k])"
         )
+    log = chosen(log, options, "manual_step(log=...)")
     params = dict(model.named_parameters())
     state = getattr(module, "eae_pass_state", None)
     if state is None:
         checkpointed(module, options.get("passes"))
-    if not fused:
-        (value, grads), module.eae_pass_state = value_and_grad(
-            model, params, x, *loss_args, loss=loss, split_at=split_at, pass_state=state, has_state=True, **options
-        )
+    if not fused:  # value_and_grad's options, with the costates kept for the norm
+        options = {"timers": False, "keep_costates": log == "all" or "norm" in log, **options}
+        res = sweep(model, params, x, *loss_args, loss=loss, split_at=split_at, pass_state=state, **options)
+        module.eae_pass_state = res.pass_state
+        logged(module, res, log)
         opt.zero_grad()
-        write_grads(model, grads)
+        write_grads(model, res.grads)
         if gradient_clip_val is not None:
             module.clip_gradients(
                 opt, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm
             )
         opt.step()
-        return value.detach()
+        return res.loss.detach()
     if gradient_clip_val is not None:
         raise ValueError(
             "manual_step: fused=True clips per stage: give max_norm= (ef.fused's per-stage clip) instead of "
@@ -121,6 +147,7 @@ def manual_step(
             model, params, x, *loss_args, loss=loss, split_at=split_at, update=update, pass_state=state, **options
         )
         module.eae_pass_state = res.pass_state
+        logged(module, res, log)
         out["loss"] = res.loss.detach()
         return out["loss"]
 

@@ -13,25 +13,38 @@ gradients are added into ``.grad`` (``ef.write_grads(accumulate=True)``), so gra
 clipping, the scaler's unscale and the optimizer step run as Trainer runs them. bf16 runs the stages
 under ``torch.autocast``. The passes' state (error feedback's residuals) is threaded from step to
 step in ``trainer.eae_state``, saved in each checkpoint (``eae_state.pt``, one per process) and
-restored by ``train(resume_from_checkpoint=...)``. What the passes record at each boundary
-(``meta``) is logged with Trainer's logs as ``eae/<boundary>/<key>``.
+restored by ``train(resume_from_checkpoint=...)``.
+
+With Trainer's logs, per cut layer (named as ``res.adjoints`` names it, e.g. ``transformer.h.1``):
+``eae/<layer>/norm``, the 2-norm of the costate of the layer's output after the passes, and with
+``eae_log=`` what else the passes record there (``eae_func.integrations.logs``), read off the device
+only when Trainer logs. The layers' outputs are the trace's only boundaries: the loss and the glue
+around the layers (embeddings, head, ``num_items_in_batch``) are differentiated by autograd, so no
+costate of the loss itself or of a Trainer input is logged.
 """
 
 from __future__ import annotations
 
 import logging
-import numbers
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer
+
+try:
+    from transformers import Trainer
+except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(
+        f"eae_func.integrations.transformers: {e.name} is not installed; it comes with eae_func's hf extra: "
+        f"pip install 'eae_func[hf]'",
+        name=e.name,
+    ) from e
 
 from ..chain import write_buffers, write_grads
-from ..lazy import Lazy
 from ..sweep import carries_state, stateful, sweep
+from .logs import DEFAULT, boundary_logs, chosen
 
 __all__ = ["EAETrainer", "layers_of"]
 
@@ -81,11 +94,22 @@ class ComputedLoss(nn.Module):
 
 class EAETrainer(Trainer):
     """``Trainer`` whose training step is an ``ef.sweep``; ``eae``: the sweep's options (``passes``,
-    ``boundary_dtype``, ``recompute``, ...), ``split_at``: where to cut (default ``layers_of(model)``)."""
+    ``boundary_dtype``, ``recompute``, ...), ``split_at``: where to cut (default ``layers_of(model)``),
+    ``eae_log``: what is logged per cut layer as ``eae/<layer>/<name>``: ``"norm"`` (the costate's
+    2-norm, the default) and names the passes record (``"clip_norm"``, ``"clipped"``, ``P.stats()``'s
+    ``"mean"``, ``"std"``, ...), ``"all"`` for the norm and every number they record, ``()`` nothing."""
 
-    def __init__(self, *args: Any, eae: dict | None = None, split_at: Sequence[str] | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        eae: dict | None = None,
+        split_at: Sequence[str] | None = None,
+        eae_log: str | Sequence[str] = DEFAULT,
+        **kwargs: Any,
+    ):
         super().__init__(*args, **kwargs)
         self.eae = dict(eae or {})
+        self.eae_log = chosen(eae_log, self.eae, "EAETrainer(eae_log=...)")
         for refused in ("update", "microbatches", "loss", "split_at"):
             if refused in self.eae:
                 raise ValueError(
@@ -93,7 +117,7 @@ class EAETrainer(Trainer):
                     f"gradient accumulation, the model's own loss); give split_at= as its own argument"
                 )
         self.split_at = list(split_at) if split_at is not None else None
-        self.eae_logs: dict[str, float] = {}
+        self.eae_logs: dict[str, Any] = {}  # the last step's, unread until Trainer logs
         self.eae_state: Any = None  # the passes' state, threaded from step to step
         self._swept: ComputedLoss | None = None  # of the model
         if self.split_at is None:
@@ -137,12 +161,7 @@ class EAETrainer(Trainer):
         self.eae_state = res.pass_state  # error feedback's residuals, a predictor's weights: carried to the next step
         write_grads(self._swept, res.grads, accumulate=True)
         write_buffers(self._swept, res.buffers)
-        self.eae_logs = {
-            f"eae/{boundary}/{key}": float(value)
-            for boundary, meta in res.stats.get("boundaries", {}).items()
-            for key, value in meta.items()
-            if isinstance(value, numbers.Real | Lazy) or (isinstance(value, torch.Tensor) and value.numel() == 1)
-        }
+        self.eae_logs = boundary_logs(res, self.eae_log)
         return (res.loss / scale).detach()
 
     def _state_file(self, checkpoint: str) -> str:
@@ -166,5 +185,7 @@ class EAETrainer(Trainer):
             logger.warning("EAETrainer: %s holds no pass state; the passes start from init()", checkpoint)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        """Trainer's logs, with the passes' last measurements at each boundary."""
-        super().log({**logs, **self.eae_logs} if "loss" in logs else logs, *args, **kwargs)
+        """Trainer's logs, with the last step's ``eae_log`` per cut layer, read now."""
+        if "loss" in logs:
+            logs = {**logs, **{k: float(v) for k, v in self.eae_logs.items()}}
+        super().log(logs, *args, **kwargs)
