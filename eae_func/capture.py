@@ -116,33 +116,39 @@ def fingerprint(model: nn.Module) -> tuple:
     return modules, tensors, hooks
 
 
-def described(v: Any, seen: dict[int, Any]) -> Any:
+DEPTH = 64  # levels ``described`` follows into containers and objects; deeper ones count by identity
+
+
+def described(v: Any, seen: dict[int, Any], depth: int = 0) -> Any:
     """``v`` as a comparable value that changes when anything a captured program may read of it
     changes: plain values as they are, tensors by identity, shape, dtype, device and requires_grad,
     modules by ``fingerprint``, containers and objects' attributes at every depth (``cfg.sub.scale``),
-    functions, classes and Python modules by identity. ``seen`` holds what was described (an object
-    met again gets the same description, whatever the order; one met inside itself, a cycle mark)."""
+    functions, classes and Python modules by identity (and anything ``DEPTH`` levels down). ``seen``
+    holds what was described (an object met again gets the same description, whatever the order; one
+    met inside itself, a cycle mark)."""
     if isinstance(v, PLAIN):
         return v
     key = id(v)
     if key in seen:
         return seen[key] if seen[key] is not None else ("cycle", key)
     seen[key] = None
+    inner = depth + 1
     if isinstance(v, torch.Tensor):
         out: Any = (key, v.shape, v.dtype, v.device, v.requires_grad)
     elif isinstance(v, nn.Module):
         out = fingerprint(v)
-    elif isinstance(v, (list, tuple, set, frozenset)):
-        out = (
-            type(v),
-            tuple(described(e, seen) for e in (sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v)),
-        )
-    elif isinstance(v, dict):
-        out = type(v), tuple((k, described(e, seen)) for k, e in v.items())
-    elif isinstance(v, (types.ModuleType, type)) or callable(v) or not hasattr(v, "__dict__"):
+    elif depth >= DEPTH or isinstance(v, (types.ModuleType, type)) or callable(v):
         out = key
+    elif isinstance(v, (list, tuple)):
+        out = type(v), tuple(described(e, seen, inner) for e in v)
+    elif isinstance(v, (set, frozenset)):
+        out = type(v), tuple(described(e, seen, inner) for e in sorted(v, key=repr))
+    elif isinstance(v, dict):
+        out = type(v), tuple((k, described(e, seen, inner)) for k, e in v.items())
+    elif hasattr(v, "__dict__"):
+        out = key, type(v), tuple((k, described(e, seen, inner)) for k, e in vars(v).items())
     else:
-        out = key, type(v), tuple((k, described(e, seen)) for k, e in vars(v).items())
+        out = key
     seen[key] = out
     return out
 

@@ -137,6 +137,22 @@ def test_eae_trainer_logs_named_boundaries(tmp_path, eae_log, keys):
     assert all(trainer.state.log_history[0][f"eae/transformer.h.{i}/norm"] > 0 for i in range(3) if keys)
 
 
+@pytest.mark.parametrize("eae", [{"capture": "graph"}, {"boundary_dtype": torch.float32}], ids=["graph", "bdtype"])
+def test_eae_trainer_with_options_only_a_captured_chain_has_trains_as_trainer_does(tmp_path, eae):
+    """Options that fall back to graph capture (``boundary_dtype``, ``capture="graph"``) failed: the
+    ``use_cache=False`` it added to the inputs was a boundary leaf, the Trainer itself fingerprinted."""
+
+    class Captured(EAETrainer):
+        def __init__(self, *a, **k):
+            super().__init__(*a, eae=eae, **k)
+
+    model, logs, _ = _train(transformers.Trainer, tmp_path / "hf")
+    eae_model, eae_logs, _ = _train(Captured, tmp_path / "eae")
+    for (loss, norm), (eae_loss, eae_norm) in zip(logs, eae_logs):
+        assert abs(loss - eae_loss) <= 1e-6 * abs(loss) and abs(norm - eae_norm) <= 1e-6 * abs(norm)
+    assert max((a - b).abs().max().item() for a, b in zip(model.parameters(), eae_model.parameters())) <= 1e-6
+
+
 def test_eae_trainer_refuses_a_log_it_cannot_make(tmp_path):
     from eae_func.integrations.transformers import EAETrainer
 

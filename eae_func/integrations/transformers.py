@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -78,16 +78,24 @@ class ComputedLoss(nn.Module):
     smoothing and ``compute_loss_func`` included. It holds the model's own submodules, parameters and
     buffers under their own names, so stages, gradients and logs are named as the model names them."""
 
-    _eae_of: tuple[Trainer, nn.Module]
+    _eae_loss: Callable[..., Any]
+    _eae_model: nn.Module
 
     def __init__(self, trainer: Trainer, model: nn.Module):
         super().__init__()
         self._modules, self._parameters, self._buffers = model._modules, model._parameters, model._buffers
-        object.__setattr__(self, "_eae_of", (trainer, model))  # not a submodule; no child's name
+        cache = {"use_cache": False} if getattr(getattr(model, "config", None), "use_cache", None) is not None else {}
+
+        def compute_loss(inputs: dict, num_items_in_batch: Any) -> Any:
+            # a KV cache the forward fills would be read again by the rebuilds
+            return trainer.compute_loss(model, {**inputs, **cache}, num_items_in_batch=num_items_in_batch)
+
+        # not submodules, and a function (what a graph capture fingerprints by identity), not the Trainer
+        object.__setattr__(self, "_eae_loss", compute_loss)
+        object.__setattr__(self, "_eae_model", model)
 
     def forward(self, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        trainer, model = self._eae_of
-        loss = trainer.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+        loss = self._eae_loss(inputs, num_items_in_batch)
         assert isinstance(loss, torch.Tensor)  # return_outputs=False: the loss alone
         return loss
 
@@ -130,7 +138,7 @@ class EAETrainer(Trainer):
         model.train()
         inputs = self._prepare_inputs(inputs)
         unwrapped = self.accelerator.unwrap_model(model, keep_fp32_wrapper=False)
-        if self._swept is None or self._swept._eae_of[1] is not unwrapped:
+        if self._swept is None or self._swept._eae_model is not unwrapped:
             self._swept = ComputedLoss(self, unwrapped)
         scaled_for_ga = (
             self.loss_is_scaled_for_ga
@@ -144,15 +152,16 @@ class EAETrainer(Trainer):
         def loss(value: torch.Tensor) -> torch.Tensor:
             return value / steps * scale  # as accelerator.backward scales it
 
-        if getattr(getattr(unwrapped, "config", None), "use_cache", None) is not None:
-            inputs = {**inputs, "use_cache": False}  # a KV cache the forward fills would be read by the rebuilds
         options = dict(self.eae)
         if self.args.bf16 or self.args.fp16:
             options.setdefault("autocast", torch.bfloat16 if self.args.bf16 else torch.float16)
         res = sweep(
             self._swept,
             dict(self._swept.named_parameters()),
-            {"inputs": inputs, "num_items_in_batch": num_items_in_batch},
+            {
+                "inputs": inputs,
+                "num_items_in_batch": n if not isinstance(n := num_items_in_batch, int) else torch.tensor(n),
+            },
             loss=loss,
             split_at=self.split_at,
             pass_state=self.eae_state,
