@@ -34,14 +34,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import missing
+
 try:
     from lightning.pytorch.callbacks import Callback
 except ModuleNotFoundError as e:
-    raise ModuleNotFoundError(
-        f"eae_func.integrations.lightning: {e.name} is not installed; it comes with eae_func's lightning extra: "
-        f"pip install 'eae_func[lightning]'",
-        name=e.name,
-    ) from e
+    raise missing(__name__, "lightning", e) from e
 
 from ..chain import write_grads
 from ..sweep import stateful, sweep

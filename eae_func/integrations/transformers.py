@@ -33,14 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import missing
+
 try:
     from transformers import Trainer
 except ModuleNotFoundError as e:
-    raise ModuleNotFoundError(
-        f"eae_func.integrations.transformers: {e.name} is not installed; it comes with eae_func's hf extra: "
-        f"pip install 'eae_func[hf]'",
-        name=e.name,
-    ) from e
+    raise missing(__name__, "hf", e) from e
 
 from ..chain import write_buffers, write_grads
 from ..sweep import carries_state, stateful, sweep
