@@ -13,8 +13,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..chain import Chain
+from .probes import INPUT_STREAM, PARAM_STREAM, probe_seed
 
 SCOPES = ("stage", "model")
+STREAMS = {"input": INPUT_STREAM, "params": PARAM_STREAM}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,14 @@ class Problem:
         """Stage i's output ``out`` as the next stage runs on it."""
         return out if self.feed is None else self.feed(i, out)
 
+    def probe_seed(self, i: int, stream: str = "input") -> int:
+        """The seed of stage i's probes for this sweep's key: ``"input"`` directions (zbp's, np's and
+        direct's) or ``"params"`` directions (fd parameter probing). ``probes.chunks(seed, ...)``
+        draws from it the very probes those estimators draw."""
+        if stream not in STREAMS:
+            raise ValueError(f"Problem.probe_seed: stream must be one of {tuple(STREAMS)}, got {stream!r}")
+        return probe_seed(self.key, i, STREAMS[stream])
+
     def charge(self, i: int, rows: int, kind: str = "forward_calls") -> None:
         """Count a call of stage i on ``rows`` rows (raises, before it runs, past the budget)."""
         if self.meter is not None:
@@ -75,7 +85,8 @@ class Estimator(Protocol):
     stage (it then runs on any pipeline rank), ``"model"`` if it probes the whole chain in
     ``prepare`` (it needs the chain in one process). ``differentiates`` (optional, ``False`` when
     absent): whether it differentiates the physical stages, so a black box is refused before
-    anything runs.
+    anything runs. ``check(chain, physical)`` (optional): raises, before anything runs, if the
+    estimator cannot serve those physical stages (a twin mapping that misses one).
 
     ``prepare(problem) -> prepared``: once per microbatch, after the forward sweep.
     ``stage_vjp(problem, prepared, i, h_in, costate) -> (grads_i, input_costate, cost)``: the

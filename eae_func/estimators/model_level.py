@@ -62,7 +62,7 @@ from .local import (
     perturb_folded,
     where,
 )
-from .probes import INPUT_STREAM, Probes, probe_seed
+from .probes import Probes
 
 FORMS = ("oracle", "jvp", "fd")
 REDUCTIONS = ("mean", "sum")
@@ -111,9 +111,7 @@ class _Run:
     def probe_chunks(self, i: int) -> Iterator[torch.Tensor]:
         """Stage i's input probes, chunk by chunk."""
         flat, (dtype, device) = self.flats[i], self.placements[i]
-        return self.estimator.probes.chunks(
-            probe_seed(self.problem.key, i, INPUT_STREAM), flat.batch_shape, flat.d, dtype, device
-        )
+        return self.estimator.probes.chunks(self.problem.probe_seed(i), flat.batch_shape, flat.d, dtype, device)
 
     def shift(self, i: int, h: Any, delta: torch.Tensor) -> Any:
         """``h`` with its differentiable leaves shifted by ``delta: (*batch_shape, d_i)``."""
