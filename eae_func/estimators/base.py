@@ -40,6 +40,10 @@ class Problem:
     feed:                    ``feed(i, out)``: stage i's output as the forward fed it to stage i+1
                              (rounded to the boundary dtype); ``None``: as is.
     drawn:                   the digital stages whose forward drew random numbers (``run`` replays them).
+    state:                   ``state(i)``: stage i's input as the sweep's forward measured it (a physical
+                             stage's inputs and everything downstream of one are the black box's), from
+                             the tape: every stage of the range in ``prepare``, until the reverse fold
+                             hands the stage's entry out; ``None`` where no tape is at hand.
     """
 
     chain: Chain
@@ -55,6 +59,7 @@ class Problem:
     run: Callable[[int, Any, Any], Any] | None = None
     feed: Callable[[int, Any], Any] | None = None
     drawn: frozenset[int] = frozenset()
+    state: Callable[[int], Any] | None = None
 
     def call(self, i: int, params: Any, h: Any) -> Any:
         """Stage i on ``h`` at ``params`` as the forward ran it (its buffer updates discarded)."""
