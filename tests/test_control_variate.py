@@ -125,6 +125,36 @@ def test_an_exact_twin_gives_the_exact_gradients(beta, method, twin_directional)
         assert medium.rows == stats["rows"] == B * (1 + 2 * 6 + 2 * 6)  # forward, input probes, gain probes
 
 
+MODEL_LEVEL = [(make, form) for make in (E.node_perturbation, E.direct) for form in ("oracle", "jvp", "fd")]
+
+
+@pytest.mark.parametrize("make,form", MODEL_LEVEL)
+def test_at_the_model_level_a_zero_twin_is_the_wrapped_estimator_and_an_exact_twin_is_exact(make, form):
+    """np and direct with two physical stages (black boxes under fd), a twin per stage: zero twins
+    give the wrapped estimate bit for bit with the same rows and calls (the twins' sweep and
+    probing run no black box); exact twins give the exact gradients for β 1, "ema" and "xfit"."""
+    first, second = Medium(0), Medium(1)
+    if form == "fd":
+        boxes = [ef.black_box(first, name="a", numpy=True), ef.black_box(second, name="b", numpy=True)]
+    else:
+        boxes = [ef.stage(first.torch, name="a", physical=True), ef.stage(second.torch, name="b", physical=True)]
+    chain, params, x, y = network(*boxes)
+    exact = ef.sweep(network(ef.stage(first.torch, name="a"), ef.stage(second.torch, name="b"))[0], params, x, y)
+    wrapped = make(E.Probes(5, "rademacher", chunk=2), form=form, eps=1e-4)
+    ref = ef.sweep(chain, params, x, y, estimator=wrapped, key=3)
+    zero = {"a": lambda p, h: 0 * first.torch(p, h), "b": lambda p, h: 0 * second.torch(p, h)}
+    twins = {"a": first.torch, "b": second.torch}
+    directional = "fd" if form == "fd" else "exact"
+    for beta in (1.0, "ema", "xfit"):
+        res = ef.sweep(chain, params, x, y, estimator=E.control_variate(wrapped, zero, beta, directional), key=3)
+        assert same_bits(res, ref)
+        for name in "ab":
+            assert {k: res.stats[name].get(k) for k in COUNTERS} == {k: ref.stats[name].get(k) for k in COUNTERS}
+        res = ef.sweep(chain, params, x, y, estimator=E.control_variate(wrapped, twins, beta, directional), key=3)
+        for g, h in zip(ef.tree_leaves(res.grads), ef.tree_leaves(exact.grads), strict=True):
+            torch.testing.assert_close(g, h, rtol=1e-9, atol=1e-11)
+
+
 def test_a_twin_per_stage_by_name():
     """Two physical stages, each with its own twin: PAT and the control variate are exact with the
     right twin for each; a mapping that misses one is refused before anything is simulated."""
@@ -197,7 +227,7 @@ def test_stats_are_pooled_over_microbatches():
 
 def test_bad_arguments_name_the_entry_point():
     zbp = E.zbp(E.Probes(4))
-    with pytest.raises(TypeError, match=r"control_variate: wraps a stage-level E.zbp\(...\), got Twin"):
+    with pytest.raises(TypeError, match=r"control_variate: wraps E.zbp\(...\) .* or E.direct\(...\) .* got Twin"):
         E.control_variate(E.twin(torch.tanh), torch.tanh)
     with pytest.raises(TypeError, match=r"control_variate: expected a differentiable function twin\(params, h\)"):
         E.control_variate(zbp, 3)
@@ -285,3 +315,26 @@ def test_control_variate_is_unbiased_with_the_error_of_zbp_at_g_minus_beta_s():
     coarse = E.zbp(E.Probes(n, "rademacher"), method="fd", eps=1.0)
     truncated = estimates(chain, params, x, y, E.control_variate(coarse, twin), KEYS)
     assert not unbiased(z_scores(truncated, g, truncated.var(0)))
+
+
+def test_node_perturbation_with_twins_is_unbiased_with_its_cross_stage_error_at_g_minus_beta_s():
+    """np (oracle), physical stages 1 and 3 each with a twin off by r ≈ 0.5: every stage's estimate
+    is unbiased, and its error is np's formula with v = g − βs in place of g (rademacher):
+    (1/n) Σ_b [m |V_b|² − |v_{l,b}|²], |V_b|² over both stages; within 10%."""
+    chain, params, x, y, twin = mlp()
+    twins = {chain.names[1]: twin, chain.names[3]: twin}
+    physical, n, m = [1, 3], 4, 8
+    g = {i: v for i, v in ((i, ef.sweep(chain, params, x, y).adjoints[len(chain) - i].value) for i in physical)}
+    pat = ef.sweep(chain, params, x, y, estimator=E.twin(twins), physical=physical)
+    s = {i: pat.adjoints[len(chain) - i].value for i in physical}
+    est = E.control_variate(E.node_perturbation(E.Probes(n, "rademacher")), twins)
+    runs = [ef.sweep(chain, params, x, y, estimator=est, physical=physical, key=k) for k in range(KEYS)]
+    v = {i: g[i] - s[i] for i in physical}
+    total = sum((v[i] ** 2).sum(-1) for i in physical)
+    for i in physical:
+        assert 0.3 < ((s[i] - g[i]).norm() / g[i].norm()).item() < 0.9
+        samples = torch.stack([r.adjoints[len(chain) - i].value for r in runs])
+        variance = (total.unsqueeze(-1) - v[i] ** 2) / n  # per coordinate: (|V_b|² − v_j²) / n
+        assert unbiased(z_scores(samples, g[i], variance))
+        theory = (m * total - (v[i] ** 2).sum(-1)).sum().item() / n
+        assert 0.9 < ((samples - g[i]) ** 2).sum().item() / KEYS / theory < 1.1
