@@ -17,7 +17,8 @@ probes) at n = 64. Saves cosine vs n per estimator to examples/estimators_cosine
 With --control-variate, only the twin as a control variate (docs/estimators.md): one physical
 stage tanh(h W), d 64, n 8, twins at r ≈ 0.075 and 1.2; MSE relative to zbp's over --keys keys
 beside the formula, bias in standard errors, the fd truncation rows, and MSE against r in
-examples/control_variate_mse.png.
+examples/control_variate_mse.png; then np and direct with and without twins 5% off on a token
+model with two physical stages (--keys / 5 keys).
 
     python examples/bench_estimators.py                      # full table
     python examples/bench_estimators.py --quick              # small models, n in {8, 32}
@@ -268,6 +269,79 @@ def control_variate_table(keys: int, d: int = 64, n: int = 8, batch: int = 8, pl
         plot_control_variate(chain, params, x, y, g, make_twin, zbp, base, theory, max(keys // 5, 20), plot_path)
 
 
+def token_model(batch: int = 4, tokens: int = 6, width: int = 8, vocab: int = 16, off: float = 0.05):
+    """embedding, digital, physical, digital, physical, linear head + cross-entropy; the physical
+    stages ``tanh(h M_k)`` per token, and their twins with ``M_k`` off by ``off`` (relative, random)."""
+    g = torch.Generator().manual_seed(1)
+    mixing = [torch.randn(width, width, generator=g) / math.sqrt(width) for _ in range(2)]
+    twins = [m + off * m.std() * torch.randn(width, width, generator=g) for m in mixing]
+
+    def medium(m):
+        return lambda p, h: torch.tanh(h @ m)
+
+    chain = ef.Chain(
+        [
+            ef.stage(lambda p, ids: p["table"][ids], name="embedding"),
+            ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="digital1"),
+            ef.stage(medium(mixing[0]), name="physical1", physical=True),
+            ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="digital2"),
+            ef.stage(medium(mixing[1]), name="physical2", physical=True),
+            ef.stage(lambda p, h: h @ p["w"], name="head"),
+        ],
+        loss=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
+    )
+    params = (
+        {"table": torch.randn(vocab, width, generator=g)},
+        {"w": torch.randn(width, width, generator=g) / math.sqrt(width)},
+        {},
+        {"w": torch.randn(width, width, generator=g) / math.sqrt(width)},
+        {},
+        {"w": torch.randn(width, vocab, generator=g) / math.sqrt(width)},
+    )
+    ids = torch.randint(0, vocab, (batch, tokens), generator=g)
+    y = torch.randint(0, vocab, (batch, tokens), generator=g)
+    return chain, params, ids, y, {"physical1": medium(twins[0]), "physical2": medium(twins[1])}
+
+
+def token_table(keys: int, n: int = 8, off: float = 0.05) -> None:
+    """np and direct (jvp form, n rademacher probes per sample, tokens × features in one probe) with
+    and without the twins as a control variate (β = 1) on ``token_model``: MSE over ``keys`` keys of
+    both physical stages' input costates and of the upstream parameter gradients (embedding and
+    digital1), relative to the wrapped estimator's, at the same rows of the black boxes."""
+    chain, params, ids, y, twins = token_model(off=off)
+    exact = ef.sweep(chain, params, ids, y, estimator=E.exact())
+    pat = ef.sweep(chain, params, ids, y, estimator=E.twin(twins))
+    L = len(chain)
+    rs = [
+        (pat.adjoints[L - i].value - exact.adjoints[L - i].value).norm() / exact.adjoints[L - i].value.norm()
+        for i in (2, 4)
+    ]
+
+    def errors(estimator) -> tuple[list, int]:
+        total, rows = [0.0] * 4, 0
+        for k in range(keys):
+            res = ef.sweep(chain, params, ids, y, estimator=estimator, key=k)
+            got = [res.adjoints[L - i].value for i in (2, 4)] + [res.grads[0]["table"], res.grads[1]["w"]]
+            want = [exact.adjoints[L - i].value for i in (2, 4)] + [exact.grads[0]["table"], exact.grads[1]["w"]]
+            total = [t + ((a - b) ** 2).sum().item() / keys for t, a, b in zip(total, got, want)]
+            rows = res.stats["physical1"]["rows"] + res.stats["physical2"]["rows"]
+        return total, rows
+
+    print(
+        f"\n### Control variate at the model level: token model (batch 4, 6 tokens, width 8, two physical "
+        f"stages), twins {off:.0%} off (costate error r = {rs[0]:.3f} / {rs[1]:.3f}), n = {n}, {keys} keys\n"
+    )
+    print("| estimator | rows / step | MSE ratio: p_in physical1 | p_in physical2 | grad embedding | grad digital1 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, make in (("np", E.node_perturbation), ("direct", E.direct)):
+        wrapped = make(E.Probes(n, "rademacher"), form="jvp")
+        base, rows = errors(wrapped)
+        mine, cv_rows = errors(E.control_variate(wrapped, twins))
+        ratios = " | ".join(f"{m / b:.4f}" for m, b in zip(mine, base))
+        print(f"| {name} | {rows} | 1 | 1 | 1 | 1 |")
+        print(f"| {name} + control variate | {cv_rows} | {ratios} |")
+
+
 def plot_control_variate(chain, params, x, y, g, make_twin, zbp, base, theory, keys, path) -> None:
     """MSE / zbp's against the twin's error r for PAT and the control variate (β 1 and "ema"),
     measured over ``keys`` keys, beside the formulas r² / ((d−1)/n) (PAT), r² (β = 1) and
@@ -323,6 +397,7 @@ def main() -> None:
     if args.control_variate:
         plot = None if args.quick else args.plot.with_name("control_variate_mse.png")
         control_variate_table(50 if args.quick else args.keys, plot_path=plot)
+        token_table(20 if args.quick else args.keys // 5)
         return
     ns = [8, 32] if args.quick else [8, 32, 128, 512]
     width, batch = (16, 8) if args.quick else (64, 32)
