@@ -94,8 +94,9 @@ class Sums:
             return t.reshape(*t.shape, *[1] * (u.ndim - t.ndim))
 
         self.a += (u * lead(ug)).sum(0)
-        index = torch.arange(self.seen, self.seen + len(u), device=u.device)
-        half = (index // 2 if self.antithetic else index) % 2
+        if self.halves > 1:  # probe i's half: the parity of i (of its pair, for antithetic probes)
+            index = torch.arange(self.seen, self.seen + len(u), device=u.device)
+            half = (index // 2 if self.antithetic else index) % 2
         self.seen += len(u)
         for h in range(self.halves):
             uh, gh, sh = (u, ug, us) if self.halves == 1 else (u[half == h], ug[half == h], us[half == h])
