@@ -9,6 +9,7 @@ formatting, ``repr``). A sum of ``Lazy`` values stays lazy, so counters can add 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -116,6 +117,31 @@ class Lazy:
 
     def __reduce__(self):
         return known, (self.value,)  # pickled as the number it reads
+
+
+class Ratio(Lazy):
+    """``(num / den) ** power`` (NaN where ``den`` is 0), read when used; ``num`` and ``den`` are
+    one-element tensors or numbers. Adding two ratios of the same power pools them into
+    ``(num + num') / (den + den')``, so a ratio summed over microbatches is that of the pooled sums."""
+
+    __slots__ = ("num", "den", "power")
+
+    def __init__(self, num: Any, den: Any, power: float = 1.0):
+        super().__init__(self._ratio)
+        self.num, self.den, self.power = num, den, power
+
+    def _ratio(self) -> float:
+        num, den = float(self.num), float(self.den)
+        if not den:
+            return math.nan
+        return num / den if self.power == 1 else max(num / den, 0.0) ** self.power
+
+    def __add__(self, other: Any) -> Any:
+        if isinstance(other, Ratio) and other.power == self.power:
+            return Ratio(self.num + other.num, self.den + other.den, self.power)
+        return super().__add__(other)
+
+    __radd__ = __add__
 
 
 def known(value: Any) -> Lazy:

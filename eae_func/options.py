@@ -149,7 +149,7 @@ class Options:
 
     def bind(self, chain: Chain) -> Options:
         """These options for ``chain``: ``physical`` as sorted stage indices (``None``: the stages
-        marked physical), checked against the estimator."""
+        marked physical), checked against the estimator (and by its ``check(chain, physical)``, if it has one)."""
         given = [i for i, s in enumerate(chain.stages) if s.physical] if self.physical is None else self.physical
         physical = tuple(sorted({chain.index(p) for p in given}))
         digital_boxes = [
@@ -175,6 +175,8 @@ class Options:
                     f"estimator (zbp with method='fd', node_perturbation or direct with form='fd', "
                     f"twin, frozen)"
                 )
+        if physical and callable(getattr(self.estimator, "check", None)):
+            self.estimator.check(chain, physical)
         return self if physical == self.physical else dataclasses.replace(self, physical=physical)
 
 

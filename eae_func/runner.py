@@ -177,6 +177,16 @@ class Range:
             piece = Microbatch(mb.x, mb.loss_args, 1.0, opts.key)
             return Range(probed, 0, len(probed), self.params, exact, device).run(buffers, piece, None).trace
 
+        def state(i: int) -> Any:
+            entry = next((e for e in tape.entries if e.index == i), None)  # looked up, not held: the fold frees them
+            if entry is None:
+                raise ValueError(
+                    f"Problem.state({i}): {chain.where(i) if 0 <= i < len(chain) else f'stage {i}'} is not on "
+                    f"this tape (stages {self.lo}..{self.hi - 1}) or the reverse sweep has handed its entry out; "
+                    "read states in prepare"
+                )
+            return tape.prefetch.get(i, entry.boundary, entry.layout) if tape.stored_apart else entry.boundary
+
         whole = self.lo == 0 and self.hi == len(chain)
         return Problem(
             chain,
@@ -191,5 +201,6 @@ class Range:
             self.meter,
             call,
             feed,
-            frozenset(i for i, state in rng.items() if state is not None),
+            frozenset(i for i, drew in rng.items() if drew is not None),
+            state,
         )

@@ -15,8 +15,15 @@ folded call) over the same estimator run one probe at a time (chunk=1: a Python 
 probes) at n = 64. Plots cosine vs n per estimator into ``--out`` (default ``./eae_out``;
 matplotlib, from the ``examples`` extra).
 
-    python examples/bench_estimators.py            # full table
-    python examples/bench_estimators.py --quick    # small models, n in {8, 32}, speed-ups at n = 16
+With --control-variate, only the twin as a control variate (docs/estimators.md): one physical
+stage tanh(h W), d 64, n 8, twins at r ≈ 0.075 and 1.2; MSE relative to zbp's over --keys keys
+beside the formula, bias in standard errors, the fd truncation rows, and MSE against r in
+``--out``/control_variate_mse.png; then np and direct with and without twins 5% off on a token
+model with two physical stages (--keys / 5 keys).
+
+    python examples/bench_estimators.py                      # full table
+    python examples/bench_estimators.py --quick              # small models, n in {8, 32}
+    python examples/bench_estimators.py --control-variate    # the control-variate table and plot
 """
 
 from __future__ import annotations
@@ -157,6 +164,210 @@ def plot(plt, curves: dict, ns: list, out: pathlib.Path) -> None:
     save(fig, out, "estimators_cosine.png", dpi=120)
 
 
+def one_stage(d: int, batch: int):
+    """One physical stage ``tanh(h W)`` (d inputs and outputs, no parameters) under an MSE loss, and
+    ``twin(c)``: the stage with ``W + c Δ`` (Δ fixed), a twin whose error grows with c."""
+    g = torch.Generator().manual_seed(0)
+    w, delta = (torch.randn(d, d, generator=g) / math.sqrt(d) for _ in range(2))
+    x, y = torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g)
+    chain = ef.Chain([ef.stage(lambda p, h: torch.tanh(h @ w), name="medium", physical=True)], loss=F.mse_loss)
+    return chain, ({},), x, y, lambda c: lambda p, h: torch.tanh(h @ (w + c * delta))
+
+
+def twin_at(chain, params, x, y, g, make_twin, r: float):
+    """The twin of ``make_twin`` whose costate error ‖s − g‖ / ‖g‖ is r (bisection on c), its s and r."""
+
+    def error(c):
+        s = ef.sweep(chain, params, x, y, estimator=E.twin(make_twin(c))).adjoints[-1].value
+        return ((s - g).norm() / g.norm()).item(), s
+
+    lo, hi = 0.0, 1.0
+    while error(hi)[0] < r:
+        hi *= 2
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if error(mid)[0] < r else (lo, mid)
+    return make_twin(hi), *error(hi)[::-1]
+
+
+def draws(chain, params, x, y, estimator, keys: int) -> tuple[torch.Tensor, float]:
+    """``(keys, B, d)`` estimates for keys 0..keys-1 (an ``observe``-ing estimator threaded), and the
+    mean β the stats report (nan without one)."""
+    out, betas = [], []
+    for k in range(keys):
+        res = ef.sweep(chain, params, x, y, estimator=estimator, key=k)
+        out.append(res.adjoints[-1].value)
+        betas.append(float(res.stats["medium"].get("beta", math.nan)))
+        if hasattr(estimator, "observe"):
+            estimator = estimator.observe(res)
+    return torch.stack(out).double(), sum(betas) / len(betas)
+
+
+def bias_in_se(samples: torch.Tensor, g: torch.Tensor) -> tuple[float, float]:
+    """The mean error along g in standard errors (measured over the keys), and the rms over
+    coordinates of the per-coordinate z (≈ 1 when unbiased)."""
+    along = ((samples - g) * g).flatten(1).sum(1) / g.norm()
+    z_g = along.mean() / (along.std() / math.sqrt(len(along)))
+    z = (samples.mean(0) - g) / (samples.var(0) / len(samples)).sqrt()
+    return z_g.item(), z.pow(2).mean().sqrt().item()
+
+
+def control_variate_table(keys: int, d: int = 64, n: int = 8, batch: int = 8, plot=None) -> None:
+    """The twin as a control variate on one physical stage (d 64, n 8 rademacher probes, exact
+    directional derivatives): MSE over ``keys`` keys relative to zbp's, beside the formula
+    (d−1)/n·‖g − βs‖² (relative: ‖g − βs‖² / ‖g‖²), and the bias in standard errors; then zbp fd
+    at ε = 0.3, where exact <u, s> exposes the central differences' truncation and the twin's own
+    central differences cancel it. With ``plot`` (pyplot, folder): MSE against the twin's error."""
+    chain, params, x, y, make_twin = one_stage(d, batch)
+    g = ef.sweep(chain, params, x, y, estimator=E.exact()).adjoints[-1].value.double()
+    probes = E.Probes(n, "rademacher")
+    zbp = E.zbp(probes)
+    base = ((draws(chain, params, x, y, zbp, keys)[0] - g) ** 2).sum().item() / keys
+    theory = (d - 1) / n
+    print(
+        f"\n### The twin as a control variate: one stage tanh(h W), d = {d}, batch {batch}, n = {n} rademacher, {keys} keys\n"
+    )
+    print(f"zbp: MSE / ‖g‖² = {base / (g * g).sum().item():.3f} (formula (d−1)/n = {theory:.3f})\n")
+    print("| twin r | estimator | mean β | MSE / zbp's | formula | bias along g (SE) | rms z over coords |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for r in (0.075, 1.2):
+        twin, s, r = twin_at(chain, params, x, y, g, make_twin, r)
+        s = s.double()
+        pat = ((s - g) ** 2).sum().item()
+        print(
+            f"| {r:.3f} | PAT (E.twin) | | {pat / base:.4f} | {pat / (theory * (g * g).sum().item()):.4f} | (bias s − g) | |"
+        )
+        for beta in (1.0, "ema", "xfit"):
+            samples, mean_beta = draws(chain, params, x, y, E.control_variate(zbp, twin, beta), keys)
+            mse = ((samples - g) ** 2).sum().item() / keys
+            formula = ((g - s) ** 2).sum().item() / (g * g).sum().item() if beta == 1.0 else ""
+            z_g, z_rms = bias_in_se(samples, g)
+            formula = f"{formula:.4f}" if formula != "" else ""
+            print(
+                f"| {r:.3f} | control variate β={beta} | {mean_beta:.3f} | {mse / base:.4f} | {formula} | {z_g:+.2f} | {z_rms:.2f} |"
+            )
+    twin, s, r = twin_at(chain, params, x, y, g, make_twin, 0.075)
+    fd = E.zbp(probes, method="fd", eps=0.3)
+    print(f"\nzbp fd at ε = 0.3, twin r = {r:.3f}, β = 1: the bias in SE\n")
+    print("| estimator | MSE / zbp's (jvp) | bias along g (SE) | rms z over coords |")
+    print("|---|---:|---:|---:|")
+    for name, estimator in (
+        ("zbp fd", fd),
+        ("control variate, exact <u, s>", E.control_variate(fd, twin)),
+        ("control variate, twin's central differences", E.control_variate(fd, twin, twin_directional="fd")),
+    ):
+        samples = draws(chain, params, x, y, estimator, keys)[0]
+        z_g, z_rms = bias_in_se(samples, g)
+        print(f"| {name} | {((samples - g) ** 2).sum().item() / keys / base:.4f} | {z_g:+.1f} | {z_rms:.2f} |")
+    if plot is not None:
+        plot_control_variate(chain, params, x, y, g, make_twin, zbp, base, theory, max(keys // 5, 20), *plot)
+
+
+def token_model(batch: int = 4, tokens: int = 6, width: int = 8, vocab: int = 16, off: float = 0.05):
+    """embedding, digital, physical, digital, physical, linear head + cross-entropy; the physical
+    stages ``tanh(h M_k)`` per token, and their twins with ``M_k`` off by ``off`` (relative, random)."""
+    g = torch.Generator().manual_seed(1)
+    mixing = [torch.randn(width, width, generator=g) / math.sqrt(width) for _ in range(2)]
+    twins = [m + off * m.std() * torch.randn(width, width, generator=g) for m in mixing]
+
+    def medium(m):
+        return lambda p, h: torch.tanh(h @ m)
+
+    chain = ef.Chain(
+        [
+            ef.stage(lambda p, ids: p["table"][ids], name="embedding"),
+            ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="digital1"),
+            ef.stage(medium(mixing[0]), name="physical1", physical=True),
+            ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="digital2"),
+            ef.stage(medium(mixing[1]), name="physical2", physical=True),
+            ef.stage(lambda p, h: h @ p["w"], name="head"),
+        ],
+        loss=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
+    )
+    params = (
+        {"table": torch.randn(vocab, width, generator=g)},
+        {"w": torch.randn(width, width, generator=g) / math.sqrt(width)},
+        {},
+        {"w": torch.randn(width, width, generator=g) / math.sqrt(width)},
+        {},
+        {"w": torch.randn(width, vocab, generator=g) / math.sqrt(width)},
+    )
+    ids = torch.randint(0, vocab, (batch, tokens), generator=g)
+    y = torch.randint(0, vocab, (batch, tokens), generator=g)
+    return chain, params, ids, y, {"physical1": medium(twins[0]), "physical2": medium(twins[1])}
+
+
+def token_table(keys: int, n: int = 8, off: float = 0.05) -> None:
+    """np and direct (jvp form, n rademacher probes per sample, tokens × features in one probe) with
+    and without the twins as a control variate (β = 1) on ``token_model``: MSE over ``keys`` keys of
+    both physical stages' input costates and of the upstream parameter gradients (embedding and
+    digital1), relative to the wrapped estimator's, at the same rows of the black boxes."""
+    chain, params, ids, y, twins = token_model(off=off)
+    exact = ef.sweep(chain, params, ids, y, estimator=E.exact())
+    pat = ef.sweep(chain, params, ids, y, estimator=E.twin(twins))
+    L = len(chain)
+    rs = [
+        (pat.adjoints[L - i].value - exact.adjoints[L - i].value).norm() / exact.adjoints[L - i].value.norm()
+        for i in (2, 4)
+    ]
+
+    def errors(estimator) -> tuple[list, int]:
+        total, rows = [0.0] * 4, 0
+        for k in range(keys):
+            res = ef.sweep(chain, params, ids, y, estimator=estimator, key=k)
+            got = [res.adjoints[L - i].value for i in (2, 4)] + [res.grads[0]["table"], res.grads[1]["w"]]
+            want = [exact.adjoints[L - i].value for i in (2, 4)] + [exact.grads[0]["table"], exact.grads[1]["w"]]
+            total = [t + ((a - b) ** 2).sum().item() / keys for t, a, b in zip(total, got, want)]
+            rows = res.stats["physical1"]["rows"] + res.stats["physical2"]["rows"]
+        return total, rows
+
+    print(
+        f"\n### Control variate at the model level: token model (batch 4, 6 tokens, width 8, two physical "
+        f"stages), twins {off:.0%} off (costate error r = {rs[0]:.3f} / {rs[1]:.3f}), n = {n}, {keys} keys\n"
+    )
+    print("| estimator | rows / step | MSE ratio: p_in physical1 | p_in physical2 | grad embedding | grad digital1 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, make in (("np", E.node_perturbation), ("direct", E.direct)):
+        wrapped = make(E.Probes(n, "rademacher"), form="jvp")
+        base, rows = errors(wrapped)
+        mine, cv_rows = errors(E.control_variate(wrapped, twins))
+        ratios = " | ".join(f"{m / b:.4f}" for m, b in zip(mine, base))
+        print(f"| {name} | {rows} | 1 | 1 | 1 | 1 |")
+        print(f"| {name} + control variate | {cv_rows} | {ratios} |")
+
+
+def plot_control_variate(chain, params, x, y, g, make_twin, zbp, base, theory, keys, plt, out) -> None:
+    """MSE / zbp's against the twin's error r for PAT and the control variate (β 1 and "ema"),
+    measured over ``keys`` keys, beside the formulas r² / ((d−1)/n) (PAT), r² (β = 1) and
+    ‖g − β*s‖² / ‖g‖² (the best β, which "ema" estimates), into ``out/control_variate_mse.png``."""
+    rs = [0.05, 0.1, 0.2, 0.4, 0.7, 1.0, 1.4, 2.0]
+    measured: dict = {"PAT": [], "control variate β=1.0": [], "control variate β=ema": []}
+    actual, best = [], []
+    for target in rs:
+        twin, s, r = twin_at(chain, params, x, y, g, make_twin, target)
+        actual.append(r)
+        s = s.double()
+        best.append(((g - (g * s).sum() / (s * s).sum() * s) ** 2).sum().item() / (g * g).sum().item())
+        measured["PAT"].append(((s.double() - g) ** 2).sum().item() / base)
+        for beta in (1.0, "ema"):
+            samples = draws(chain, params, x, y, E.control_variate(zbp, twin, beta), keys)[0]
+            measured[f"control variate β={beta}"].append(((samples - g) ** 2).sum().item() / keys / base)
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    colors = {"PAT": "tab:red", "control variate β=1.0": "tab:blue", "control variate β=ema": "tab:green"}
+    for name, values in measured.items():
+        ax.plot(actual, values, marker="o", linestyle="none", color=colors[name], label=f"{name} (measured)")
+    grid = torch.linspace(min(actual), max(actual), 100)
+    ax.plot(grid, grid**2 / theory, color="tab:red", alpha=0.6, label="PAT: r² / ((d−1)/n)")
+    ax.plot(grid, grid**2, color="tab:blue", alpha=0.6, label="β = 1: r²")
+    ax.plot(actual, best, color="tab:green", alpha=0.6, label="β* = <g,s>/‖s‖²: ‖g − β*s‖² / ‖g‖²")
+    ax.axhline(1.0, color="gray", linestyle=":", label="zbp")
+    ax.set(xscale="log", yscale="log", xlabel="twin error r = ‖s − g‖ / ‖g‖", ylabel="MSE / zbp's MSE")
+    ax.set_title(f"one stage, d = {g.shape[-1]}, n = {zbp.probes.n}: MSE against the twin's error")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    save(fig, out, "control_variate_mse.png", dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small models, n in {8, 32}, speed-ups at n = 16 once")
@@ -164,9 +375,15 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=128, help="probes per chunk (memory bound)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (small problems: 1)")
     add_out(parser)
+    parser.add_argument("--control-variate", action="store_true", help="only the control-variate table (and plot)")
+    parser.add_argument("--keys", type=int, default=1000, help="keys of the control-variate table")
     args = parser.parse_args()
     plt = pyplot()  # a missing matplotlib says so before anything runs
     torch.set_num_threads(args.threads)
+    if args.control_variate:
+        control_variate_table(50 if args.quick else args.keys, plot=None if args.quick else (plt, args.out))
+        token_table(20 if args.quick else args.keys // 5)
+        return
     ns = [8, 32] if args.quick else [8, 32, 128, 512]
     width, batch = (16, 8) if args.quick else (64, 32)
     dim, seq, tbatch = (16, 8, 2) if args.quick else (32, 16, 4)

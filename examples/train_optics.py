@@ -15,6 +15,8 @@ Methods, each trained with AdamW for ``--epochs`` and tested on the (noisy) hard
     exact through twin   in silico: forward and reverse through the twin only
     twin (PAT)           forward on the hardware, reverse through the twin's vjp (E.twin)
     zbp / np / direct    forward-only estimates from the hardware (fd, n probes, eps from E.suggest_eps)
+    control variate      zbp's probes with the twin as a control variate (E.control_variate, β "ema",
+                         the twin's own central differences): zbp's rows, unbiased
     frozen               readout only: no costate passes the optics (E.frozen)
 
 Prints the table (test accuracy, rows simulated per step, wall time) and plots the cosine of
@@ -108,6 +110,8 @@ def train(chain, estimator, x, y, args):
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
         for step, idx in enumerate(order.split(args.batch)):
             res = ef.sweep(chain, params, x[idx], y[idx], estimator=estimator, key=epoch * 10_000 + step)
+            if hasattr(estimator, "observe"):  # the control variate's running β, threaded as a value
+                estimator = estimator.observe(res)
             for t, g in zip(leaves, (g for p in res.grads for g in p.values())):
                 t.grad = g
             opt.step()
@@ -181,6 +185,10 @@ def main(argv=None):
             "exact through twin": (in_silico, None),
             "twin (PAT)": (hardware, E.twin(nominal)),
             **{name: (hardware, make(args.probes)) for name, make in fd_estimators(noise.eps).items()},
+            "control variate": (
+                hardware,
+                E.control_variate(fd_estimators(noise.eps)["zbp"](args.probes), nominal, "ema", "fd"),
+            ),
             "frozen (readout only)": (hardware, E.frozen()),
         }
         print("| method | test accuracy | rows simulated / step | wall s |")

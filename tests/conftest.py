@@ -18,3 +18,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def grad_mode_is_left_as_found():
+    """No test, and nothing the library runs in it, leaves autograd off (a generator suspended inside
+    ``torch.no_grad()`` did: every later test's forward then ran without a graph)."""
+    yield
+    assert torch.is_grad_enabled(), "autograd was left disabled"

@@ -391,3 +391,30 @@ def test_a_noisy_black_box_sees_fresh_noise_in_every_query_and_the_seed_reproduc
     torch.manual_seed(0)
     again = ef.sweep(chain, params, x, estimator=estimator, key=1)
     assert torch.equal(first.grads[0]["w"], again.grads[0]["w"]) and torch.equal(draws[0], forward)
+
+
+def test_problem_states_are_the_forward_measured_inputs_until_the_fold_hands_them_out():
+    """``problem.state(i)``: stage i's input from the tape, every stage in ``prepare``; once the
+    reverse fold has handed stage i's entry out, reading it says so. A probe stream is named."""
+    model, x, y = mlp_problem()
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    seen = {}
+
+    class Reader:
+        scope = "stage"
+
+        def prepare(self, problem):
+            with pytest.raises(ValueError, match=r"Problem.probe_seed: stream must be one of \('input', 'params'\)"):
+                problem.probe_seed(1, "weights")
+            return [problem.state(i) for i in range(len(chain))]
+
+        def stage_vjp(self, problem, prepared, i, h_in, costate):
+            seen[i] = torch.equal(prepared[i], h_in)
+            with pytest.raises(ValueError, match=rf"Problem.state\({i}\): stage {i} .* read states in prepare"):
+                problem.state(i)
+            return E.exact().stage_vjp(problem, None, i, h_in, costate)
+
+    res = ef.sweep(chain, params, x, y, estimator=Reader(), physical=[1, 3])
+    assert seen == {1: True, 3: True}
+    for a, b in zip(ef.tree_leaves(res.grads), ef.tree_leaves(ef.sweep(chain, params, x, y).grads), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

@@ -5,11 +5,12 @@
 ``exact()``: the exact local vjp (sanity check). ``zbp``: chained zeroth-order
 backprop, stage by stage. ``node_perturbation`` / ``direct``: model-level
 estimates of every physical stage's input costate from the loss, then replayed.
-``twin``: physics-aware training through a differentiable twin; ``frozen``: no costate
-upstream (readout only). ``suggest_eps``: a finite-difference step from the measured noise.
+``twin``: physics-aware training through a differentiable twin; ``control_variate``: zbp with
+the twin as a control variate (unbiased); ``frozen``: no costate upstream (readout only). ``suggest_eps``: a finite-difference step from the measured noise.
 """
 
 from .base import Estimator, Problem
+from .control import control_variate
 from .exact import exact
 from .model_level import direct, node_perturbation
 from .noise import NoiseEstimate, suggest_eps
@@ -22,6 +23,7 @@ __all__ = [
     "NoiseEstimate",
     "Problem",
     "Probes",
+    "control_variate",
     "direct",
     "exact",
     "frozen",

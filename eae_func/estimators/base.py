@@ -13,8 +13,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..chain import Chain
+from .probes import INPUT_STREAM, PARAM_STREAM, probe_seed
 
 SCOPES = ("stage", "model")
+STREAMS = {"input": INPUT_STREAM, "params": PARAM_STREAM}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,10 @@ class Problem:
     feed:                    ``feed(i, out)``: stage i's output as the forward fed it to stage i+1
                              (rounded to the boundary dtype); ``None``: as is.
     drawn:                   the digital stages whose forward drew random numbers (``run`` replays them).
+    state:                   ``state(i)``: stage i's input as the sweep's forward measured it (a physical
+                             stage's inputs and everything downstream of one are the black box's), from
+                             the tape: every stage of the range in ``prepare``, until the reverse fold
+                             hands the stage's entry out; ``None`` where no tape is at hand.
     """
 
     chain: Chain
@@ -53,6 +59,7 @@ class Problem:
     run: Callable[[int, Any, Any], Any] | None = None
     feed: Callable[[int, Any], Any] | None = None
     drawn: frozenset[int] = frozenset()
+    state: Callable[[int], Any] | None = None
 
     def call(self, i: int, params: Any, h: Any) -> Any:
         """Stage i on ``h`` at ``params`` as the forward ran it (its buffer updates discarded)."""
@@ -63,6 +70,14 @@ class Problem:
     def fed(self, i: int, out: Any) -> Any:
         """Stage i's output ``out`` as the next stage runs on it."""
         return out if self.feed is None else self.feed(i, out)
+
+    def probe_seed(self, i: int, stream: str = "input") -> int:
+        """The seed of stage i's probes for this sweep's key: ``"input"`` directions (zbp's, np's and
+        direct's) or ``"params"`` directions (fd parameter probing). ``probes.chunks(seed, ...)``
+        draws from it the very probes those estimators draw."""
+        if stream not in STREAMS:
+            raise ValueError(f"Problem.probe_seed: stream must be one of {tuple(STREAMS)}, got {stream!r}")
+        return probe_seed(self.key, i, STREAMS[stream])
 
     def charge(self, i: int, rows: int, kind: str = "forward_calls") -> None:
         """Count a call of stage i on ``rows`` rows (raises, before it runs, past the budget)."""
@@ -75,7 +90,8 @@ class Estimator(Protocol):
     stage (it then runs on any pipeline rank), ``"model"`` if it probes the whole chain in
     ``prepare`` (it needs the chain in one process). ``differentiates`` (optional, ``False`` when
     absent): whether it differentiates the physical stages, so a black box is refused before
-    anything runs.
+    anything runs. ``check(chain, physical)`` (optional): raises, before anything runs, if the
+    estimator cannot serve those physical stages (a twin mapping that misses one).
 
     ``prepare(problem) -> prepared``: once per microbatch, after the forward sweep.
     ``stage_vjp(problem, prepared, i, h_in, costate) -> (grads_i, input_costate, cost)``: the

@@ -5,7 +5,7 @@ parameter gradients from probed parameter directions."""
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -17,7 +17,7 @@ from .. import boundary as B
 from ..physical import rows_of
 from ..tree import NAMESPACE
 from .base import Problem
-from .probes import PARAM_STREAM, Probes, probe_seed
+from .probes import Probes
 
 
 def where(problem: Problem, i: int) -> str:
@@ -189,24 +189,42 @@ def fd_param_grads(problem: Problem, i: int, h_in: Any, costate: Any, probes: Pr
 
     A black box takes one parameter setting per call, so each probe costs two calls on the whole
     batch (a loop over parameter probes, inherent to the hardware, not over samples)."""
-    leaves, spec = param_leaves(problem.params[i])
+    leaves = param_leaves(problem.params[i])[0]
     if not leaves:
         return problem.params[i], {}  # no parameters: the (empty) tree is its own gradient
+    estimate = torch.zeros_like(Flat(leaves, 0, f"params of {where(problem, i)}").vector(leaves))
+    for v, slopes in param_directional(problem, i, h_in, costate, probes, eps):
+        estimate += (v * slopes[:, None]).sum(0)
+    return unflatten_params(problem, i, estimate / probes.n), {"param_queries": 2 * probes.n}
+
+
+def param_directional(
+    problem: Problem, i: int, h_in: Any, costate: Any, probes: Probes, eps: float, fn: Callable | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(v, <(h(W+εv) − h(W−εv)) / 2ε, p>)`` chunk by chunk: stage i's parameter probes ``v: (k, d)``
+    (its ``"params"`` stream, all leaves flattened) and the central differences of its output along
+    them against the costate ``p``, ``(k,)``; with ``fn(params, h)`` in place of the stage (a twin:
+    the same probes and steps, not a call of the stage)."""
+    leaves, spec = param_leaves(problem.params[i])
     flat = Flat(leaves, 0, f"params of {where(problem, i)}")
     theta = flat.vector(leaves)
-    stage = OutputLeaves(problem, i)
-    estimate = torch.zeros_like(theta)
-    seed = probe_seed(problem.key, i, PARAM_STREAM)
-    with torch.no_grad():
-        for v in probes.chunks(seed, (), flat.d, theta.dtype, theta.device):
-            slopes = []
+    stage = OutputLeaves(problem, i, fn)
+    for v in probes.chunks(problem.probe_seed(i, "params"), (), flat.d, theta.dtype, theta.device):
+        slopes = []
+        with torch.no_grad():  # not around the yield: a consumer's code would run without grad
             for direction in v:
-                problem.charge(i, rows_of(h_in))
+                if fn is None:
+                    problem.charge(i, rows_of(h_in))
                 plus = stage(spec.unflatten(flat.leaves(theta + eps * direction)), h_in)
-                problem.charge(i, rows_of(h_in))
+                if fn is None:
+                    problem.charge(i, rows_of(h_in))
                 minus = stage(spec.unflatten(flat.leaves(theta - eps * direction)), h_in)
                 slope = [(a - b).unsqueeze(0) / (2 * eps) for a, b in zip(plus, minus)]
                 slopes.append(inner(slope, stage.costates(costate), 0, f"output of {where(problem, i)}"))
-            estimate += (v * torch.cat(slopes)[:, None]).sum(0)
-    grads = spec.unflatten(flat.leaves(estimate / probes.n))
-    return grads, {"param_queries": 2 * probes.n}
+        yield v, torch.cat(slopes)
+
+
+def unflatten_params(problem: Problem, i: int, v: torch.Tensor) -> Any:
+    """Stage i's parameter tree from its flattened vector ``v: (d,)``."""
+    leaves, spec = param_leaves(problem.params[i])
+    return spec.unflatten(Flat(leaves, 0, f"params of {where(problem, i)}").leaves(v))

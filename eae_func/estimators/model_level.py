@@ -62,7 +62,7 @@ from .local import (
     perturb_folded,
     where,
 )
-from .probes import INPUT_STREAM, Probes, probe_seed
+from .probes import Probes
 
 FORMS = ("oracle", "jvp", "fd")
 REDUCTIONS = ("mean", "sum")
@@ -84,6 +84,7 @@ class _Run:
         self.physical = problem.physical
         self.loss_args: tuple = problem.loss_args or ()
         self.boundaries: dict = {}
+        self.outputs: dict = {}
         self.flats: dict = {}
         self.placements: dict = {}
 
@@ -111,9 +112,7 @@ class _Run:
     def probe_chunks(self, i: int) -> Iterator[torch.Tensor]:
         """Stage i's input probes, chunk by chunk."""
         flat, (dtype, device) = self.flats[i], self.placements[i]
-        return self.estimator.probes.chunks(
-            probe_seed(self.problem.key, i, INPUT_STREAM), flat.batch_shape, flat.d, dtype, device
-        )
+        return self.estimator.probes.chunks(self.problem.probe_seed(i), flat.batch_shape, flat.d, dtype, device)
 
     def shift(self, i: int, h: Any, delta: torch.Tensor) -> Any:
         """``h`` with its differentiable leaves shifted by ``delta: (*batch_shape, d_i)``."""
@@ -129,7 +128,12 @@ class _Run:
         def counted(i: int):
             def fn(params, h):
                 self.count(i, "forward_calls", rows_of(h))
-                return call(p, i, params, h)
+                out = call(p, i, params, h)
+                if i in self.physical and i not in self.outputs:  # the first call: the trace's forward
+                    self.boundaries[i], self.outputs[i] = (
+                        optree.tree_map(lambda t: t.detach(), tree, namespace=NAMESPACE) for tree in (h, out)
+                    )
+                return out
 
             return fn
 
@@ -158,7 +162,10 @@ class _Run:
                     self.boundaries[i] = h
                     self.layout(i, B.split(h, f"input of {where(self.problem, i)}")[0])
                 self.count(i, "forward_calls", rows_of(h))
-                h = self.problem.fed(i, call(self.problem, i, self.problem.params[i], h))
+                out = call(self.problem, i, self.problem.params[i], h)
+                if i in self.physical:
+                    self.outputs[i] = out
+                h = self.problem.fed(i, out)
         return h
 
     def run(self, start: int, h: Any, shifts: dict, kind: str, copies: int = 1) -> Any:
@@ -279,6 +286,23 @@ class ModelLevel:
         return f"{self.name}({self.probes!r}, form={self.form!r}, eps={self.eps:g}, reduction={self.reduction!r})"
 
     def prepare(self, problem: Problem) -> Prepared:
+        run, chunks = self.measurements(problem)
+        totals: dict = {}
+        for chunk in chunks:
+            for i, (u, scalar) in chunk.items():
+                if i not in totals:
+                    totals[i] = run.zeros(i)
+                totals[i] += (u * run.expand(scalar, i)).sum(0)
+        return Prepared({i: t / self.probes.n for i, t in totals.items()}, self.costs(problem))
+
+    def measurements(self, problem: Problem, states: Any = None) -> tuple[Any, Iterator[dict]]:
+        """``(run, chunks)``: this microbatch's run (probe layouts; each physical stage's input and
+        output as the estimator's forward measured them: ``run.boundaries``, ``run.outputs``) and,
+        chunk by chunk, ``{stage: (u, scalar)}``: each probed stage's probes and the scalars the
+        estimate multiplies them by (np: ``D_i``, shared by the stages; direct: the stage's own),
+        ``ĝ = (1/n) Σ u · scalar``. With ``states`` (an earlier run, jvp and fd forms) nothing is run
+        forward: the probes see the earlier run's states (a network of twins probed where the
+        hardware was)."""
         if problem.x is None or problem.exact_trace is None:
             raise ValueError(
                 f"{self.name}: a model-level estimator probes the whole chain from its input, so it "
@@ -286,13 +310,20 @@ class ModelLevel:
             )
         run = _Run(self, problem)
         if self.form == "oracle":
-            exact = run.exact_costates()
-            estimates = self.oracle(run, exact)
-        else:
+            return run, self.oracle(run, run.exact_costates())
+        if states is None:
             run.check_shares(run.forward())
-            estimates = self.probe(run)
-        costs = {i: {"queries": self.queries(problem, i)} for i in problem.physical}
-        return Prepared(estimates, costs)
+        else:
+            run.boundaries, run.outputs, run.flats, run.placements = (
+                states.boundaries,
+                states.outputs,
+                states.flats,
+                states.placements,
+            )
+        return run, self.probe(run)
+
+    def costs(self, problem: Problem) -> dict:
+        return {i: {"queries": self.queries(problem, i)} for i in problem.physical}
 
     def stage_vjp(self, problem: Problem, prepared: Prepared, i: int, h_in: Any, costate: Any):
         floats, _, costate_like = B.split(h_in, f"input of {where(problem, i)}")
@@ -307,10 +338,10 @@ class ModelLevel:
             cost[k] = cost.get(k, 0) + v
         return grads, input_costate, cost
 
-    def oracle(self, run: _Run, exact: dict) -> dict:
+    def oracle(self, run: _Run, exact: dict) -> Iterator[dict]:
         raise NotImplementedError
 
-    def probe(self, run: _Run) -> dict:
+    def probe(self, run: _Run) -> Iterator[dict]:
         raise NotImplementedError
 
     def queries(self, problem: Problem, i: int) -> int:
@@ -322,27 +353,24 @@ class NodePerturbation(ModelLevel):
 
     name = "node_perturbation"
 
-    def oracle(self, run: _Run, exact: dict) -> dict:
-        return self._accumulate(
+    def oracle(self, run: _Run, exact: dict) -> Iterator[dict]:
+        return self._lockstep(
             run, lambda chunks: sum(per_position(u * exact[i], run.scalar_dims()) for i, u in chunks.items())
         )
 
-    def probe(self, run: _Run) -> dict:
+    def probe(self, run: _Run) -> Iterator[dict]:
         slopes = run.slopes_jvp if self.form == "jvp" else run.slopes_fd
-        return self._accumulate(run, lambda chunks: slopes(min(chunks), chunks))
+        return self._lockstep(run, lambda chunks: slopes(min(chunks), chunks))
 
-    def _accumulate(self, run: _Run, scalars) -> dict:
-        """ĝ_l for every probed stage, the probes of all stages drawn chunk by chunk in lockstep."""
+    def _lockstep(self, run: _Run, scalars) -> Iterator[dict]:
+        """The probes of all probed stages drawn chunk by chunk in lockstep, one scalar D for all."""
         probed = run.probed
         if not probed:
-            return {}
-        totals = {i: run.zeros(i) for i in probed}
+            return
         for chunk in zip(*(run.probe_chunks(i) for i in probed)):
             chunks = dict(zip(probed, chunk))
             d = scalars(chunks)
-            for i, u in chunks.items():
-                totals[i] += (u * run.expand(d, i)).sum(0)
-        return {i: t / self.probes.n for i, t in totals.items()}
+            yield {i: (u, d) for i, u in chunks.items()}
 
     def queries(self, problem: Problem, i: int) -> int:
         return 2 * self.probes.n
@@ -353,25 +381,16 @@ class Direct(ModelLevel):
 
     name = "direct"
 
-    def oracle(self, run: _Run, exact: dict) -> dict:
-        bd = self.probes.batch_dims
-        estimates = {}
+    def oracle(self, run: _Run, exact: dict) -> Iterator[dict]:
         for i, g in exact.items():
-            total = torch.zeros_like(g)
             for u in run.probe_chunks(i):
-                total += (u * per_position(u * g, bd).unsqueeze(-1)).sum(0)
-            estimates[i] = total / self.probes.n
-        return estimates
+                yield {i: (u, per_position(u * g, self.probes.batch_dims))}
 
-    def probe(self, run: _Run) -> dict:
+    def probe(self, run: _Run) -> Iterator[dict]:
         slopes = run.slopes_jvp if self.form == "jvp" else run.slopes_fd
-        estimates = {}
         for i in run.probed:
-            total = run.zeros(i)
             for u in run.probe_chunks(i):
-                total += (u * run.expand(slopes(i, {i: u}), i)).sum(0)
-            estimates[i] = total / self.probes.n
-        return estimates
+                yield {i: (u, slopes(i, {i: u}))}
 
     def queries(self, problem: Problem, i: int) -> int:
         downstream = sum(1 for j in problem.physical if j >= i)

@@ -1,6 +1,6 @@
 """Reverse steps for a physical stage that query nothing: a differentiable twin, or none.
 
-    twin:    (grad W, p_in) = vjp(twin_fn at (W, x_measured))(p_out)
+    twin:    (grad W, p_in) = vjp(twin_fn at (W, x_measured))(p_out)    (one twin_fn, or one per stage name)
              physics-aware training (Wright et al., Nature 2022): the forward runs on the black
              box, so x_measured (the stage's input) and every state downstream, hence p_out, are
              the physical ones; only the Jacobian comes from the twin, evaluated where the
@@ -13,50 +13,93 @@ Neither runs the black box in the reverse sweep: its rows are the forward's only
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
 
 from .. import boundary as B
+from ..chain import Chain
 from ..tree import NAMESPACE
 from .base import Problem
 from .local import exact_vjp, where
 
 
+class Twins:
+    """The twin of every physical stage: one ``fn(params, h)`` for all, or a mapping from stage name
+    to function (``entry`` names the estimator in errors)."""
+
+    def __init__(self, entry: str, twin: Callable | Mapping[str, Callable]):
+        if not callable(twin) and not (
+            isinstance(twin, Mapping) and all(isinstance(k, str) and callable(f) for k, f in twin.items())
+        ):
+            raise TypeError(
+                f"{entry}: expected a differentiable function twin(params, h), or a mapping from stage name "
+                f"to one, got {type(twin).__name__}"
+            )
+        self.entry, self.twin = entry, twin
+
+    def __repr__(self) -> str:
+        if isinstance(self.twin, Mapping):
+            return "{" + ", ".join(f"{k!r}: {name_of(f)}" for k, f in self.twin.items()) + "}"
+        return name_of(self.twin)
+
+    def check(self, chain: Chain, physical: tuple[int, ...]) -> None:
+        """Refuse a mapping that misses a physical stage."""
+        if isinstance(self.twin, Mapping):
+            missing = [chain.names[i] for i in physical if chain.names[i] not in self.twin]
+            if missing:
+                raise ValueError(
+                    f"{self.entry}: no twin for the physical stage(s) {missing}; the mapping names {list(self.twin)}"
+                )
+
+    def of(self, problem: Problem, i: int) -> Callable:
+        """Stage i's twin."""
+        return self.twin[problem.chain.names[i]] if isinstance(self.twin, Mapping) else self.twin
+
+
+def name_of(fn: Callable) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def twin_vjp(problem: Problem, i: int, h_in: Any, costate: Any, fn: Callable) -> tuple[Any, Any]:
+    """``(J_W(fn)ᵀ p, J_x(fn)ᵀ p)`` at stage i's params and measured input ``h_in``: the twin's
+    parameter gradients and its input costate (mirroring ``h_in``)."""
+    want = [
+        None if p is None else tuple(p.shape)
+        for p in optree.tree_leaves(costate, none_is_leaf=True, namespace=NAMESPACE)
+    ]
+
+    def twin(params: Any, h: Any) -> Any:
+        out = fn(params, h)
+        got = [tuple(t.shape) for t in optree.tree_leaves(out, namespace=NAMESPACE)]
+        if len(got) != len(want) or any(w is not None and g != w for g, w in zip(got, want)):
+            raise ValueError(f"twin of {where(problem, i)}: its output has shapes {got}, the stage's {want}")
+        return out
+
+    return exact_vjp(problem, i, h_in, costate, twin)
+
+
 class Twin:
-    """Physics-aware training: the vjp of ``twin_fn(params, h)`` at the physical stage's measured input."""
+    """Physics-aware training: the vjp of the stage's twin ``fn(params, h)`` at its measured input."""
 
     scope = "stage"
     differentiates = False  # the twin is differentiated, never the black box
 
-    def __init__(self, twin_fn: Callable):
-        if not callable(twin_fn):
-            raise TypeError(
-                f"twin: expected a differentiable function twin_fn(params, h), got {type(twin_fn).__name__}"
-            )
-        self.twin_fn = twin_fn
+    def __init__(self, twin_fn: Callable | Mapping[str, Callable]):
+        self.twins = Twins("twin", twin_fn)
 
     def __repr__(self) -> str:
-        return f"twin({getattr(self.twin_fn, '__name__', type(self.twin_fn).__name__)})"
+        return f"twin({self.twins!r})"
+
+    def check(self, chain: Chain, physical: tuple[int, ...]) -> None:
+        self.twins.check(chain, physical)
 
     def prepare(self, problem: Problem) -> None:
         return None
 
     def stage_vjp(self, problem: Problem, prepared: None, i: int, h_in: Any, costate: Any):
-        want = [
-            None if p is None else tuple(p.shape)
-            for p in optree.tree_leaves(costate, none_is_leaf=True, namespace=NAMESPACE)
-        ]
-
-        def twin(params: Any, h: Any) -> Any:
-            out = self.twin_fn(params, h)
-            got = [tuple(t.shape) for t in optree.tree_leaves(out, namespace=NAMESPACE)]
-            if len(got) != len(want) or any(w is not None and g != w for g, w in zip(got, want)):
-                raise ValueError(f"twin of {where(problem, i)}: its output has shapes {got}, the stage's {want}")
-            return out
-
-        grads, input_costate = exact_vjp(problem, i, h_in, costate, twin)
+        grads, input_costate = twin_vjp(problem, i, h_in, costate, self.twins.of(problem, i))
         return grads, input_costate, {"twin_calls": 1}
 
 
@@ -79,9 +122,10 @@ class Frozen:
         return grads, costate_like([None] * len(floats)), {}
 
 
-def twin(twin_fn: Callable) -> Twin:
-    """Physics-aware training: forward on the black box, reverse through ``twin_fn(params, h)``'s vjp
-    at the black box's measured input (see module doc)."""
+def twin(twin_fn: Callable | Mapping[str, Callable]) -> Twin:
+    """Physics-aware training: forward on the black box, reverse through its twin's vjp at the black
+    box's measured input (see module doc). ``twin_fn(params, h)`` serves every physical stage; a
+    mapping from stage name to function gives each its own."""
     return Twin(twin_fn)
 
 

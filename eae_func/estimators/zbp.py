@@ -19,6 +19,7 @@ sample (the black-box price of the input costate), ``param_queries = 2n`` when
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ from .local import (
     unfold,
     where,
 )
-from .probes import INPUT_STREAM, Probes, probe_seed
+from .probes import Probes
 
 METHODS = ("jvp", "fd")
 
@@ -73,29 +74,43 @@ class ZBP:
         return None
 
     def stage_vjp(self, problem: Problem, prepared: None, i: int, h_in: Any, costate: Any):
-        floats, rebuild, costate_like = B.split(h_in, f"input of {where(problem, i)}")
+        floats, _, costate_like = B.split(h_in, f"input of {where(problem, i)}")
         flat = Flat(floats, self.probes.batch_dims, f"input of {where(problem, i)}")
-        estimate = self._input_costate(problem, i, h_in, floats, rebuild, flat, costate) if flat.d else None
+        estimate = []
+        if flat.d:
+            total = torch.zeros_like(flat.vector(floats))
+            for u, slopes in self.directional(problem, i, h_in, costate):
+                total += (u * slopes.unsqueeze(-1)).sum(0)
+            estimate = flat.leaves(total / self.probes.n)
         if self.method == "jvp":
             grads, param_cost = exact_param_grads(problem, i, h_in, costate)
         else:
             grads, param_cost = fd_param_grads(problem, i, h_in, costate, self.probes, self.eps)
         return (
             grads,
-            costate_like(flat.leaves(estimate) if estimate is not None else []),
+            costate_like(estimate),
             {"queries": 2 * self.probes.n, **param_cost},
         )
 
-    def _input_costate(self, problem: Problem, i: int, h_in: Any, floats: list, rebuild, flat: Flat, costate: Any):
-        """``(1/n) Σ_i u_i <J u_i, p>`` as ``(*batch_shape, d)``."""
+    def directional(
+        self, problem: Problem, i: int, h_in: Any, costate: Any, fn: Callable | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(u, <J u, p>)`` chunk by chunk: stage i's input probes ``u: (k, *batch_shape, d)`` (its
+        ``"input"`` stream) and the directional derivatives of its output along them against the
+        costate ``p``, per batch position ``(k, *batch_shape)``, measured by ``method``; with
+        ``fn(params, h)`` in place of the stage (a twin: the same probes and ±εu, not a call of the
+        stage). Nothing when the input has no differentiable leaf."""
+        floats, rebuild, _ = B.split(h_in, f"input of {where(problem, i)}")
+        flat = Flat(floats, self.probes.batch_dims, f"input of {where(problem, i)}")
+        if not flat.d:
+            return
         x = flat.vector(floats)
-        stage = OutputLeaves(problem, i)
-        estimate = torch.zeros_like(x)
-        seed = probe_seed(problem.key, i, INPUT_STREAM)
-        for u in self.probes.chunks(seed, flat.batch_shape, flat.d, x.dtype, x.device):
+        stage = OutputLeaves(problem, i, fn)
+        for u in self.probes.chunks(problem.probe_seed(i), flat.batch_shape, flat.d, x.dtype, x.device):
             k = u.shape[0]
             if self.method == "jvp":
-                problem.charge(i, k * rows_of(h_in), "jvp_calls")
+                if fn is None:
+                    problem.charge(i, k * rows_of(h_in), "jvp_calls")
 
                 def directional(t: torch.Tensor) -> list:
                     return jvp(lambda f: stage(problem.params[i], rebuild(f)), (floats,), (flat.leaves(t),))[1]
@@ -103,7 +118,8 @@ class ZBP:
                 with forward_mode():
                     slopes = vmap(directional)(u)
             else:
-                problem.charge(i, 2 * k * rows_of(h_in))
+                if fn is None:
+                    problem.charge(i, 2 * k * rows_of(h_in))
                 with torch.no_grad():
                     shifted = perturb_folded(
                         fold(h_in, 2 * k), 2 * k, flat, self.eps * torch.cat([u, -u]), f"input of {where(problem, i)}"
@@ -118,8 +134,7 @@ class ZBP:
                     f"output's batch dims {tuple(s.shape[1:])} differ from the input's "
                     f"{tuple(flat.batch_shape)}; use fewer batch_dims"
                 )
-            estimate += (u * s.unsqueeze(-1)).sum(0)
-        return estimate / self.probes.n
+            yield u, s
 
 
 def zbp(probes: Probes, method: str = "jvp", eps: float = 1e-3) -> ZBP:

@@ -1,0 +1,357 @@
+"""A physical stage's twin as a control variate for the probe estimators (docs/estimators.md):
+
+    ĝ = β s + (1/n) Σ_i u_i (u_i·g − β u_i·s)
+
+``u_i·g`` is the scalar the wrapped estimator measures, exactly as it measures it (the same
+probes, rows and calls): zbp's ``<J u_i, p>`` per batch position, direct's per stage, np's
+``D_i`` per sample (shared by the physical stages). ``s`` is the twin's costate: at the stage
+level the twin's vjp of the costate at the stage's measured input; at the model level the
+input costates of a reverse sweep through the twins (digital stages exact) at the states the
+wrapped estimator's forward measured (each twin shifted to the stage's measured output, so the
+states are the hardware's and only the Jacobians the twins'). ``u_i·s`` is the same scalar of
+``s``: ``<u_i, s>`` per position or summed as the wrapped estimator sums (np: over the physical
+stages) for ``twin_directional="exact"``; for ``"fd"`` the twin's own directional derivative,
+measured as the wrapped estimator measures the stage's (zbp: central differences of the twin at
+the same ±εu; np and direct: of the network of twins; their oracle form: exact), so central
+differences' truncation cancels where the twin is close. ``E[u uᵀ] = I`` makes ĝ unbiased for
+every β that does not depend on the probes, and, per stage, ``E‖ĝ − g‖² = (d ± 1)/n · ‖g − βs‖²``
+(− rademacher and sphere, + gaussian; np: its cross-stage formula with ``g − βs``).
+
+β:  a number: 1 trusts the twin's scale, 0 is the wrapped estimator itself;
+    ``"xfit"``: the probes split into two halves (by index parity; by pairs with antithetic
+    probes), each half weighed by the β fitted on the other, so β never depends on the probes it
+    weighs;
+    ``"ema"``: β = N / D from sums over earlier steps, ``N ← λN + <g̃, s>``, ``D ← λD + ‖s‖²``
+    (λ = ``decay``). The sums are a value: ``cv = cv.observe(res)`` after a sweep returns the
+    estimator with them updated from ``res.stats`` (β = 1 before any); a sweep never changes the
+    estimator, so every microbatch of a step uses the β of earlier steps.
+A fit of β on a set of probes is ``<g̃, s> / ‖s‖²``, ``g̃ = s + (1/m) Σ u_i (u_i·g − u_i·s)`` (the
+β = 1 estimate from those m probes); an exact twin fits 1.
+
+Parameters of a physical stage: the exact local vjp where the wrapped estimator gives it (zbp
+"jvp", np and direct "oracle" and "jvp"); under fd the same control variate on the probed
+parameter directions, ``s_W`` the twin's parameter vjp. ``res.stats[stage]``, per space (the
+input; ``param_`` for the parameters), ratios pooled over probes, positions and microbatches:
+``beta`` (the mean β), ``cv_residual`` ``‖u·g − β u·s‖ / ‖u·g‖``, ``twin_error``
+``‖u·g − u·s‖ / ‖u·g‖`` (an estimate of ``‖g − s‖ / ‖g‖``, as ``E (u·v)² = ‖v‖²``; np: of all
+the physical stages together) and ``beta_fit`` (what "ema" averages); ``twin_calls``: the
+twin's vjps.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import numbers
+from collections.abc import Callable, Mapping
+from itertools import repeat
+from types import MappingProxyType
+from typing import Any
+
+import optree
+import torch
+
+from .. import boundary as B
+from ..chain import Chain, stage
+from ..lazy import Ratio
+from ..tree import NAMESPACE
+from .base import Problem
+from .local import (
+    Flat,
+    exact_param_grads,
+    param_directional,
+    param_leaves,
+    per_position,
+    unflatten_params,
+    where,
+)
+from .model_level import ModelLevel, Prepared
+from .twin import Twins, twin_vjp
+from .zbp import ZBP
+
+BETAS = ("ema", "xfit")
+DIRECTIONAL = ("exact", "fd")
+PREFIX = {"input": "", "params": "param_"}
+
+
+class Sums:
+    """The running sums of one control-variate estimate (one stage's input or parameters) in
+    ``halves`` halves: ``a = Σ u (u·g)`` summed as the wrapped estimator sums it, per half
+    ``a_h``, ``b_h = Σ u (u·s)``, the probe count and ``Σ (u·g)², Σ e², Σ e (u·s), Σ (u·s)²``
+    with ``e = u·g − u·s``. Scalars are ``(k, *lead)``, ``lead`` a prefix of the probes' batch
+    shape (per position, or per sample)."""
+
+    def __init__(self, s: torch.Tensor, halves: int, antithetic: bool):
+        self.s, self.halves, self.antithetic = s, halves, antithetic
+        self.a = torch.zeros_like(s)
+        self.parts = [torch.zeros_like(s) for _ in range(halves)] if halves > 1 else [self.a]
+        self.b = [torch.zeros_like(s) for _ in range(halves)]
+        self.sums = torch.zeros(halves, 4, dtype=torch.float64, device=s.device)
+        self.counts, self.seen = [0] * halves, 0
+
+    def add(self, u: torch.Tensor, ug: torch.Tensor, us: torch.Tensor) -> None:
+        def lead(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(*t.shape, *[1] * (u.ndim - t.ndim))
+
+        self.a += (u * lead(ug)).sum(0)
+        if self.halves > 1:  # probe i's half: the parity of i (of its pair, for antithetic probes)
+            index = torch.arange(self.seen, self.seen + len(u), device=u.device)
+            half = (index // 2 if self.antithetic else index) % 2
+        self.seen += len(u)
+        for h in range(self.halves):
+            uh, gh, sh = (u, ug, us) if self.halves == 1 else (u[half == h], ug[half == h], us[half == h])
+            if self.halves > 1:
+                self.parts[h] += (uh * lead(gh)).sum(0)
+            self.b[h] += (uh * lead(sh)).sum(0)
+            gh, sh = gh.double(), sh.double()
+            e = gh - sh
+            self.sums[h] += torch.stack([(gh * gh).sum(), (e * e).sum(), (e * sh).sum(), (sh * sh).sum()])
+            self.counts[h] += len(uh)
+
+    def fit(self, a: torch.Tensor, b: torch.Tensor, count: int) -> torch.Tensor:
+        """``<g̃, s>`` for ``g̃ = s + (a − b) / count``, in float64."""
+        s = self.s.double()
+        return (s * (s + (a.double() - b.double()) / count)).sum()
+
+    def estimate(self, beta: Any, past: tuple | None, n: int, prefix: str) -> tuple[torch.Tensor, dict]:
+        """``ĝ = β̄ s + (a − Σ_h β_h b_h) / n`` (``β̄ = Σ_h n_h β_h / n``) for ``beta`` (a number,
+        "xfit", or "ema" with the running sums ``past``), and its stats."""
+        s, norm = self.s, (self.s.double() ** 2).sum()
+        if beta == "xfit":  # each half weighed by the other's fit
+            betas = [ratio(self.fit(self.parts[1 - h], self.b[1 - h], self.counts[1 - h]), norm) for h in range(2)]
+            betas = [b.to(s.dtype) for b in betas]
+        elif beta == "ema":
+            betas = [1.0 if past is None else ratio(*past).to(s.dtype)]
+        else:
+            betas = [float(beta)]
+        if self.halves == 1:
+            mean = betas[0]
+            estimate = mean * s + (self.a - mean * self.b[0]) / n
+        else:
+            mean = sum(c * bh for c, bh in zip(self.counts, betas)) / n
+            estimate = mean * s + (self.a - sum(bh * b_h for bh, b_h in zip(betas, self.b))) / n
+        gg, ee, es, ss = self.sums.unbind(-1)
+        off = 1 - torch.stack([torch.as_tensor(bh, dtype=torch.float64, device=s.device) for bh in betas])
+        return estimate, {
+            f"{prefix}beta": Ratio(torch.as_tensor(mean, dtype=torch.float64), 1.0),
+            f"{prefix}cv_residual": Ratio((ee + 2 * off * es + off**2 * ss).sum(), gg.sum(), 0.5),
+            f"{prefix}twin_error": Ratio(ee.sum(), gg.sum(), 0.5),
+            f"{prefix}beta_fit": Ratio(self.fit(self.a, torch.stack(self.b).sum(0), n), norm),
+        }
+
+
+def ratio(num: Any, den: Any) -> torch.Tensor:
+    """``num / den`` as a float64 tensor, 1 where ``den`` is 0 (a zero twin: β multiplies nothing)."""
+    num, den = torch.as_tensor(num, dtype=torch.float64), torch.as_tensor(den, dtype=torch.float64)
+    return torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 1.0)
+
+
+class ControlVariate:
+    """A probe estimator with the twins as a control variate (see module doc)."""
+
+    def __init__(
+        self,
+        estimator: ZBP | ModelLevel,
+        twin: Callable | Mapping[str, Callable],
+        beta: float | str = 1.0,
+        twin_directional: str = "exact",
+        decay: float = 0.9,
+    ):
+        if not isinstance(estimator, ZBP | ModelLevel):
+            raise TypeError(
+                "control_variate: wraps E.zbp(...) (stage level), E.node_perturbation(...) or E.direct(...) "
+                f"(model level), got {type(estimator).__name__}"
+            )
+        self.twins = Twins("control_variate", twin)
+        if beta not in BETAS and not (
+            isinstance(beta, numbers.Real) and not isinstance(beta, bool) and abs(float(beta)) < float("inf")
+        ):
+            raise ValueError(f"control_variate: beta must be a finite number, 'ema' or 'xfit', got {beta!r}")
+        if twin_directional not in DIRECTIONAL:
+            raise ValueError(
+                f"control_variate: twin_directional must be one of {DIRECTIONAL}, got {twin_directional!r}"
+            )
+        if not isinstance(decay, numbers.Real) or isinstance(decay, bool) or not 0 <= decay <= 1:
+            raise ValueError(f"control_variate: decay must be a number in [0, 1], got {decay!r}")
+        probes = estimator.probes
+        if beta == "xfit" and (probes.kind == "orthogonal" or probes.n < (4 if probes.antithetic else 2)):
+            raise ValueError(
+                "control_variate: beta='xfit' fits each half of the probes on the other, so it needs two "
+                f"non-empty halves of independent probes, got {probes!r}; use another kind or more probes"
+            )
+        self.estimator, self.beta, self.twin_directional, self.decay = estimator, beta, twin_directional, float(decay)
+        self.scope = estimator.scope
+        self.state: Mapping[tuple[str, str], tuple] = MappingProxyType({})
+
+    @property
+    def differentiates(self) -> bool:
+        return self.estimator.differentiates
+
+    @property
+    def fd(self) -> bool:
+        """Whether the wrapped estimator measures by central differences (and probes parameters)."""
+        wrapped = self.estimator
+        return wrapped.method == "fd" if isinstance(wrapped, ZBP) else wrapped.form == "fd"
+
+    def __repr__(self) -> str:
+        return (
+            f"control_variate({self.estimator!r}, {self.twins!r}, beta={self.beta!r}, "
+            f"twin_directional={self.twin_directional!r}, decay={self.decay:g})"
+        )
+
+    def observe(self, res: Any) -> ControlVariate:
+        """This estimator with its running sums (what ``beta="ema"`` reads) updated from the
+        ``beta_fit`` of every physical stage in ``res.stats``, a sweep's result; ``self`` unchanged."""
+        state = dict(self.state)
+        for name, entry in res.stats.items():
+            for space, prefix in PREFIX.items():
+                fit = entry.get(f"{prefix}beta_fit") if isinstance(entry, Mapping) else None
+                if isinstance(fit, Ratio):
+                    num, den = state.get((name, space), (0.0, 0.0))
+                    state[(name, space)] = (self.decay * num + fit.num, self.decay * den + fit.den)
+        new = copy.copy(self)
+        new.state = MappingProxyType(state)
+        return new
+
+    def check(self, chain: Chain, physical: tuple[int, ...]) -> None:
+        self.twins.check(chain, physical)
+
+    def sums(self, s: torch.Tensor) -> Sums:
+        return Sums(s, 2 if self.beta == "xfit" else 1, self.estimator.probes.antithetic)
+
+    def estimate(self, sums: Sums, name: str, space: str) -> tuple[torch.Tensor, dict]:
+        return sums.estimate(self.beta, self.state.get((name, space)), self.estimator.probes.n, PREFIX[space])
+
+    def prepare(self, problem: Problem) -> Any:
+        wrapped = self.estimator
+        if isinstance(wrapped, ZBP):
+            return wrapped.prepare(problem)
+        run, chunks = wrapped.measurements(problem)
+        assert problem.exact_trace is not None  # checked by measurements
+        twin_call = self.shifted(problem, run)
+        trace = {a.index: a.value for a in problem.exact_trace(network(problem.chain, twin_call))}
+        s = {
+            i: run.flats[i].vector(optree.tree_leaves(trace[i], namespace=NAMESPACE)) * problem.loss_scale
+            for i in run.probed
+        }
+        twin = None
+        if self.twin_directional == "fd" and wrapped.form != "oracle":  # the network of twins, probed alike
+            twin = wrapped.measurements(dataclasses.replace(problem, run=twin_call, meter=None), states=run)[1]
+        sums: dict = {}
+        for chunk, paired in zip(chunks, repeat(None) if twin is None else twin):
+            shared = None
+            for i, (u, ug) in chunk.items():
+                if paired is not None:
+                    us = paired[i][1]
+                else:  # the scalar of s summed as the wrapped estimator sums (np: over the stages)
+                    shared = (
+                        shared
+                        if shared is not None
+                        else sum(per_position(v * s[j], ug.ndim - 1) for j, (v, _) in chunk.items())
+                    )
+                    us = shared
+                if i not in sums:
+                    sums[i] = self.sums(s[i])
+                sums[i].add(u, ug, us)
+        costs, estimates = wrapped.costs(problem), {}
+        for i, acc in sums.items():
+            estimates[i], stats = self.estimate(acc, problem.chain.names[i], "input")
+            costs[i] = {**costs[i], **stats}
+        return Prepared(estimates, costs)
+
+    def shifted(self, problem: Problem, run: Any) -> Callable:
+        """``call(i, params, h)``: digital stages as the forward ran them, each physical stage as its
+        twin shifted to the output the estimator measured at its measured input."""
+        offsets = {}
+        with torch.no_grad():
+            for i in problem.physical:
+                out = self.twins.of(problem, i)(problem.params[i], run.boundaries[i])
+                offsets[i] = optree.tree_map(torch.sub, run.outputs[i], out, namespace=NAMESPACE)
+
+        def call(i: int, params: Any, h: Any) -> Any:
+            if i not in offsets:
+                return problem.call(i, params, h)
+            out = self.twins.of(problem, i)(params, h)
+            return optree.tree_map(tiled_add, out, offsets[i], namespace=NAMESPACE)
+
+        return call
+
+    def stage_vjp(self, problem: Problem, prepared: Any, i: int, h_in: Any, costate: Any):
+        wrapped, fn = self.estimator, self.twins.of(problem, i)
+        floats, _, costate_like = B.split(h_in, f"input of {where(problem, i)}")
+        flat = Flat(floats, wrapped.probes.batch_dims, f"input of {where(problem, i)}")
+        probing = self.fd and bool(param_leaves(problem.params[i])[0])
+        if isinstance(wrapped, ZBP):
+            twin_grads, twin_in = twin_vjp(problem, i, h_in, costate, fn)
+            cost: dict = {"queries": 2 * wrapped.probes.n, "twin_calls": 1}
+            estimate = []
+            if flat.d:
+                s = flat.vector(optree.tree_leaves(twin_in, namespace=NAMESPACE))
+                twin = wrapped.directional(problem, i, h_in, costate, fn) if self.twin_directional == "fd" else None
+                sums = self.sums(s)
+                for (u, ug), paired in zip(
+                    wrapped.directional(problem, i, h_in, costate), repeat(None) if twin is None else twin
+                ):
+                    sums.add(u, ug, per_position(u * s, ug.ndim - 1) if paired is None else paired[1])
+                total, stats = self.estimate(sums, problem.chain.names[i], "input")
+                estimate = flat.leaves(total)
+                cost.update(stats)
+        else:  # estimated in prepare; the twin's vjp here only for probed parameters
+            twin_grads = twin_vjp(problem, i, h_in, costate, fn)[0] if probing else None
+            cost = {**prepared.costs[i], "twin_calls": 1 + probing}
+            estimate = flat.leaves(prepared.costates[i]) if flat.d else []
+        if probing:
+            grads, param_cost = self.param_grads(problem, i, h_in, costate, fn, twin_grads)
+        elif self.fd:  # no parameters: the (empty) tree is its own gradient
+            grads, param_cost = problem.params[i], {}
+        else:
+            grads, param_cost = exact_param_grads(problem, i, h_in, costate)
+        return grads, costate_like(estimate), {**cost, **param_cost}
+
+    def param_grads(
+        self, problem: Problem, i: int, h_in: Any, costate: Any, fn: Callable, twin_grads: Any
+    ) -> tuple[Any, dict]:
+        """The control variate on stage i's probed parameter directions, ``s_W`` the twin's
+        parameter vjp ``twin_grads``."""
+        wrapped = self.estimator
+        probing = (wrapped.probes, wrapped.eps)
+        s = Flat(param_leaves(problem.params[i])[0], 0, f"params of {where(problem, i)}").vector(
+            optree.tree_leaves(twin_grads, namespace=NAMESPACE)
+        )
+        twin = param_directional(problem, i, h_in, costate, *probing, fn) if self.twin_directional == "fd" else None
+        sums = self.sums(s)
+        for (v, vg), paired in zip(
+            param_directional(problem, i, h_in, costate, *probing), repeat(None) if twin is None else twin
+        ):
+            sums.add(v, vg, (v * s).sum(-1) if paired is None else paired[1])
+        total, cost = self.estimate(sums, problem.chain.names[i], "params")
+        return unflatten_params(problem, i, total), {**cost, "param_queries": 2 * wrapped.probes.n}
+
+
+def tiled_add(out: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """``out + offset``, the offset repeated over copies folded into the leading dim of ``out``."""
+    if out.ndim and out.shape[0] != offset.shape[0]:
+        offset = offset.repeat(out.shape[0] // offset.shape[0], *[1] * (offset.ndim - 1))
+    return out + offset
+
+
+def network(chain: Chain, call: Callable) -> Chain:
+    """``chain`` with every stage i run as ``call(i, params, h)``."""
+    return Chain([stage(lambda p, h, i=i: call(i, p, h), name=n) for i, n in enumerate(chain.names)], loss=chain.loss)
+
+
+def control_variate(
+    estimator: ZBP | ModelLevel,
+    twin: Callable | Mapping[str, Callable],
+    beta: float | str = 1.0,
+    twin_directional: str = "exact",
+    decay: float = 0.9,
+) -> ControlVariate:
+    """``ĝ = β s + (1/n) Σ u_i (u_i·g − β u_i·s)``: a probe estimator (``E.zbp`` at the stage level,
+    ``E.node_perturbation`` or ``E.direct`` at the model level) with the twins' costates ``s`` as a
+    control variate; unbiased, with the wrapped estimator's error at ``g − βs`` in place of ``g``.
+    ``twin``: ``fn(params, h)`` for every physical stage, or a mapping from stage name to function;
+    ``beta``: a number, ``"xfit"`` (cross-fitted halves) or ``"ema"`` (from earlier steps: thread
+    it with ``cv = cv.observe(res)``; decay ``decay``); ``twin_directional``: ``"exact"`` or ``"fd"``
+    (the twin measured as the stage is, at the same ±εu). See the module doc for its stats."""
+    return ControlVariate(estimator, twin, beta, twin_directional, decay)

@@ -1,0 +1,340 @@
+"""The twin as a control variate (E.control_variate, docs/estimators.md): a zero twin or β = 0 is
+the wrapped zbp bit for bit, an exact twin gives the exact gradients, β "ema" reads earlier steps
+only, the stats pool over microbatches, and the estimate is unbiased with zbp's error at g − βs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import eae_func as ef
+from eae_func import estimators as E
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
+
+F64 = torch.float64
+D, B = 6, 5
+BETAS = [1.0, 0.5, "ema", "xfit"]
+
+
+class Medium:
+    """``tanh(x M) * gain`` in numpy (a black box), and the same in torch (its exact twin)."""
+
+    def __init__(self, seed: int = 0):
+        self.m = np.random.default_rng(seed).standard_normal((D, D)) / D**0.5
+        self.rows = 0
+
+    def __call__(self, params, x):
+        self.rows += len(x)
+        return np.tanh(x @ self.m) * params["gain"]
+
+    def torch(self, params, h):
+        return torch.tanh(h @ torch.from_numpy(self.m).to(h.dtype)) * params["gain"]
+
+
+def network(*boxes):
+    """digital, box, digital[, box, digital]: each box with a scalar parameter ``gain``."""
+    g = torch.Generator().manual_seed(1)
+    stages, params = [], []
+    for j, box in enumerate((*boxes, None)):
+        stages.append(ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name=f"digital{j}"))
+        params.append({"w": torch.randn(D, D, generator=g, dtype=F64)})
+        if box is not None:
+            stages.append(box)
+            params.append({"gain": torch.tensor(1.3 + 0.1 * j, dtype=F64)})
+    x, y = torch.randn(B, D, generator=g, dtype=F64), torch.randn(B, D, generator=g, dtype=F64)
+    return ef.Chain(stages, loss=F.mse_loss), tuple(params), x, y
+
+
+def same_bits(a, b) -> bool:
+    return all(
+        torch.equal(s, t) for s, t in zip(ef.tree_leaves(a.grads), ef.tree_leaves(b.grads), strict=True)
+    ) and all(torch.equal(s.value, t.value) for s, t in zip(a.adjoints, b.adjoints) if s.value is not None)
+
+
+COUNTERS = ("queries", "param_queries", "rows", "calls", "forward_calls", "jvp_calls", "backward_calls")
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    method=st.sampled_from(["jvp", "fd"]),
+    beta=st.sampled_from(BETAS),
+    twin_directional=st.sampled_from(["exact", "fd"]),
+    kind=st.sampled_from(["gaussian", "rademacher", "sphere"]),
+    antithetic=st.booleans(),
+    n=st.integers(4, 7),
+    chunk=st.sampled_from([None, 1, 3]),
+    key=st.integers(0, 1000),
+)
+def test_a_zero_twin_or_beta_zero_is_the_wrapped_zbp_bit_for_bit(
+    method, beta, twin_directional, kind, antithetic, n, chunk, key
+):
+    """Same probes, same rows and calls, the same numbers: the input costate and (fd) the probed
+    parameter gradient; with β = 0 any twin drops out."""
+    medium = Medium()
+    chain, params, x, y = network(ef.stage(medium.torch, name="box", physical=True))
+    zbp = E.zbp(E.Probes(n, kind, chunk=chunk, antithetic=antithetic), method=method, eps=1e-4)
+    ref = ef.sweep(chain, params, x, y, estimator=zbp, key=key)
+    zero = lambda p, h: 0 * medium.torch(p, h)  # noqa: E731
+    for twin, b in ((zero, beta), (lambda p, h: 1.7 * medium.torch(p, h), 0.0)):
+        res = ef.sweep(chain, params, x, y, estimator=E.control_variate(zbp, twin, b, twin_directional), key=key)
+        assert same_bits(res, ref)
+        assert {k: res.stats["box"].get(k) for k in COUNTERS} == {k: ref.stats["box"].get(k) for k in COUNTERS}
+        assert res.stats["box"]["twin_calls"] == 1
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("method,twin_directional", [("jvp", "exact"), ("fd", "fd"), ("fd", "exact")])
+def test_an_exact_twin_gives_the_exact_gradients(beta, method, twin_directional):
+    """The twin equal to the stage: ĝ = s = g for β = 1, "ema" (1 before any step) and "xfit" (fitted
+    to 1); β = 0.5 keeps half of zbp's error. With fd, the twin's own central differences cancel the
+    stage's truncation exactly; with exact <u, s> it is left, O(ε²)."""
+    medium = Medium()
+    box = (
+        ef.black_box(medium, name="box", numpy=True)
+        if method == "fd"
+        else ef.stage(medium.torch, name="box", physical=True)
+    )
+    chain, params, x, y = network(box)
+    exact = ef.sweep(network(ef.stage(medium.torch, name="box"))[0], params, x, y)
+    zbp = E.zbp(E.Probes(6, "rademacher"), method=method, eps=1e-4)
+    res = ef.sweep(chain, params, x, y, estimator=E.control_variate(zbp, medium.torch, beta, twin_directional), key=4)
+    tol = (
+        {"rtol": 1e-6, "atol": 1e-8}
+        if twin_directional == "exact" and method == "fd"
+        else {"rtol": 1e-10, "atol": 1e-12}
+    )
+    grads, ref = ef.tree_leaves(res.grads), ef.tree_leaves(exact.grads)
+    if beta == 0.5:
+        assert not torch.allclose(grads[0], ref[0], **tol)
+        return
+    for g, h in zip(grads, ref, strict=True):
+        torch.testing.assert_close(g, h, **tol)
+    stats = res.stats["box"]
+    assert float(stats["twin_error"]) < 1e-5 and float(stats["cv_residual"]) < 1e-5
+    assert abs(float(stats["beta_fit"]) - 1) < 1e-6
+    if method == "fd":
+        assert medium.rows == stats["rows"] == B * (1 + 2 * 6 + 2 * 6)  # forward, input probes, gain probes
+
+
+MODEL_LEVEL = [(make, form) for make in (E.node_perturbation, E.direct) for form in ("oracle", "jvp", "fd")]
+
+
+@pytest.mark.parametrize("make,form", MODEL_LEVEL)
+def test_at_the_model_level_a_zero_twin_is_the_wrapped_estimator_and_an_exact_twin_is_exact(make, form):
+    """np and direct with two physical stages (black boxes under fd), a twin per stage: zero twins
+    give the wrapped estimate bit for bit with the same rows and calls (the twins' sweep and
+    probing run no black box); exact twins give the exact gradients for β 1, "ema" and "xfit"."""
+    first, second = Medium(0), Medium(1)
+    if form == "fd":
+        boxes = [ef.black_box(first, name="a", numpy=True), ef.black_box(second, name="b", numpy=True)]
+    else:
+        boxes = [ef.stage(first.torch, name="a", physical=True), ef.stage(second.torch, name="b", physical=True)]
+    chain, params, x, y = network(*boxes)
+    exact = ef.sweep(network(ef.stage(first.torch, name="a"), ef.stage(second.torch, name="b"))[0], params, x, y)
+    wrapped = make(E.Probes(5, "rademacher", chunk=2), form=form, eps=1e-4)
+    ref = ef.sweep(chain, params, x, y, estimator=wrapped, key=3)
+    zero = {"a": lambda p, h: 0 * first.torch(p, h), "b": lambda p, h: 0 * second.torch(p, h)}
+    twins = {"a": first.torch, "b": second.torch}
+    directional = "fd" if form == "fd" else "exact"
+    for beta in (1.0, "ema", "xfit"):
+        res = ef.sweep(chain, params, x, y, estimator=E.control_variate(wrapped, zero, beta, directional), key=3)
+        assert same_bits(res, ref)
+        for name in "ab":
+            assert {k: res.stats[name].get(k) for k in COUNTERS} == {k: ref.stats[name].get(k) for k in COUNTERS}
+        res = ef.sweep(chain, params, x, y, estimator=E.control_variate(wrapped, twins, beta, directional), key=3)
+        for g, h in zip(ef.tree_leaves(res.grads), ef.tree_leaves(exact.grads), strict=True):
+            torch.testing.assert_close(g, h, rtol=1e-9, atol=1e-11)
+
+
+def test_a_twin_per_stage_by_name():
+    """Two physical stages, each with its own twin: PAT and the control variate are exact with the
+    right twin for each; a mapping that misses one is refused before anything is simulated."""
+    first, second = Medium(0), Medium(1)
+    boxes = [ef.black_box(first, name="a", numpy=True), ef.black_box(second, name="b", numpy=True)]
+    chain, params, x, y = network(*boxes)
+    exact = ef.sweep(network(ef.stage(first.torch, name="a"), ef.stage(second.torch, name="b"))[0], params, x, y)
+    twins = {"a": first.torch, "b": second.torch}
+    zbp = E.zbp(E.Probes(3, "rademacher"), method="fd", eps=1e-4)
+    for estimator in (E.twin(twins), E.control_variate(zbp, twins, twin_directional="fd")):
+        res = ef.sweep(chain, params, x, y, estimator=estimator, key=2)
+        for g, h in zip(ef.tree_leaves(res.grads), ef.tree_leaves(exact.grads), strict=True):
+            torch.testing.assert_close(g, h, rtol=1e-10, atol=1e-12)
+    swapped = ef.sweep(chain, params, x, y, estimator=E.twin({"a": second.torch, "b": first.torch}))
+    assert not torch.allclose(swapped.grads[0]["w"], exact.grads[0]["w"])
+    rows = first.rows
+    for estimator in (E.twin({"a": first.torch}), E.control_variate(zbp, {"a": first.torch})):
+        with pytest.raises(ValueError, match=r"no twin for the physical stage\(s\) \['b'\]; the mapping names \['a'\]"):
+            ef.sweep(chain, params, x, y, estimator=estimator)
+    assert first.rows == rows  # refused before the forward
+
+
+def test_ema_beta_is_fitted_on_earlier_steps_only():
+    """β = 1 before any step; ``observe`` returns a new estimator (the old one unchanged) whose β is
+    the decayed ratio of the earlier steps' fits; a sweep with it equals the control variate with
+    that β fixed, so the step's own probes do not enter β."""
+    medium = Medium()
+    chain, params, x, y = network(ef.stage(medium.torch, name="box", physical=True))
+    wrong = lambda p, h: medium.torch({"gain": 1.5 * p["gain"]}, h)  # noqa: E731
+    zbp = E.zbp(E.Probes(4, "rademacher"))
+    cv = E.control_variate(zbp, wrong, "ema", decay=0.5)
+    fits, betas = [], []
+    for key in range(3):
+        res = ef.sweep(chain, params, x, y, estimator=cv, key=key)
+        fixed = ef.sweep(
+            chain, params, x, y, estimator=E.control_variate(zbp, wrong, float(res.stats["box"]["beta"])), key=key
+        )
+        assert_trees_close(res.adjoints[-2].value, fixed.adjoints[-2].value)
+        betas.append(float(res.stats["box"]["beta"]))
+        fits.append(res.stats["box"]["beta_fit"])
+        before, cv = cv, cv.observe(res)
+        assert len(before.state) == min(key, 1) and list(cv.state) == [("box", "input")]
+    assert betas[0] == 1.0
+    num = [float(f.num) for f in fits]
+    den = [float(f.den) for f in fits]
+    assert betas[1] == pytest.approx(num[0] / den[0], rel=1e-12)
+    assert betas[2] == pytest.approx((0.5 * num[0] + num[1]) / (0.5 * den[0] + den[1]), rel=1e-12)
+    assert 1 / 1.5 - 0.1 < betas[2] < 1 / 1.5 + 0.1  # the twin's costate is 1.5 g: β* = 1/1.5
+
+
+def assert_trees_close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_stats_are_pooled_over_microbatches():
+    """β, the residual and the twin's error are ratios of sums over all probes and positions: over
+    two microbatches, those of the pooled sums (β stays 0.5 rather than adding up)."""
+    medium = Medium()
+    chain, params, x, y = network(ef.stage(medium.torch, name="box", physical=True))
+    wrong = lambda p, h: medium.torch({"gain": 1.2 * p["gain"]}, h)  # noqa: E731
+    cv = E.control_variate(E.zbp(E.Probes(8, "rademacher")), wrong, 0.5)
+    whole = ef.sweep(chain, params, x, y, estimator=cv, key=1).stats["box"]
+    split = ef.sweep(chain, params, x, y, estimator=cv, key=1, microbatches=2).stats["box"]
+    assert float(split["beta"]) == 0.5 and split["twin_calls"] == 2 and split["queries"] == 2 * whole["queries"]
+    for k in ("cv_residual", "twin_error"):
+        ratio = split[k]
+        assert float(ratio) == pytest.approx((float(ratio.num) / float(ratio.den)) ** 0.5, rel=1e-12)
+        assert 0.05 < float(ratio) < 1 and float(ratio) == pytest.approx(float(whole[k]), rel=0.5)
+
+
+def test_bad_arguments_name_the_entry_point():
+    zbp = E.zbp(E.Probes(4))
+    with pytest.raises(TypeError, match=r"control_variate: wraps E.zbp\(...\) .* or E.direct\(...\) .* got Twin"):
+        E.control_variate(E.twin(torch.tanh), torch.tanh)
+    with pytest.raises(TypeError, match=r"control_variate: expected a differentiable function twin\(params, h\)"):
+        E.control_variate(zbp, 3)
+    with pytest.raises(TypeError, match=r"twin: expected a differentiable function .* got dict"):
+        E.twin({"box": 3})
+    with pytest.raises(ValueError, match=r"control_variate: beta must be a finite number, 'ema' or 'xfit', got 'auto'"):
+        E.control_variate(zbp, torch.tanh, "auto")
+    with pytest.raises(ValueError, match=r"control_variate: beta must be .* got True"):
+        E.control_variate(zbp, torch.tanh, True)
+    with pytest.raises(ValueError, match=r"control_variate: twin_directional must be one of \('exact', 'fd'\)"):
+        E.control_variate(zbp, torch.tanh, twin_directional="jvp")
+    with pytest.raises(ValueError, match=r"control_variate: decay must be a number in \[0, 1\], got 2"):
+        E.control_variate(zbp, torch.tanh, "ema", decay=2)
+    with pytest.raises(ValueError, match=r"beta='xfit' .* independent probes, got Probes\(n=4, kind='orthogonal'"):
+        E.control_variate(E.zbp(E.Probes(4, "orthogonal")), torch.tanh, "xfit")
+    with pytest.raises(ValueError, match=r"beta='xfit' .* two non-empty halves"):
+        E.control_variate(E.zbp(E.Probes(2, antithetic=True)), torch.tanh, "xfit")
+
+
+# ---- statistics: the estimate is unbiased, with zbp's error at g − βs ----
+
+
+def mlp(width: int = 8, batch: int = 128, depth: int = 4):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)]).to(F64)
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    x, y = torch.randn(batch, width, dtype=F64), 2 * torch.randn(batch, width, dtype=F64)
+    error = 0.4 * torch.randn(width, width, dtype=F64) / width**0.5
+
+    def twin(p, h):  # stage 2 with its weight off by ``error``
+        return torch.tanh(F.linear(h, p["0.weight"] + error, p["0.bias"]))
+
+    return chain, params, x, y, twin
+
+
+def estimates(chain, params, x, y, estimator, keys: int, stage: int = 2) -> torch.Tensor:
+    """``(keys, B, d)``: stage 2's estimated input costate for keys 0..keys-1 (``observe`` threaded)."""
+    out = []
+    for k in range(keys):
+        res = ef.sweep(chain, params, x, y, estimator=estimator, physical=[stage], key=k)
+        out.append(res.adjoints[len(chain) - stage].value)
+        estimator = estimator.observe(res) if hasattr(estimator, "observe") else estimator
+    return torch.stack(out)
+
+
+def z_scores(samples: torch.Tensor, g: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
+    return (samples.mean(0) - g) / (variance / samples.shape[0]).sqrt()
+
+
+def unbiased(z: torch.Tensor) -> bool:
+    """Every coordinate's mean within 6 SE, and mean z² ≈ 1 (a bias of about one SE anywhere fails)."""
+    return bool(z.abs().max() < 6 and (z * z).mean() < 1.5)
+
+
+KEYS = 60
+
+
+def test_control_variate_is_unbiased_with_the_error_of_zbp_at_g_minus_beta_s():
+    """Rademacher probes, exact directional derivatives (jvp), a twin off by r ≈ 0.5. Fixed β: per
+    coordinate variance (|v|² − v_j²)/n with v = g − βs per sample, and E|ĝ − g|² = (d−1)/n Σ|v|²
+    within 10%; "xfit" and "ema": unbiased (their measured variance) and better than β = 1. The
+    bound has power: two biased variants fail it, the twin's costate s (PAT, bias s − g) and zbp fd
+    at ε = 1 with exact <u, s> (the O(ε²) truncation of its central differences; mean z² ≈ 7)."""
+    chain, params, x, y, twin = mlp()
+    g = ef.sweep(chain, params, x, y).adjoints[len(chain) - 2].value
+    s = ef.sweep(chain, params, x, y, estimator=E.twin(twin), physical=[2]).adjoints[len(chain) - 2].value
+    r = ((s - g).norm() / g.norm()).item()
+    assert 0.3 < r < 0.7
+    n, d = 4, g.shape[-1]
+    zbp = E.zbp(E.Probes(n, "rademacher"))
+    errors = {}
+    for beta in (1.0, 0.5, "xfit", "ema"):
+        samples = estimates(chain, params, x, y, E.control_variate(zbp, twin, beta), KEYS)
+        errors[beta] = ((samples - g) ** 2).sum().item() / KEYS
+        if isinstance(beta, float):
+            v = g - beta * s
+            variance = ((v * v).sum(-1, keepdim=True) - v * v) / n
+            assert unbiased(z_scores(samples, g, variance)), beta
+            assert 0.9 < errors[beta] / ((d - 1) / n * (v * v).sum().item()) < 1.1, beta
+        else:
+            assert unbiased(z_scores(samples, g, samples.var(0))), beta
+    assert errors["xfit"] < errors[1.0] and errors["ema"] < errors[1.0]
+    pat = s.expand(KEYS, *s.shape) + 1e-3 * torch.randn(KEYS, *s.shape, dtype=F64)
+    assert not unbiased(z_scores(pat, g, pat.var(0)))
+    coarse = E.zbp(E.Probes(n, "rademacher"), method="fd", eps=1.0)
+    truncated = estimates(chain, params, x, y, E.control_variate(coarse, twin), KEYS)
+    assert not unbiased(z_scores(truncated, g, truncated.var(0)))
+
+
+def test_node_perturbation_with_twins_is_unbiased_with_its_cross_stage_error_at_g_minus_beta_s():
+    """np (oracle), physical stages 1 and 3 each with a twin off by r ≈ 0.5: every stage's estimate
+    is unbiased, and its error is np's formula with v = g − βs in place of g (rademacher):
+    (1/n) Σ_b [m |V_b|² − |v_{l,b}|²], |V_b|² over both stages; within 10%."""
+    chain, params, x, y, twin = mlp()
+    twins = {chain.names[1]: twin, chain.names[3]: twin}
+    physical, n, m = [1, 3], 4, 8
+    g = {i: v for i, v in ((i, ef.sweep(chain, params, x, y).adjoints[len(chain) - i].value) for i in physical)}
+    pat = ef.sweep(chain, params, x, y, estimator=E.twin(twins), physical=physical)
+    s = {i: pat.adjoints[len(chain) - i].value for i in physical}
+    est = E.control_variate(E.node_perturbation(E.Probes(n, "rademacher")), twins)
+    runs = [ef.sweep(chain, params, x, y, estimator=est, physical=physical, key=k) for k in range(KEYS)]
+    v = {i: g[i] - s[i] for i in physical}
+    total = sum((v[i] ** 2).sum(-1) for i in physical)
+    for i in physical:
+        assert 0.3 < ((s[i] - g[i]).norm() / g[i].norm()).item() < 0.9
+        samples = torch.stack([r.adjoints[len(chain) - i].value for r in runs])
+        variance = (total.unsqueeze(-1) - v[i] ** 2) / n  # per coordinate: (|V_b|² − v_j²) / n
+        assert unbiased(z_scores(samples, g[i], variance))
+        theory = (m * total - (v[i] ** 2).sum(-1)).sum().item() / n
+        assert 0.9 < ((samples - g[i]) ** 2).sum().item() / KEYS / theory < 1.1
