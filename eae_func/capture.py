@@ -93,16 +93,18 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))  # its parameters, buffers, children and hooks: read apart
 
 
-def fingerprint(model: nn.Module) -> tuple:
+def fingerprint(model: nn.Module, seen: dict[int, Any] | None = None, depth: int = 0) -> tuple:
     """What a capture of ``model`` depends on, as one comparable value: the module tree (paths,
     classes, identities, training flags, hooks), every parameter and buffer (identity, shape,
     dtype, device, requires_grad) and every module's other attributes by ``described`` (numbers,
     strings, flags, a Hugging Face config and what it holds, at any depth). A capture whose
     fingerprint differs from the model's is stale."""
-    seen: dict[int, Any] = {}
+    seen = {} if seen is None else seen
 
     def attributes(module: nn.Module) -> tuple:
-        return tuple((k, described(v, seen)) for k, v in vars(module).items() if k not in _MODULE_INTERNALS)
+        return tuple(
+            (k, described(v, seen, depth + 1)) for k, v in vars(module).items() if k not in _MODULE_INTERNALS
+        )
 
     modules = tuple(
         (name, id(m), type(m), m.training, attributes(m), tuple(tuple(getattr(m, h).keys()) for h in _HOOKS))
@@ -135,9 +137,11 @@ def described(v: Any, seen: dict[int, Any], depth: int = 0) -> Any:
     inner = depth + 1
     if isinstance(v, torch.Tensor):
         out: Any = (key, v.shape, v.dtype, v.device, v.requires_grad)
-    elif isinstance(v, nn.Module):
-        out = fingerprint(v)
-    elif depth >= DEPTH or isinstance(v, (types.ModuleType, type)) or callable(v):
+    elif depth >= DEPTH:
+        out = key
+    elif isinstance(v, nn.Module):  # one the model holds beside its children: in the same walk
+        out = fingerprint(v, seen, inner)
+    elif isinstance(v, (types.ModuleType, type)) or callable(v):
         out = key
     elif isinstance(v, (list, tuple)):
         out = type(v), tuple(described(e, seen, inner) for e in v)
