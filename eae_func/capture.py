@@ -102,9 +102,7 @@ def fingerprint(model: nn.Module, seen: dict[int, Any] | None = None, depth: int
     seen = {} if seen is None else seen
 
     def attributes(module: nn.Module) -> tuple:
-        return tuple(
-            (k, described(v, seen, depth + 1)) for k, v in vars(module).items() if k not in _MODULE_INTERNALS
-        )
+        return tuple((k, described(v, seen, depth + 1)) for k, v in vars(module).items() if k not in _MODULE_INTERNALS)
 
     modules = tuple(
         (name, id(m), type(m), m.training, attributes(m), tuple(tuple(getattr(m, h).keys()) for h in _HOOKS))
