@@ -488,22 +488,11 @@ def test_a_function_capture_sees_what_it_reads_at_any_depth():
 def test_a_float64_causal_lm_called_with_labels_is_captured(kind):
     """``logits.float()`` in the model's own loss is a real cast in float64: the capture rewired the
     output to it and the last stage failed with ``KeyError: 'linear'``."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
+    pytest.importorskip("transformers")
+    from test_models import gpt2, llama
+
     torch.manual_seed(0)
-    if kind == "gpt2":
-        config, split_at = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64), ["transformer.h.*"]
-        model = transformers.GPT2LMHeadModel(config)
-    else:
-        config = transformers.LlamaConfig(
-            num_hidden_layers=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=64,
-        )
-        model, split_at = transformers.LlamaForCausalLM(config), ["model.layers.*"]
+    model, split_at = gpt2() if kind == "gpt2" else llama(layers=2)
     model = model.double().eval()
     ids = torch.randint(0, 64, (2, 8))
     params = dict(model.named_parameters())
