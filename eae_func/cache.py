@@ -18,8 +18,7 @@ def kept(cache: dict, key: Hashable, fingerprint: Any, make: Callable[[], Any], 
     """``cache[key]``'s thing if made at ``fingerprint``, else ``make()`` kept there; at most ``limit``
     entries stay (dicts keep insertion order: each use moves its entry last)."""
     hit = cache.pop(key, None)
-    if hit is None or hit[0] != fingerprint:
-        hit = fingerprint, make()
+    hit = fingerprint, make() if hit is None or hit[0] != fingerprint else hit[1]  # the newest fingerprint kept
     cache[key] = hit
     while len(cache) > limit:
         del cache[next(iter(cache))]

@@ -27,6 +27,8 @@ import contextlib
 import dataclasses
 import fnmatch
 import functools
+import itertools
+import operator
 import random
 import threading
 import types
@@ -153,6 +155,92 @@ def described(v: Any, seen: dict[int, Any], depth: int = 0) -> Any:
         out = key
     seen[key] = out
     return out
+
+
+_TENSOR = operator.attrgetter("shape", "dtype", "device", "requires_grad")
+_FLAT = itertools.chain.from_iterable
+
+
+class Watch:
+    """``fingerprint(model)`` with what it was read from: every object the walk met (modules and
+    objects with a ``__dict__``: their class), every container (their ``__dict__``, a module's
+    parameter, buffer, child and hook dicts, dicts, lists and sets: their lengths, keys and, by
+    identity, what they hold, kept alive so no identity is reused) and every tensor (shape, dtype,
+    device, requires_grad). While all of these are as they were, the fingerprint is too: ``current()``
+    checks a model in a few C loops of identity comparisons and walks it again only when something
+    moved (a plain value re-assigned an equal one walks again and keeps the capture). An object's
+    ``__dict__`` replaced wholesale is not seen."""
+
+    def __init__(self, model: nn.Module):
+        self.model = weakref.ref(model)
+        self.fingerprint = fingerprint(model)
+        self.objects: list = []
+        self.dicts: list = list(_global_hooks())
+        self.sequences: list = []
+        self.tensors: list = []
+        self._reach(model)
+        self.kind = type(self.objects.pop(0))  # the model itself is held weakly
+        self.filled_dicts = [d for d in self.dicts if d]
+        self.filled_sequences = [s for s in self.sequences if s]
+        self.held = list(self._held())
+        self.state = self._state()
+
+    def _reach(self, root: Any) -> None:
+        """Collect what ``fingerprint`` reads from ``root`` (a superset: at every depth, every key)."""
+        seen: set = set()
+        todo = [root]
+        while todo:
+            v = todo.pop()
+            if isinstance(v, PLAIN) or id(v) in seen:
+                continue
+            seen.add(id(v))
+            if isinstance(v, torch.Tensor):
+                self.tensors.append(v)
+            elif isinstance(v, nn.Module):
+                self.objects.append(v)
+                own = vars(v)
+                self.dicts += [own, own["_parameters"], own["_buffers"], own["_modules"], *(own[h] for h in _HOOKS)]
+                todo += [e for k, e in own.items() if k not in _MODULE_INTERNALS]
+                todo += [*own["_parameters"].values(), *own["_buffers"].values(), *own["_modules"].values()]
+            elif isinstance(v, (types.ModuleType, type)) or callable(v):
+                continue
+            elif isinstance(v, (list, set)):
+                self.sequences.append(v)
+                todo += v
+            elif isinstance(v, (tuple, frozenset)):
+                todo += v
+            elif isinstance(v, dict):
+                self.dicts.append(v)
+                todo += v.values()
+            elif hasattr(v, "__dict__"):
+                self.objects.append(v)
+                self.dicts.append(vars(v))
+                todo += vars(v).values()
+
+    def _held(self) -> Any:
+        return itertools.chain(_FLAT(map(dict.values, self.filled_dicts)), _FLAT(self.filled_sequences))
+
+    def _state(self) -> tuple:
+        return (
+            list(map(len, self.dicts)) + list(map(len, self.sequences)),
+            list(_FLAT(self.filled_dicts)),
+            list(map(type, self.objects)),
+            list(map(_TENSOR, self.tensors)),
+        )
+
+    def current(self) -> Watch:
+        """This watch while the model is as it was, else a new one (whose fingerprint may be equal)."""
+        model = self.model()
+        if model is None or (
+            type(model) is self.kind and self._state() == self.state and all(map(operator.is_, self._held(), self.held))
+        ):
+            return self
+        return Watch(model)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Watch) and (self is other or self.fingerprint == other.fingerprint)
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def numpy_drew(before: dict) -> bool:

@@ -9,6 +9,7 @@ each module of a list) into one stage, run on the given parameters as
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import threading
 import weakref
@@ -283,6 +284,16 @@ class Chain:
 
     def __len__(self) -> int:
         return len(self.stages)
+
+    def ending_in(self, loss: Callable) -> Chain:
+        """This chain with ``loss`` as its loss (the stages as they are, none made again)."""
+        if loss is self.loss:
+            return self
+        if not callable(loss):
+            raise TypeError(f"Chain: loss must be callable loss(output, *loss_args), got {type(loss).__name__}")
+        chain = copy.copy(self)
+        object.__setattr__(chain, "loss", loss)
+        return chain
 
     def index(self, name_or_index: str | int) -> int:
         """Stage index of a stage given by name or index."""

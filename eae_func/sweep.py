@@ -237,35 +237,42 @@ _CAPTURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Sequence[str] | None, x: Any) -> tuple:
-    """``(chain, qualified)`` for a model: ``qualified[i]`` maps stage i's parameter and buffer
-    names to the model's own (canonical: a tied tensor has one name). A captured chain is kept
-    per model, cut and input layout, with the model's ``capture.fingerprint`` (its modules, tensors,
-    hooks, modes and plain attributes): a training loop captures once, and a model changed since
-    (a module replaced, a flag toggled, ``.double()``, a hook added) is captured again."""
+    """``(chain, qualified, parameters)`` for a model: ``qualified[i]`` maps stage i's parameter and
+    buffer names to the model's own (canonical: a tied tensor has one name), ``parameters`` is the set
+    of the model's parameter names. A captured chain and its names are kept per model, cut and input
+    layout, with a ``capture.Watch`` of the model (its fingerprint: modules, tensors, hooks, modes
+    and plain attributes at any depth): a training loop captures once, and a model changed since (a
+    module replaced, a flag toggled, ``.double()``, a hook added) is captured again."""
     if loss is None:
         raise TypeError(f"sweep: a model ({type(model).__name__}) needs loss=loss_fn(output, *loss_args)")
     if split_at is None:
         chain, _ = from_module(model, loss)
         prefixes = [n for n, _ in model.named_children()] if isinstance(model, nn.Module) else [None] * len(chain)
-    else:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"sweep: split_at cuts a model's own forward, got a {type(model).__name__}")
-        layout = tuple(capture_layout(optree.tree_leaves(x, namespace=NAMESPACE)))
-        with capture.LOCK:  # a second thread capturing the same model waits and finds this capture
-            captured = kept(
-                _CAPTURED.setdefault(model, {}),
-                (tuple(split_at), layout),
-                capture.fingerprint(model),
-                lambda: from_module(model, loss, split_at=split_at, example=x)[0],
-            )
-        chain = Chain(captured.stages, loss=loss, ties=captured.ties)
-        prefixes = [None] * len(chain)
-    names = {}
-    if isinstance(model, nn.Module):
-        names = {
-            **canonical_names(model.named_parameters(remove_duplicate=False)),
-            **canonical_names(model.named_buffers(remove_duplicate=False)),
-        }
+        return (chain, *_names(model, chain, prefixes))
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"sweep: split_at cuts a model's own forward, got a {type(model).__name__}")
+    key = (tuple(split_at), tuple(capture_layout(optree.tree_leaves(x, namespace=NAMESPACE))))
+
+    def captured() -> tuple:
+        chain = from_module(model, loss, split_at=split_at, example=x)[0]
+        return (chain, *_names(model, chain, [None] * len(chain)))
+
+    with capture.LOCK:  # a second thread capturing the same model waits and finds this capture
+        cache = _CAPTURED.setdefault(model, {})
+        hit = cache.get(key)
+        watch = hit[0].current() if hit is not None else capture.Watch(model)
+        chain, qualified, parameters = kept(cache, key, watch, captured)
+    return chain.ending_in(loss), qualified, parameters
+
+
+def _names(model: nn.Module | Sequence, chain: Chain, prefixes: list) -> tuple[list[dict], frozenset]:
+    """``chain_of``'s ``qualified`` and ``parameters``: stage i's names under ``prefixes[i]`` in the model."""
+    if not isinstance(model, nn.Module):
+        return [{} for _ in chain.stages], frozenset()
+    names = {
+        **canonical_names(model.named_parameters(remove_duplicate=False)),
+        **canonical_names(model.named_buffers(remove_duplicate=False)),
+    }
     qualified = []
     for s, prefix in zip(chain.stages, prefixes):
         own = (
@@ -274,7 +281,7 @@ def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Seque
             else []
         )
         qualified.append({n: names.get(n if prefix is None else f"{prefix}.{n}") for n in own})
-    return chain, qualified
+    return qualified, frozenset(name for name, _ in model.named_parameters())
 
 
 def _on_model(
@@ -307,7 +314,7 @@ def _on_model(
         )
         return SweepResult(value, grads, trace, updated, state, stats, params)
     example = x if split_at is None else _piece_of(x, opts, "a model cut with split_at")
-    chain, qualified = chain_of(model, loss, split_at, example)
+    chain, qualified, parameters = chain_of(model, loss, split_at, example)
     flat = isinstance(params, Mapping)
     if flat:
         if not isinstance(model, nn.Module):
@@ -315,8 +322,7 @@ def _on_model(
                 f"params: a flat {{name: tensor}} dict names a model's own parameters; give the model "
                 f"(an nn.Module), got a {type(model).__name__}"
             )
-        own = {name for name, _ in model.named_parameters()}
-        missing = sorted({q for names in qualified for q in names.values() if q in own and q not in params})
+        missing = sorted({q for names in qualified for q in names.values() if q in parameters and q not in params})
         if missing:
             raise ValueError(
                 f"params: the flat dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''} "

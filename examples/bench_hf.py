@@ -41,6 +41,12 @@ more step (a ``TorchDispatchMode`` counter, ``bench_memory.LiveBytes``: allocato
 exact), then a cProfile of eae_func's small-width GPT-2 step.
 
     python examples/bench_hf.py --regimes     # 8 cells x 2 methods, 21 rounds (pip install -e ".[hf,bench]")
+
+``--capture-check`` times what a graph capture (``capture="graph"``) checks on every call to
+know the model is unchanged since it was captured, on the small-width 12-layer GPT-2: the full
+``capture.fingerprint`` walk and the ``capture.Watch`` identity pass that replaces it.
+
+    python examples/bench_hf.py --capture-check
 """
 
 from __future__ import annotations
@@ -287,6 +293,35 @@ def regimes(args: argparse.Namespace) -> None:
         print("```")
 
 
+def capture_check(args: argparse.Namespace) -> None:
+    """What a graph capture's staleness check costs per call (``--capture-check``)."""
+    import torch
+
+    with extra("hf"):
+        import transformers
+
+    from eae_func import capture
+
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    size = REGIMES["host"]
+    print(f"# The graph capture's staleness check, GPT-2 {size['layers']} layers, width {size['width']}\n")
+    print("| check | per call ms (median of 200) |\n|---|---|")
+    model, _ = build("gpt2", "full", size["width"], size["layers"])
+    watch = capture.Watch(model)
+    for name, check in (
+        ("capture.fingerprint (a full walk)", lambda: capture.fingerprint(model)),
+        ("capture.Watch.current (identity pass)", watch.current),
+    ):
+        times = []
+        for _ in range(200):
+            start = time.perf_counter()
+            check()
+            times.append(time.perf_counter() - start)
+        print(f"| {name} | {statistics.median(times) * 1e3:.3f} |")
+    assert watch.current() is watch
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=None, help="GPT-2 decoder layers (default 12)")
@@ -298,6 +333,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 layers, batch 2, seq 32, 1 timed step")
     parser.add_argument("--regimes", action="store_true", help="the side-by-side table against HF checkpointing")
     parser.add_argument("--rounds", type=int, default=21, help="--regimes: interleaved rounds")
+    parser.add_argument("--capture-check", action="store_true", help="what the graph capture's staleness check costs")
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     defaults = dict(layers=2, batch=2, seq=32, steps=1) if args.quick else dict(layers=12, batch=8, seq=256, steps=3)
@@ -314,6 +350,9 @@ def main(argv=None) -> None:
         return
     if args.regimes:
         regimes(args)
+        return
+    if args.capture_check:
+        capture_check(args)
         return
     import torch
 

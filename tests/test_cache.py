@@ -1,9 +1,15 @@
 """The caches of made things keep what was made at the same fingerprint, remake it when the
 fingerprint changes, and hold at most their limit, dropping the least recently used."""
 
-from hypothesis import given
+import gc
+import types
+import weakref
+
+import torch
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from eae_func import capture
 from eae_func.cache import kept
 
 
@@ -23,3 +29,86 @@ def test_kept_is_a_bounded_least_recently_used_cache(uses, limit):
             current.pop(dropped)
         order = order[-limit:]
         assert list(cache) == order and len(cache) <= limit
+
+
+# ----------------------------------------------------------------------------- the capture's watch
+
+
+class _Box:
+    """An object with a ``__dict__`` and a value equality (a dataclass would have one too)."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def __eq__(self, other):
+        return isinstance(other, _Box) and self.scale == other.scale
+
+    __hash__ = None
+
+
+class _Linear(torch.nn.Linear):
+    pass
+
+
+class _Watched(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.seq = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh())
+        self.cfg = types.SimpleNamespace(sub=types.SimpleNamespace(scale=1.0, table={"a": [1, 2]}, box=_Box(1.0)))
+        self.items = [1, (2, [3])]
+        self.tags = {"x"}
+        self.t = torch.zeros(3)
+
+    def forward(self, x):
+        return self.seq(self.lin(x) * self.cfg.sub.scale + self.t)
+
+
+def _mutations():
+    return [
+        lambda m, v: setattr(m.cfg.sub, "scale", float(v % 3)),  # often the same value again
+        lambda m, v: m.cfg.sub.table["a"].append(v),
+        lambda m, v: m.cfg.sub.table.__setitem__(f"k{v % 2}", v),
+        lambda m, v: m.items[1][1].__setitem__(0, v % 2),
+        lambda m, v: m.tags.add(f"t{v % 2}"),
+        lambda m, v: setattr(m.cfg.sub, "box", _Box(m.cfg.sub.box.scale)),  # an equal, other object
+        lambda m, v: setattr(m.cfg.sub.box, "scale", float(v % 2)),
+        lambda m, v: m.t.requires_grad_(bool(v % 2)),
+        lambda m, v: setattr(m.t, "data", m.t.data.to(torch.float64 if v % 2 else torch.float32)),
+        lambda m, v: setattr(m, "t", torch.zeros(3)),  # an equal tensor, another object
+        lambda m, v: m.lin.weight.requires_grad_(bool(v % 2)),
+        lambda m, v: m.train(bool(v % 2)),
+        lambda m, v: m.seq[0].register_forward_hook(lambda *a: None),
+        lambda m, v: setattr(m.seq[0], "__class__", _Linear if v % 2 else torch.nn.Linear),
+        lambda m, v: m.seq.append(torch.nn.Identity()),
+        lambda m, v: setattr(m, "items", m.items),  # the same object again: nothing changed
+        lambda m, v: m(torch.ones(2, 3)),  # a forward changes nothing the capture reads
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(_mutations()) - 1), st.integers(0, 5)), max_size=12))
+def test_a_watch_says_unchanged_only_when_the_fingerprint_is_unchanged(steps):
+    """``Watch.current()`` is the watch itself only if the model's fingerprint is what it was, after
+    any sequence of changes at any depth (and it is, while nothing changed)."""
+    model = _Watched()
+    watch = capture.Watch(model)
+    assert watch.current() is watch
+    for which, v in steps:
+        before = capture.fingerprint(model)
+        _mutations()[which](model, v)
+        now = watch.current()
+        assert now.fingerprint == capture.fingerprint(model)
+        if now is watch:
+            assert before == now.fingerprint
+        watch = now
+        assert watch.current() is watch
+
+
+def test_a_watch_does_not_keep_the_model_alive():
+    model = _Watched()
+    watch = capture.Watch(model)
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None and watch.current() is watch
