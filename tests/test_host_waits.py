@@ -91,17 +91,19 @@ def test_a_sweep_reads_no_tensor_value_on_the_host(reads, update):
 
 
 def _mlp():
-    """A 5-stage MLP (a pipeline cuts it after stage 1), its params and a batch."""
+    """A 5-stage MLP whose first and last layers share their weight (a pipeline cuts it after stage
+    1, so the tie spans the ranks), its params and a batch."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    model[4].weight = model[0].weight
     chain, params = ef.from_module(model, loss=lambda out, y: (out - y).square().mean())
-    return chain, params, torch.randn(8, 8), torch.randn(8, 4)
+    return chain, params, torch.randn(8, 8), torch.randn(8, 8)
 
 
 def _options(case):
     """``(costate codec, the pipeline's options, the reference sweep's)``: every pass (but
     ``check_finite("raise")``) over an int8 wire, or stage 2 physical under ``E.frozen()`` (no
-    costate crosses to rank 0, whose stages get ``None``)."""
+    costate crosses to rank 0: its stages get ``None``, but for the tied weight's sum from rank 1)."""
     if case == "frozen":
         options = {"physical": [2], "estimator": E.frozen(), "microbatches": 2}
         return None, options, options
@@ -134,13 +136,33 @@ def pipeline_steps(case, steps=3):
         counts += seen if key > 0 else collections.Counter()
         ref = ef.sweep(chain, params, x, y, key=key, pass_state=ref_state, data_parallel=False, **ref_options)
         state, ref_state = res.pass_state, ref.pass_state
-        records = {a.index: a.value for a in ref.adjoints}
-        equal.append(
-            _same(res.loss, ref.loss)
-            and _same(res.grads, tuple(ref.grads[i] for i in pipe.stages))
-            and all(_same(a.value, records[a.index]) for a in res.adjoints)
-        )
+        equal.append(_same_step(pipe, res, ref))
     return equal, dict(counts)
+
+
+def _same_step(pipe, res, ref):
+    """Whether a pipeline step's loss, this rank's grads and its trace equal one process's bit for bit."""
+    records = {a.index: a.value for a in ref.adjoints}
+    return (
+        _same(res.loss, ref.loss)
+        and _same(res.grads, tuple(ref.grads[i] for i in pipe.stages))
+        and all(_same(a.value, records[a.index]) for a in res.adjoints)
+    )
+
+
+def freezing_a_tied_weight():
+    """Three steps, the tied weight frozen after the first (its partial sums turn ``None`` on both
+    ranks, so the ranks agree anew): whether each step equals one process's bit for bit."""
+    chain, params, x, y = _mlp()
+    first = chain.stages[0].module
+    assert first is not None
+    pipe = D.Pipeline(chain, [(0, 2), (2, 5)], timeout=60)
+    equal = []
+    for step in range(3):
+        first.weight.requires_grad_(step == 0)  # the module's own: stages 0 and 4 share it
+        res = pipe.sweep(params, x, y, microbatches=2)
+        equal.append(_same_step(pipe, res, ef.sweep(chain, params, x, y, microbatches=2, data_parallel=False)))
+    return equal
 
 
 def disagreeing_later(option):
@@ -192,8 +214,9 @@ def costate_stops_crossing():
 
 def pipeline_checks():
     """Each rank's results of the checks above, in one process group."""
-    out = {case: pipeline_steps(case) for case in ("every pass", "frozen")}
+    out: dict = {case: pipeline_steps(case) for case in ("every pass", "frozen")}
     out |= {option: disagreeing_later(option) for option in ("key", "passes")}
+    out["freezing"] = freezing_a_tied_weight()
     return out | {"stops": costate_stops_crossing()}  # last: rank 0 waits out the timeout
 
 
@@ -208,6 +231,11 @@ def test_a_pipeline_step_after_the_first_reads_and_pickles_nothing_and_equals_th
         equal, counts = checks[case]
         assert all(equal), (rank, equal)
         assert not counts, (rank, counts)
+
+
+def test_a_tied_weight_frozen_after_the_first_step_is_summed_as_in_one_process(two_ranks):
+    for rank, checks in enumerate(two_ranks):
+        assert checks["freezing"] == [True] * 3, (rank, checks["freezing"])
 
 
 @pytest.mark.parametrize("option", ["key", "passes"])

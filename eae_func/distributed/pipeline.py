@@ -24,9 +24,9 @@ bit for bit, with ``codec.as_pass()`` at the cut boundaries when a costate codec
 tensors whose uses sit on several ranks (embedding and head) get the sum of all uses' gradients.
 The ranks agree on the plan when the pipeline is made and on the options before every step: a step
 all_gathers a digest of each rank's options on the host (their values cross only when a digest
-changes), and the loss crosses as a tensor, so a step reads no device value on the host and pickles
-nothing. All traffic runs on the pipeline's own process groups, whose timeout turns a dead or
-stalled peer into ``PeerError``.
+changes), and the loss and the tied gradients cross as tensors, so a step after the first reads no
+device value on the host and pickles nothing. All traffic runs on the pipeline's own process
+groups, whose timeout turns a dead or stalled peer into ``PeerError``.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ SCHEDULES = {
 }
 """``Pipeline(schedule=...)``'s names for ``torch.distributed.pipelining``'s schedules."""
 SINGLE = ("gpipe", "1f1b")  # one stage range per rank
-OWN = ("inputs", "loss_args")  # what a rank tells the others about its own microbatches (not compared)
+OWN = ("inputs", "loss_args", "frozen")  # what a rank tells the others about its own share (not compared)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,12 +104,35 @@ class Agreement:
     loss_dtype: the loss's dtype, learnt on the first step (``None`` before it).
     presence:   per ``(boundary, microbatch)``, which leaves of the costate crossing it carry one,
                 learnt on the first step.
+    tied:       per tied group that spans ranks, its ``Tied``, learnt on the first step (``None`` before it).
     """
 
     digests: torch.Tensor
     everyone: list
     loss_dtype: torch.dtype | None = None
     presence: dict = dataclasses.field(default_factory=dict)
+    tied: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Tied:
+    """A tied group whose uses sit on several ranks, as the first step of an agreement showed it: the
+    positions of its owners, of those whose partial sum of its gradients is a tensor (not ``None``),
+    and that tensor's shape and dtype."""
+
+    owners: tuple
+    senders: tuple
+    shape: tuple = ()
+    dtype: torch.dtype | None = None
+
+    @staticmethod
+    def of(owners: tuple, partials: list) -> Tied:
+        """From every rank's partial sum (``None`` where it has none or uses none), in pipeline order."""
+        senders = tuple(k for k, t in enumerate(partials) if t is not None)
+        if not senders:
+            return Tied(owners, senders)
+        first = partials[senders[0]]
+        return Tied(owners, senders, tuple(first.shape), first.dtype)
 
 
 def balance(params: Sequence, parts: int) -> tuple[tuple[int, int], ...]:
@@ -286,9 +309,10 @@ class Pipeline:
         return self.agreement
 
     def _step_options(self, opts: Options, groups: list, pieces: list) -> dict:
-        """What this rank says about a step: its options and tied tensors, and the shapes of its
+        """What this rank says about a step: its options and tied tensors, the shapes of its
         microbatches' inputs (the first rank: the others receive into buffers of their shapes) or
-        loss args (the last rank: with its options, they fix the loss's dtype)."""
+        loss args (the last rank: with its options, they fix the loss's dtype), and which of its uses
+        of tied tensors are frozen (with its options, whether its partial sums are ``None``)."""
         k = self.position
         return {
             "key": opts.key,
@@ -303,7 +327,16 @@ class Pipeline:
             "ties": [[[i, list(map(str, path))] for i, path in group] for group in groups],
             "inputs": _shapes([mb.x for mb in pieces]) if k == 0 else None,
             "loss_args": _shapes([mb.loss_args for mb in pieces]) if k == len(self.ranks) - 1 else None,
+            "frozen": self._frozen_ties(groups),
         }
+
+    def _frozen_ties(self, groups: list) -> list:
+        """This rank's uses ``[stage, path]`` of tied tensors that are frozen (``requires_grad=False``)."""
+        used = {i for group in groups for i, _ in group if i in self.stages}
+        frozen = {i: self.chain.stages[i].frozen() for i in used}
+        return [
+            [i, list(map(str, path))] for group in groups for i, path in group if i in used and path[0] in frozen[i]
+        ]
 
     def _gather_digests(self, row: torch.Tensor) -> torch.Tensor:
         """Every pipeline rank's digest ``row`` (host memory), stacked in pipeline order."""
@@ -458,7 +491,7 @@ class Pipeline:
             for stage in stages:
                 stage.end()
             loss = self._share_loss(loss, agreement)
-            grads = self._tie(params, grads, groups)
+            grads = self._tie(params, grads, groups, agreement)
             hooks = {(n, name): p for n, i in enumerate(self.stages) for name, p in chain.stages[i].hooked().items()}
             grads = hooked_grads(grads, hooks)  # p.register_hook: on each parameter's whole gradient, as autograd
         stats = metered(stats, chain, meter)
@@ -581,10 +614,10 @@ class Pipeline:
             dist.broadcast(loss, src=last, group=self.group)
             return loss
 
-    def _tie(self, params: tuple, grads: tuple, groups: list) -> tuple:
+    def _tie(self, params: tuple, grads: tuple, groups: list, agreement: Agreement) -> tuple:
         """Give every use of a tied tensor (``groups`` from ``tie_groups``) the sum of all uses'
         gradients: each rank sums its own uses in order, and where a group spans ranks the partial
-        sums are gathered and added in rank order, so every owner holds bit-identical totals."""
+        sums (``_partials``) are added in rank order, so every owner holds bit-identical totals."""
         if not groups:
             return grads
         where = {i: n for n, i in enumerate(self.stages)}
@@ -593,14 +626,61 @@ class Pipeline:
         paths = {i: optree.tree_paths(params[i], namespace=NAMESPACE) for i in self.stages}
         mine = [[(where[i], paths[i].index(path)) for i, path in group if i in where] for group in groups]
         partial = {n: functools.reduce(M.add, [leaves[a][b] for a, b in uses]) for n, uses in enumerate(mine) if uses}
-        spans = any(len({self._owner(i) for i, _ in group}) > 1 for group in groups)
-        everyone = self._gather(partial, "tied gradients", self.group) if spans else [partial]
+        parts = self._partials(partial, groups, agreement)
         for n, uses in enumerate(mine):
             if uses:
-                total = functools.reduce(M.add, [theirs[n] for theirs in everyone if n in theirs])
+                total = functools.reduce(M.add, parts[n], None)
                 for a, b in uses:
                     leaves[a][b] = total
         return tuple(spec.unflatten(f) for (_, spec), f in zip(flat, leaves))
+
+    def _partials(self, partial: dict, groups: list, agreement: Agreement) -> dict:
+        """Per tied group this rank uses, the owners' partial sums that are not ``None``, in rank order:
+        its own where the group is this rank's alone; where it spans ranks, gathered pickled on the first
+        step of the agreement (which learns ``agreement.tied``), later sent between the owners as
+        tensors (``_swap_partials``)."""
+        owners = [tuple(sorted({self._owner(i) for i, _ in group})) for group in groups]
+        parts = {n: [p] if p is not None else [] for n, p in partial.items()}
+        if all(len(o) == 1 for o in owners):
+            return parts
+        if agreement.tied is not None:
+            return parts | self._swap_partials(partial, agreement.tied)
+        everyone = self._gather(partial, "tied gradients", self.group)
+        sent = [[theirs.get(n) for theirs in everyone] for n in range(len(groups))]
+        agreement.tied = {n: Tied.of(o, sent[n]) for n, o in enumerate(owners) if len(o) > 1}
+        return parts | {n: [t for t in sent[n] if t is not None] for n in partial if n in agreement.tied}
+
+    def _swap_partials(self, partial: dict, tied: dict) -> dict:
+        """The partial sums of the spanning groups this rank owns, sent point to point between their
+        owners as tensors of the shape and dtype the first step learnt; a partial sum that is ``None``
+        now and was not then (or the other way round) is refused."""
+        ops, parts = [], {}
+        for n, group in tied.items():
+            if n not in partial:
+                continue
+            mine = partial[n]
+            if (mine is not None) != (self.position in group.senders):
+                raise ValueError(
+                    f"Pipeline.sweep: rank {self.rank}'s gradient of a tied tensor is "
+                    f"{'a tensor' if mine is not None else 'None'} this step, and was not on the first step with "
+                    f"these options, which its other owners now expect without exchanging it pickled"
+                )
+            device = self.device if mine is None else mine.device
+            parts[n] = [
+                mine if k == self.position else torch.empty(group.shape, dtype=group.dtype, device=device)
+                for k in group.senders
+            ]
+            peers = [(k, t) for k, t in zip(group.senders, parts[n]) if k != self.position]
+            ops += [dist.P2POp(dist.irecv, t, self.ranks[k], self.group) for k, t in peers]
+            if mine is not None:
+                mine = mine.contiguous()
+                ops += [
+                    dist.P2POp(dist.isend, mine, self.ranks[k], self.group) for k in group.owners if k != self.position
+                ]
+        with self._exchanging("tied gradients"):
+            for work in dist.batch_isend_irecv(ops) if ops else ():
+                work.wait()
+        return parts
 
     def _owner(self, stage: int) -> int:
         r = next(r for r, (lo, hi) in enumerate(self.ranges) if lo <= stage < hi)
