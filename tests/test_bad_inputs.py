@@ -487,7 +487,9 @@ def test_a_pytree_costate_crosses_a_rank_boundary_as_sent_or_is_named(leaves, as
     assert [(t.shape, t.dtype) for t in sending] == [(t.shape, t.dtype) for t in receiving]
     for into, t in zip(receiving, sending):
         into.copy_(t)
-    received = optree.tree_leaves(S.received_costate(inbox_flags, inbox, spec), none_is_leaf=True, namespace=NAMESPACE)
+    received = optree.tree_leaves(
+        S.received_costate(inbox_flags.tolist(), inbox, spec), none_is_leaf=True, namespace=NAMESPACE
+    )
     for got, t in zip(received, costate):
         assert (got is None) == (t is None)
         assert got is None or torch.equal(got, wire.encode(t).decode())

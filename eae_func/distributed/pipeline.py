@@ -22,9 +22,11 @@ Each microbatch's loss is scaled by its share of the batch inside the runner (pi
 
 bit for bit, with ``codec.as_pass()`` at the cut boundaries when a costate codec is used. Tied
 tensors whose uses sit on several ranks (embedding and head) get the sum of all uses' gradients.
-The ranks agree on the plan when the pipeline is made and on the options before every step; all
-traffic runs on the pipeline's own process group, whose timeout turns a dead or stalled peer
-into ``PeerError``.
+The ranks agree on the plan when the pipeline is made and on the options before every step: a step
+all_gathers a digest of each rank's options on the host (their values cross only when a digest
+changes), and the loss and the tied gradients cross as tensors, so a step after the first reads no
+device value on the host and pickles nothing. All traffic runs on the pipeline's own process
+groups, whose timeout turns a dead or stalled peer into ``PeerError``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import hashlib
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -69,6 +72,7 @@ SCHEDULES = {
 }
 """``Pipeline(schedule=...)``'s names for ``torch.distributed.pipelining``'s schedules."""
 SINGLE = ("gpipe", "1f1b")  # one stage range per rank
+OWN = ("inputs", "loss_args", "frozen")  # what a rank tells the others about its own share (not compared)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +93,46 @@ class PipelineResult(SweepResult):
     """
 
     stages: tuple = ()
+
+
+@dataclasses.dataclass
+class Agreement:
+    """What the ranks agreed on for a step, kept while every rank's options keep their digest.
+
+    digests:    each rank's 32-byte options digest, in pipeline order (a ``(p, 32)`` uint8 tensor).
+    everyone:   each rank's options as gathered (the first rank's microbatch shapes among them).
+    loss_dtype: the loss's dtype, learnt on the first step (``None`` before it).
+    presence:   per ``(boundary, microbatch)``, which leaves of the costate crossing it carry one,
+                learnt on the first step.
+    tied:       per tied group that spans ranks, its ``Tied``, learnt on the first step (``None`` before it).
+    """
+
+    digests: torch.Tensor
+    everyone: list
+    loss_dtype: torch.dtype | None = None
+    presence: dict = dataclasses.field(default_factory=dict)
+    tied: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Tied:
+    """A tied group whose uses sit on several ranks, as the first step of an agreement showed it: the
+    positions of its owners, of those whose partial sum of its gradients is a tensor (not ``None``),
+    and that tensor's shape and dtype."""
+
+    owners: tuple
+    senders: tuple
+    shape: tuple = ()
+    dtype: torch.dtype | None = None
+
+    @staticmethod
+    def of(owners: tuple, partials: list) -> Tied:
+        """From every rank's partial sum (``None`` where it has none or uses none), in pipeline order."""
+        senders = tuple(k for k, t in enumerate(partials) if t is not None)
+        if not senders:
+            return Tied(owners, senders)
+        first = partials[senders[0]]
+        return Tied(owners, senders, tuple(first.shape), first.dtype)
 
 
 def balance(params: Sequence, parts: int) -> tuple[tuple[int, int], ...]:
@@ -190,9 +234,23 @@ class Pipeline:
         self.group: Any = dist.new_group(
             list(self.ranks), timeout=datetime.timedelta(seconds=self.timeout), use_local_synchronization=True
         )
+        self.host_group = self._host_group()
         self.failure: str | None = None
+        self.agreement: Agreement | None = None
         self._schedules: dict = {}
         self._agree()
+
+    def _host_group(self) -> Any:
+        """The group the ranks agree over: the pipeline's own under gloo, else a gloo group of the
+        same ranks, so agreeing reads host memory, never a device's."""
+        if dist.get_backend(self.group) == "gloo":
+            return self.group
+        return dist.new_group(
+            list(self.ranks),
+            timeout=datetime.timedelta(seconds=self.timeout),
+            backend="gloo",
+            use_local_synchronization=True,
+        )
 
     def plan(self) -> dict:
         """What every rank of the pipeline must agree on: ranks, stage ranges, schedule, codecs and
@@ -213,7 +271,7 @@ class Pipeline:
         }
 
     def _agree(self) -> None:
-        differences = self._differences(self._gather(self.plan(), "the plan"))
+        differences = self._differences(self._gather(self.plan(), "the plan", self.host_group))
         if differences:
             raise PeerError(
                 f"rank {self.rank} ({self.where(self.rank)}): the ranks of the pipeline disagree before "
@@ -221,12 +279,42 @@ class Pipeline:
                 + "; ".join(differences)
             )
 
-    def _agree_on_step(self, opts: Options, groups: list, pieces: list) -> list:
-        """Gather this step's options, the tied tensors found in params and (from the first rank)
-        the microbatches' shapes, and raise ``PeerError`` naming what differs: a rank with another
-        key, an extra pass or another boundary dtype would compute gradients no single sweep gives.
-        Returns the first rank's microbatch shapes."""
-        mine = {
+    def _agree_on_step(self, opts: Options, groups: list, pieces: list) -> Agreement:
+        """The ranks' agreement on this step's options, the tied tensors found in params and (from the
+        first and last ranks) the microbatches' shapes; ``PeerError`` naming what differs: a rank with
+        another key, an extra pass or another boundary dtype would compute gradients no single sweep
+        gives. Every step all_gathers each rank's digests of its options and of its key (which may
+        change every step without a new agreement); the options themselves are gathered only when a
+        digest differs from the last agreement's (on the first step too), so every rank takes the
+        same path."""
+        mine = self._step_options(opts, groups, pieces)
+        row = torch.cat([_digest({k: v for k, v in mine.items() if k != "key"}), _digest(opts.key)])
+        rows = self._gather_digests(row)
+        agreed, p = self.agreement, len(self.ranks)
+        if (
+            agreed is not None
+            and torch.equal(rows[:, :32], agreed.digests)
+            and torch.equal(rows[:, 32:], row[32:].expand(p, -1))
+        ):
+            return agreed
+        everyone = self._gather(mine, "the options", self.host_group)
+        differences = self._differences([{k: v for k, v in theirs.items() if k not in OWN} for theirs in everyone])
+        if differences:
+            raise PeerError(
+                f"rank {self.rank} ({self.where(self.rank)}): the ranks of the pipeline were given different "
+                f"options for this step; give every rank the same Pipeline.sweep options (and the whole params, "
+                f"or chain.ties, for tensors shared across ranks): " + "; ".join(differences)
+            )
+        self.agreement = Agreement(rows[:, :32], everyone)
+        return self.agreement
+
+    def _step_options(self, opts: Options, groups: list, pieces: list) -> dict:
+        """What this rank says about a step: its options and tied tensors, the shapes of its
+        microbatches' inputs (the first rank: the others receive into buffers of their shapes) or
+        loss args (the last rank: with its options, they fix the loss's dtype), and which of its uses
+        of tied tensors are frozen (with its options, whether its partial sums are ``None``)."""
+        k = self.position
+        return {
             "key": opts.key,
             "microbatches": opts.microbatches,
             "reduction": opts.reduction,
@@ -237,28 +325,43 @@ class Pipeline:
             "estimator": repr(opts.estimator),
             "physical": list(opts.physical),
             "ties": [[[i, list(map(str, path))] for i, path in group] for group in groups],
+            "inputs": _shapes([mb.x for mb in pieces]) if k == 0 else None,
+            "loss_args": _shapes([mb.loss_args for mb in pieces]) if k == len(self.ranks) - 1 else None,
+            "frozen": self._frozen_ties(groups),
         }
-        everyone = self._gather({**mine, "inputs": _shapes(pieces) if self.position == 0 else None}, "the options")
-        differences = self._differences([{k: v for k, v in theirs.items() if k != "inputs"} for theirs in everyone])
-        if differences:
-            raise PeerError(
-                f"rank {self.rank} ({self.where(self.rank)}): the ranks of the pipeline were given different "
-                f"options for this step; give every rank the same Pipeline.sweep options (and the whole params, "
-                f"or chain.ties, for tensors shared across ranks): " + "; ".join(differences)
-            )
-        return everyone[0]["inputs"]
 
-    def _gather(self, mine: Any, what: str) -> list:
-        """Every pipeline rank's ``mine``, in pipeline order."""
+    def _frozen_ties(self, groups: list) -> list:
+        """This rank's uses ``[stage, path]`` of tied tensors that are frozen (``requires_grad=False``)."""
+        used = {i for group in groups for i, _ in group if i in self.stages}
+        frozen = {i: self.chain.stages[i].frozen() for i in used}
+        return [
+            [i, list(map(str, path))] for group in groups for i, path in group if i in used and path[0] in frozen[i]
+        ]
+
+    def _gather_digests(self, row: torch.Tensor) -> torch.Tensor:
+        """Every pipeline rank's digest ``row`` (host memory), stacked in pipeline order."""
+        everyone = [torch.empty_like(row) for _ in self.ranks]
+        with self._exchanging("the options' digests"):
+            dist.all_gather(everyone, row, group=self.host_group)
+        return torch.stack(everyone)
+
+    def _gather(self, mine: Any, what: str, group: Any) -> list:
+        """Every pipeline rank's ``mine``, in pipeline order (pickled)."""
         everyone: list = [None] * len(self.ranks)
+        with self._exchanging(what):
+            dist.all_gather_object(everyone, mine, group=group)
+        return everyone
+
+    @contextlib.contextmanager
+    def _exchanging(self, what: str):
+        """Turn a failed collective into ``PeerError`` naming this rank and ``what`` it exchanged."""
         try:
-            dist.all_gather_object(everyone, mine, group=self.group)
+            yield
         except RuntimeError as e:
             raise PeerError(
                 f"rank {self.rank} ({self.where(self.rank)}): exchanging {what} failed within the timeout "
                 f"({self.timeout:g} s); a peer died, stalled or is not in this pipeline: {e}"
             ) from e
-        return everyone
 
     def _differences(self, everyone: list) -> list:
         mine = everyone[self.position]
@@ -354,7 +457,8 @@ class Pipeline:
         meter = Meter(chain, tuple(i for i in opts.physical if i in self.stages), opts.budget)
         groups = tie_groups(chain, params)
         with self._guard():
-            shapes = self._agree_on_step(opts, groups, pieces)
+            agreement = self._agree_on_step(opts, groups, pieces)
+        shapes = agreement.everyone[0]["inputs"]
         if len({repr(s) for s in shapes}) > 1:
             raise ValueError(
                 f"Pipeline.sweep: microbatches={m} cuts the first rank's input into pieces of shapes {shapes}; "
@@ -367,7 +471,7 @@ class Pipeline:
                 f"backwards of a rank's ranges out of one process's order; use one range per rank "
                 f"(gpipe, 1f1b, zero_bubble) or stateless passes"
             )
-        step = Step(pieces, buffers, state)
+        step = Step(pieces, buffers, state, agreement.presence)
         for stage in stages:
             stage.begin(Range(chain, stage.lo, stage.hi, params, opts, device, meter), step)
         index = torch.arange(m, device=device).unsqueeze(1)  # microbatch j's "input": its index
@@ -386,8 +490,8 @@ class Pipeline:
             loss, grads, trace, stats = self._collect(stages, m)
             for stage in stages:
                 stage.end()
-            loss = self._share_loss(loss)
-            grads = self._tie(params, grads, groups)
+            loss = self._share_loss(loss, agreement)
+            grads = self._tie(params, grads, groups, agreement)
             hooks = {(n, name): p for n, i in enumerate(self.stages) for name, p in chain.stages[i].hooked().items()}
             grads = hooked_grads(grads, hooks)  # p.register_hook: on each parameter's whole gradient, as autograd
         stats = metered(stats, chain, meter)
@@ -488,19 +592,32 @@ class Pipeline:
                 loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
         return loss, tuple(grads), trace, stats
 
-    def _share_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
-        """The last rank's summed loss, on every rank."""
-        held: list = [loss]
-        try:
-            dist.broadcast_object_list(held, src=self.ranks[-1], group=self.group)
-        except RuntimeError as e:
-            raise PeerError(f"rank {self.rank}: receiving the loss from rank {self.ranks[-1]} failed: {e}") from e
-        return held[0].to(self.device)
+    def _share_loss(self, loss: torch.Tensor | None, agreement: Agreement) -> torch.Tensor:
+        """The last rank's summed loss (a scalar), on every rank: broadcast as a tensor of the dtype
+        the first step with this agreement learnt, when it crossed pickled."""
+        last = self.ranks[-1]
+        with self._exchanging(f"the loss from rank {last}"):
+            if agreement.loss_dtype is None:
+                held: list = [loss]
+                dist.broadcast_object_list(held, src=last, group=self.group)
+                agreement.loss_dtype = held[0].dtype
+                return held[0].to(self.device)
+            if loss is None:
+                loss = torch.empty((), dtype=agreement.loss_dtype, device=self.device)
+            elif loss.dtype != agreement.loss_dtype:
+                raise ValueError(
+                    f"Pipeline.sweep: rank {self.rank}'s loss is {loss.dtype} this step, {agreement.loss_dtype} on "
+                    f"the first step with the same options and loss args, and the other ranks receive it as that; "
+                    f"keep the loss's dtype, or make a new Pipeline"
+                )
+            loss = loss.to(self.device)
+            dist.broadcast(loss, src=last, group=self.group)
+            return loss
 
-    def _tie(self, params: tuple, grads: tuple, groups: list) -> tuple:
+    def _tie(self, params: tuple, grads: tuple, groups: list, agreement: Agreement) -> tuple:
         """Give every use of a tied tensor (``groups`` from ``tie_groups``) the sum of all uses'
         gradients: each rank sums its own uses in order, and where a group spans ranks the partial
-        sums are gathered and added in rank order, so every owner holds bit-identical totals."""
+        sums (``_partials``) are added in rank order, so every owner holds bit-identical totals."""
         if not groups:
             return grads
         where = {i: n for n, i in enumerate(self.stages)}
@@ -509,14 +626,61 @@ class Pipeline:
         paths = {i: optree.tree_paths(params[i], namespace=NAMESPACE) for i in self.stages}
         mine = [[(where[i], paths[i].index(path)) for i, path in group if i in where] for group in groups]
         partial = {n: functools.reduce(M.add, [leaves[a][b] for a, b in uses]) for n, uses in enumerate(mine) if uses}
-        spans = any(len({self._owner(i) for i, _ in group}) > 1 for group in groups)
-        everyone = self._gather(partial, "tied gradients") if spans else [partial]
+        parts = self._partials(partial, groups, agreement)
         for n, uses in enumerate(mine):
             if uses:
-                total = functools.reduce(M.add, [theirs[n] for theirs in everyone if n in theirs])
+                total = functools.reduce(M.add, parts[n], None)
                 for a, b in uses:
                     leaves[a][b] = total
         return tuple(spec.unflatten(f) for (_, spec), f in zip(flat, leaves))
+
+    def _partials(self, partial: dict, groups: list, agreement: Agreement) -> dict:
+        """Per tied group this rank uses, the owners' partial sums that are not ``None``, in rank order:
+        its own where the group is this rank's alone; where it spans ranks, gathered pickled on the first
+        step of the agreement (which learns ``agreement.tied``), later sent between the owners as
+        tensors (``_swap_partials``)."""
+        owners = [tuple(sorted({self._owner(i) for i, _ in group})) for group in groups]
+        parts = {n: [p] if p is not None else [] for n, p in partial.items()}
+        if all(len(o) == 1 for o in owners):
+            return parts
+        if agreement.tied is not None:
+            return parts | self._swap_partials(partial, agreement.tied)
+        everyone = self._gather(partial, "tied gradients", self.group)
+        sent = [[theirs.get(n) for theirs in everyone] for n in range(len(groups))]
+        agreement.tied = {n: Tied.of(o, sent[n]) for n, o in enumerate(owners) if len(o) > 1}
+        return parts | {n: [t for t in sent[n] if t is not None] for n in partial if n in agreement.tied}
+
+    def _swap_partials(self, partial: dict, tied: dict) -> dict:
+        """The partial sums of the spanning groups this rank owns, sent point to point between their
+        owners as tensors of the shape and dtype the first step learnt; a partial sum that is ``None``
+        now and was not then (or the other way round) is refused."""
+        ops, parts = [], {}
+        for n, group in tied.items():
+            if n not in partial:
+                continue
+            mine = partial[n]
+            if (mine is not None) != (self.position in group.senders):
+                raise ValueError(
+                    f"Pipeline.sweep: rank {self.rank}'s gradient of a tied tensor is "
+                    f"{'a tensor' if mine is not None else 'None'} this step, and was not on the first step with "
+                    f"these options, which its other owners now expect without exchanging it pickled"
+                )
+            device = self.device if mine is None else mine.device
+            parts[n] = [
+                mine if k == self.position else torch.empty(group.shape, dtype=group.dtype, device=device)
+                for k in group.senders
+            ]
+            peers = [(k, t) for k, t in zip(group.senders, parts[n]) if k != self.position]
+            ops += [dist.P2POp(dist.irecv, t, self.ranks[k], self.group) for k, t in peers]
+            if mine is not None:
+                mine = mine.contiguous()
+                ops += [
+                    dist.P2POp(dist.isend, mine, self.ranks[k], self.group) for k in group.owners if k != self.position
+                ]
+        with self._exchanging("tied gradients"):
+            for work in dist.batch_isend_irecv(ops) if ops else ():
+                work.wait()
+        return parts
 
     def _owner(self, stage: int) -> int:
         r = next(r for r, (lo, hi) in enumerate(self.ranges) if lo <= stage < hi)
@@ -563,13 +727,18 @@ def _no_loss(output: Any, target: Any) -> None:
     return None
 
 
-def _shapes(pieces: list) -> list:
-    """Per microbatch, the shapes and dtypes of its input's tensor leaves."""
+def _shapes(trees: list) -> list:
+    """Per tree, the shapes and dtypes of its tensor leaves."""
     return [
         [
             [list(t.shape), str(t.dtype)]
-            for t in optree.tree_leaves(mb.x, namespace=NAMESPACE)
+            for t in optree.tree_leaves(tree, namespace=NAMESPACE)
             if isinstance(t, torch.Tensor)
         ]
-        for mb in pieces
+        for tree in trees
     ]
+
+
+def _digest(value: Any) -> torch.Tensor:
+    """32 bytes (uint8, host memory) that equal on two ranks exactly when their ``value`` do (sha256 of its repr)."""
+    return torch.frombuffer(bytearray(hashlib.sha256(repr(value).encode()).digest()), dtype=torch.uint8)

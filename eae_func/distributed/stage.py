@@ -9,14 +9,17 @@ call it, the engine's one runner (``eae_func.runner.Range``) computes inside it.
 A boundary is any pytree of tensors (``(h, mask)``, a captured model's ``{node: tensor}``): its leaves
 cross as pipelining's tuple of tensors, floating ones through the codec, integer and boolean ones
 raw; its costate is a one-byte flag per leaf (0 where that leaf has no costate: an integer leaf, or
-none flows) and the codec's payload of every floating leaf. Pipelining's own stage runs autograd on
-its module; this one overrides the compute (``forward_one_chunk``, ``backward_one_chunk``,
-``backward_weight_one_chunk``) and the messages (``get_{fwd,bwd}_{send,recv}_ops``) and leaves the
-rest to pipelining: the schedule, batching and waiting on the point-to-point ops, and the inference
-of what crosses each cut, from one forward of microbatch 0 per pipeline and shape (RNG forked,
-physical stages not metered), whose metadata going forward also carries the boundary's tree
-structure (``_send_meta`` / ``_recv_meta``). Its module has no parameters: gradients are the
-runner's, summed over microbatches in order, never ``.grad``.
+none flows) and the codec's payload of every floating leaf. The receiver reads the flags on the first
+step of an agreement on the options (``Step.presence``) and knows them from then on: the sender
+checks that it sends a costate on the same leaves, so later steps read nothing on the host.
+
+Pipelining's own stage runs autograd on its module; this one overrides the compute
+(``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``) and the messages
+(``get_{fwd,bwd}_{send,recv}_ops``) and leaves the rest to pipelining: the schedule, batching and
+waiting on the point-to-point ops, and the inference of what crosses each cut, from one forward of
+microbatch 0 per pipeline and shape (RNG forked, physical stages not metered), whose metadata going
+forward also carries the boundary's tree structure (``_send_meta`` / ``_recv_meta``). Its module has
+no parameters: gradients are the runner's, summed over microbatches in order, never ``.grad``.
 """
 
 from __future__ import annotations
@@ -43,12 +46,15 @@ RAW = Raw()
 @dataclasses.dataclass
 class Step:
     """What a rank's stages share during one pipeline step: the microbatches, the buffers (threaded
-    through the forwards), the pass state (threaded through the backwards), busy seconds, byte
-    counts, and whether a failure was this rank's own computation."""
+    through the forwards), the pass state (threaded through the backwards), which leaves of each
+    costate carry one (per ``(boundary, microbatch)``, learnt on the first step of the ranks'
+    agreement and kept by it), busy seconds, byte counts, and whether a failure was this rank's own
+    computation."""
 
     pieces: Sequence[Microbatch]
     buffers: tuple
     pass_state: Any
+    presence: dict = dataclasses.field(default_factory=dict)
     busy_s: float = 0.0
     counts: dict = dataclasses.field(default_factory=dict)
     failed_here: bool = False
@@ -138,7 +144,7 @@ class RangeStage(PipelineStage):
             received = None
             if not self.is_last:
                 flags, encoded = self.costates_in.pop(j)
-                received = received_costate(flags, encoded, self.specs[self.stage_index])
+                received = received_costate(self._presence(j, flags), encoded, self.specs[self.stage_index])
             piece = runner.backward(
                 self.tapes.pop(j),
                 self.ran_with.pop(j),
@@ -165,6 +171,7 @@ class RangeStage(PipelineStage):
         metas, codec, spec = self._crossing("inputs"), self.codecs[1], self.specs[self.stage_index - 1]
         what = f"the costate at boundary {self.lo} (the input of {self.where})"
         values = costate_leaves(piece.costate, spec, metas, what)
+        self._promise(j, tuple(t is not None for t in values), what)
         if isinstance(codec, Raw) or all(t is None for t in values):
             encoded = [None if t is None else codec.encode(t) for t in values]
         else:
@@ -174,6 +181,26 @@ class RangeStage(PipelineStage):
             piece = dataclasses.replace(piece, trace=piece.trace[:-1] + (record,))
         self.costates_out[j] = costate_message(encoded, metas, codec, self.device)
         return piece
+
+    def _presence(self, j: int, flags: torch.Tensor) -> tuple:
+        """Which leaves of the costate received for microbatch j carry one: the message's flags, read
+        on the first step of the agreement, then known (``_promise``)."""
+        key = (self.hi, j)
+        if key not in self._step.presence:
+            self._step.presence[key] = tuple(bool(f) for f in flags.tolist())
+        return self._step.presence[key]
+
+    def _promise(self, j: int, present: tuple, what: str) -> None:
+        """Record which leaves of the costate sent for microbatch j carry one, on the first step of the
+        agreement; on later steps refuse another set: the receiver no longer reads the flags."""
+        known = self._step.presence.setdefault((self.lo, j), present)
+        if present != known:
+            raise ValueError(
+                f"{what} has a costate on leaves {_indices(present)} of the boundary, and had one on leaves "
+                f"{_indices(known)} on the first step with these options, which the previous range now expects "
+                f"without reading the flags; a pass or estimator must give a costate (or None) at the same "
+                f"leaves on every step with the same options"
+            )
 
     # -- messages
 
@@ -310,9 +337,14 @@ def costate_inbox(metas: Sequence, codec: Codec, device: torch.device) -> tuple:
     return flags, [empty(codec, m, device) if differentiable(m) else None for m in metas]
 
 
-def received_costate(flags: torch.Tensor, encoded: Sequence, spec: Any) -> Any:
-    """The costate a received message carries, in the boundary's structure ``spec`` (``None`` leaves)."""
-    return spec.unflatten([enc.decode() if flag else None for flag, enc in zip(flags.tolist(), encoded)])
+def received_costate(present: Sequence[bool], encoded: Sequence, spec: Any) -> Any:
+    """The costate a received message carries, in the boundary's structure ``spec``: each leaf decoded
+    where ``present`` (the message's flags), else ``None``."""
+    return spec.unflatten([enc.decode() if on else None for on, enc in zip(present, encoded)])
+
+
+def _indices(present: tuple) -> list:
+    return [k for k, on in enumerate(present) if on]
 
 
 def wire_tensors(encoded: Sequence[Encoded | None]) -> list[torch.Tensor]:
