@@ -7,33 +7,59 @@
     (b) ``x`` on the CPU, the first stage moving it to the GPU: dropout still replayed
     (c) autocast with an estimator on a physical stage (bf16 boundary into fp32 params)
     (d) host syncs counted with ``torch.cuda.set_sync_debug_mode("warn")`` over one sweep: none
-        with no passes, none with offload; with ``check_finite`` + ``clip_by_global_norm``, counted
+        with no passes, none with offload; with ``check_finite`` + ``clip_by_global_norm``, counted;
+        none over two steps with 2 microbatches, a fused ``torch.optim.SGD`` update (``update=``)
+        and every built-in pass that reads no value on the host (all but ``check_finite("raise")``)
     (e) ``torch.cuda.max_memory_allocated`` of the memory benchmark's workload (12 blocks of width
         256, batch 8, seq 256) for autograd, checkpoint and eae_func
     (f) ``compile=``: gradients against autograd with dropout 0.1 replayed inside the compiled
         graphs, and its steady step time beside the eager sweep's
 
+On the memory benchmark's workload, against what a PyTorch user would run instead (gradients
+compared; each step the median of interleaved steps, each peak that of one step above what was
+allocated before it: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` on CUDA,
+the live tensor bytes of ``bench_memory.LiveBytes`` on the CPU; the ratios are printed, not judged):
+
+    (g) checkpointing: ``ef.grad`` against ``torch.utils.checkpoint`` per block (``use_reentrant=False``)
+    (h) FSDP2 on one process (world size 1; NCCL on CUDA, gloo on the CPU): ``ef.grad`` on the model
+        with ``fully_shard`` on each block and the root against FSDP2 + checkpoint per block
+    (i) compile + checkpointing: ``compile=True`` against ``torch.compile`` of the checkpointed model
+        (whole-model) and of each checkpointed block (regional); and the graphs ``compile=`` compiles
+        for identical blocks (one forward and one reverse expected, checked)
+    (j) the remat curve at one point: the largest ``recompute=`` byte budget whose peak is within
+        ``checkpoint_sequential``'s (3 segments; 2 with ``--quick``), its step beside that one's
+
     python examples/gpu_check.py                       # on a machine with CUDA
     python examples/gpu_check.py --device cpu --quick  # the same checks' logic on the CPU, small
 
 Exits 0 with "no GPU: skipped" where CUDA is absent (unless ``--device cpu``); 1 if a check fails.
+On the CPU, (d) and (e) do not run (they need CUDA's counters), and (h)'s live bytes do not see
+the storages FSDP resizes in place (its unsharded parameters); on CUDA the allocator sees all.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import statistics
 import sys
 import time
+import typing
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import eae_func as ef
 from eae_func import estimators as E
 from eae_func import passes as P
 from eae_func.models import Block
+
+from bench_memory import LiveBytes  # examples/ is on the path of a script run from it
 
 RESULTS: list[tuple[str, bool, str]] = []
 
@@ -65,6 +91,17 @@ class ToDevice(nn.Module):
         return self.linear(x.to(self.linear.weight.device))
 
 
+class Checkpointed(nn.Module):
+    """A block run through ``torch.utils.checkpoint`` (non-reentrant), as a PyTorch user would."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, h):
+        return checkpoint(self.block, h, use_reentrant=False)
+
+
 def model(depth: int, dim: int, device, dropout: float, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     blocks = [Residual(Block(dim, n_heads=8, n_kv_heads=4, ffn_hidden=4 * dim), dropout) for _ in range(depth)]
@@ -88,6 +125,95 @@ def flat(grads) -> torch.Tensor:
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_steps(device, runs: dict, steps: int) -> dict[str, float]:
+    """Each run's median seconds over ``steps`` rounds after a warm-up round, the runs interleaved
+    (A B A B ...) so that a burst of load from other tenants hits each alike."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(steps + 1):
+        for name, run in runs.items():
+            sync(device)
+            start = time.perf_counter()
+            run()
+            sync(device)
+            if r:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def storages(tree) -> list:
+    """The storages of the tensors in ``tree``, through tensor subclasses (a DTensor: its local tensor)."""
+    found, stack = [], list(tree_leaves(tree))
+    while stack:
+        t = stack.pop()
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            stack.extend(getattr(t, name) for name in t.__tensor_flatten__()[0])
+        else:
+            found.append(t.untyped_storage())
+    return found
+
+
+class LiveTensorBytes(LiveBytes):
+    """``bench_memory.LiveBytes`` through tensor subclasses: a DTensor counts by its local tensor."""
+
+    def __init__(self):
+        super().__init__()
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                inputs = {storage.data_ptr() for storage in storages((args, kwargs))}
+                for storage in storages(out):
+                    counter._add(storage, inputs)
+                return out
+
+        self.mode = Mode()
+
+
+def peak_bytes(device, run) -> int:
+    """Peak bytes of one call of ``run`` above what was allocated before it: on CUDA
+    ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``; on the CPU the peak of the
+    bytes of tensors created in the call and alive at once."""
+    if device.type != "cuda":
+        with LiveTensorBytes() as live:
+            run()
+        return live.peak
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def versus(times: dict, peaks: dict, ours: str, theirs: str) -> str:
+    """``ours``'s step and peak as ratios to ``theirs``'s."""
+    return (
+        f"{ours} / {theirs}: step {times[ours] / times[theirs]:.2f}x, peak {peaks[ours] / peaks[theirs]:.2f}x "
+        f"({peaks[ours] / 2**20:.2f} / {peaks[theirs] / 2**20:.2f} MB)"
+    )
+
+
+def taken(module: nn.Module) -> list:
+    """The parameters' ``.grad`` of a step just run, which the module then forgets (the next step's
+    gradients are new tensors, so each step's peak counts them)."""
+    grads = [p.grad for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    return grads
+
+
+def cat(grads) -> torch.Tensor:
+    """A list of gradients (DTensors gathered) as one float vector."""
+    return torch.cat([(g.full_tensor() if hasattr(g, "full_tensor") else g).float().flatten() for g in grads])
 
 
 def sleeping_pass(cycles: int):
@@ -182,6 +308,28 @@ def check_physical_under_autocast(device, dim, batch, seq) -> None:
         report("(c) autocast + estimator on a physical stage", False, f"{type(e).__name__}: {e}")
 
 
+def every_pass():
+    """Every built-in pass that reads no value on the host (``check_finite("raise")`` must, to raise),
+    as tests/test_host_waits.py composes them."""
+    return ef.compose(
+        P.clip_by_global_norm(1.0),
+        P.clip_by_value(0.5),
+        P.scale(0.9),
+        P.gaussian_noise(1e-3),
+        P.error_feedback(P.int8()),
+        P.topk(0.5),
+        P.randk(0.5),
+        P.cast(torch.bfloat16),
+        P.fp8(),
+        P.int8(),
+        P.stats(),
+        P.check_finite("zero"),
+        P.synthetic(warmup=1),
+        P.only(P.scale(2.0), indices=[1]),
+        P.when(lambda adj: True, P.scale(1.0)),
+    )
+
+
 def count_syncs(fn) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -211,6 +359,24 @@ def check_syncs(device, dim, batch, seq) -> None:
             n == 0 or not expect_none,
             f"{n} synchronizing calls{' (expected none)' if expect_none else ' (counted, one per boundary expected)'}",
         )
+    update = torch.optim.SGD(net.parameters(), lr=1e-3)
+    state = None
+
+    def steps(count: int) -> None:
+        nonlocal state
+        for _ in range(count):
+            res = ef.sweep(
+                chain, params, x, target, passes=every_pass(), pass_state=state, microbatches=2, update=update
+            )
+            state = res.pass_state
+
+    steps(1)  # warm-up: the passes' state, the optimizer's
+    n = count_syncs(lambda: steps(2))
+    report(
+        "(d) host syncs, 2 steps: 2 microbatches, fused SGD, every built-in pass",
+        n == 0,
+        f"{n} synchronizing calls (expected none)",
+    )
 
 
 def check_memory(device, depth, dim, batch, seq) -> None:
@@ -251,6 +417,181 @@ def check_memory(device, depth, dim, batch, seq) -> None:
     )
 
 
+def check_checkpointing(device, depth, dim, batch, seq, steps) -> None:
+    """(g): eae_func against ``torch.utils.checkpoint`` per block on the memory workload: gradients,
+    then the step and the peak as ratios to checkpointing's."""
+    net = model(depth, dim, device, 0.0)
+    x, target = torch.randn(batch, seq, dim, device=device), torch.randn(batch, seq, dim, device=device)
+    chain, params = ef.from_module(net, loss=mse)
+    checkpointed = nn.Sequential(*[Checkpointed(block) for block in net])  # the same weights
+
+    def torch_checkpoint():
+        mse(checkpointed(x), target).backward()
+        return taken(net)
+
+    runs = {"eae_func": lambda: ef.grad(chain, params, x, target), "checkpoint": torch_checkpoint}
+    err = relative(flat(runs["eae_func"]()), cat(torch_checkpoint()))
+    times = median_steps(device, runs, steps)
+    peaks = {name: peak_bytes(device, run) for name, run in runs.items()}
+    report(
+        "(g) against checkpoint per block",
+        err < 1e-4,
+        f"relative gradient error {err:.2e}; {versus(times, peaks, 'eae_func', 'checkpoint')}",
+    )
+
+
+def check_fsdp(device, depth, dim, batch, seq, steps) -> None:
+    """(h): FSDP2 on one process: ``ef.grad`` on the model with ``fully_shard`` on each block and the
+    root against FSDP2 + checkpoint per block; gradients, step and peak ratios. The process group
+    is made here (world size 1, an in-process store) and destroyed after."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    name = "(h) FSDP2: eae_func against FSDP2 + checkpoint per block"
+    if dist.is_initialized():
+        report(name, False, "a process group already exists: this check makes its own")
+        return
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
+        mesh = init_device_mesh(device.type, (1,))
+        net = model(depth, dim, device, 0.0)
+        x, target = torch.randn(batch, seq, dim, device=device), torch.randn(batch, seq, dim, device=device)
+
+        def sharded(wrap):
+            root = nn.Sequential(*[fully_shard(wrap(copy.deepcopy(block)), mesh=mesh) for block in net])
+            return typing.cast(nn.Module, fully_shard(root, mesh=mesh))
+
+        fsdp, fsdp_checkpointed = sharded(lambda block: block), sharded(Checkpointed)
+        params = dict(fsdp.named_parameters())
+
+        def fsdp_checkpoint():
+            mse(fsdp_checkpointed(x), target).backward()
+            return taken(fsdp_checkpointed)
+
+        runs = {
+            "eae_func": lambda: list(ef.grad(fsdp, params, x, target, loss=mse).values()),
+            "fsdp2 + checkpoint": fsdp_checkpoint,
+        }
+        err = relative(cat(runs["eae_func"]()), cat(fsdp_checkpoint()))
+        times = median_steps(device, runs, steps)
+        peaks = {method: peak_bytes(device, run) for method, run in runs.items()}
+        report(
+            name,
+            err < 1e-5,
+            f"relative gradient error {err:.2e}; {versus(times, peaks, 'eae_func', 'fsdp2 + checkpoint')}",
+        )
+    except Exception as e:  # noqa: BLE001 - a check reports, never stops the run
+        report(name, False, f"{type(e).__name__}: {e}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def check_compile_against_torch(device, depth, dim, batch, seq, steps) -> None:
+    """(i): ``compile=True`` against compile + checkpointing: ``torch.compile`` of the model with a
+    checkpoint per block (whole-model) and of each checkpointed block (regional, PyTorch's regional
+    compilation); gradients and step ratios. The graphs ``compile=`` compiles for ``depth`` identical
+    blocks are counted from dynamo's counter after a reset: one forward and one reverse expected."""
+    from torch._dynamo.utils import counters
+
+    name = "(i) compile=: against compile + checkpoint"
+    try:
+        torch._dynamo.reset()  # the graphs of (f) would otherwise be reused, not counted
+        net = model(depth, dim, device, 0.0)
+        x, target = torch.randn(batch, seq, dim, device=device), torch.randn(batch, seq, dim, device=device)
+        chain, params = ef.from_module(net, loss=mse)
+        before = counters["stats"]["unique_graphs"]
+        got = flat(ef.grad(chain, params, x, target, compile=True))
+        graphs = counters["stats"]["unique_graphs"] - before
+        whole = torch.compile(nn.Sequential(*[Checkpointed(block) for block in net]))  # the same weights
+        regional = nn.Sequential(*[typing.cast(nn.Module, torch.compile(Checkpointed(block))) for block in net])
+
+        def compiled(module):
+            def step():
+                mse(module(x), target).backward()
+                return taken(net)
+
+            return step
+
+        runs = {
+            "compile=": lambda: ef.grad(chain, params, x, target, compile=True),
+            "compile + checkpoint": compiled(whole),
+            "regional compile + checkpoint": compiled(regional),
+        }
+        err = max(
+            relative(got, cat(runs[method]())) for method in ("compile + checkpoint", "regional compile + checkpoint")
+        )
+        times = median_steps(device, runs, steps)
+        ratios = ", ".join(
+            f"{times['compile='] / times[method]:.2f}x {method}"
+            for method in ("compile + checkpoint", "regional compile + checkpoint")
+        )
+        report(
+            name,
+            err < 1e-4 and graphs == 2,
+            f"relative gradient error {err:.2e}; {graphs} graphs for {depth} identical blocks (2 expected); "
+            f"step {ratios}",
+        )
+    except Exception as e:  # noqa: BLE001 - a check reports, never stops the run
+        report(name, False, f"{type(e).__name__}: {e}")
+
+
+def graph_bytes(block: nn.Module, h: torch.Tensor) -> int:
+    """Bytes of the tensors autograd saves in one block's forward, its parameters and input excluded."""
+    own = {p.untyped_storage().data_ptr() for p in block.parameters()} | {h.untyped_storage().data_ptr()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in own:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(h.detach().requires_grad_(True))
+    return sum(saved.values())
+
+
+def check_remat_curve(device, depth, dim, batch, seq, steps, segments) -> None:
+    """(j): one point of the remat curve: ``checkpoint_sequential`` with ``segments`` segments, and
+    the sweep with the largest ``recompute=`` byte budget (graphs kept: ``depth`` down to 0, a
+    budget of a block's graph and boundary per graph, as ``bench_train.py --curve`` spends it)
+    whose peak is within checkpoint_sequential's; gradients, step and peak ratios."""
+    net = model(depth, dim, device, 0.0)
+    x, target = torch.randn(batch, seq, dim, device=device), torch.randn(batch, seq, dim, device=device)
+    chain, params = ef.from_module(net, loss=mse)
+
+    def sequential():
+        mse(checkpoint_sequential(net, segments, x, use_reentrant=False), target).backward()
+        return taken(net)
+
+    reference = cat(sequential())  # and the warm-up
+    ceiling = peak_bytes(device, sequential)
+    per_graph = graph_bytes(net[0], x) + x.numel() * x.element_size()
+    kept, within = depth, False
+    while True:
+        budget = kept * per_graph + per_graph // 2 if kept else 0
+        sweep = lambda budget=budget: ef.grad(chain, params, x, target, recompute=budget)
+        sweep()  # the first forward at a budget measures the graphs' sizes
+        within = peak_bytes(device, sweep) <= ceiling
+        if within or kept == 0:
+            break
+        kept -= 1
+    ours, theirs = f"eae_func (a budget of {kept} graphs)", f"checkpoint_sequential ({segments} segments)"
+    runs = {ours: sweep, theirs: sequential}
+    err = relative(flat(sweep()), reference)
+    times = median_steps(device, runs, steps)
+    peaks = {method: peak_bytes(device, run) for method, run in runs.items()}
+    report(
+        "(j) remat curve at checkpoint_sequential's peak",
+        err < 1e-4,
+        f"relative gradient error {err:.2e}; {versus(times, peaks, ours, theirs)}"
+        + ("" if within else "; no budget came within its peak, not even 0"),
+    )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -262,6 +603,7 @@ def main(argv=None) -> int:
         return 0
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 means fp32
     dim, batch, seq, depth = (32, 2, 16, 3) if args.quick else (512, 8, 512, 6)
+    workload, steps, segments = ((4, 32, 2, 16), 3, 2) if args.quick else ((12, 256, 8, 256), 5, 3)
     start = time.perf_counter()
     check_gradients(device, depth, dim, batch, seq)
     check_input_on_cpu(device, dim, batch, seq)
@@ -270,6 +612,10 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         check_syncs(device, dim, batch, seq)
         check_memory(device, 12, 256, 8, 256)
+    check_checkpointing(device, *workload, steps)
+    check_fsdp(device, *workload, steps)
+    check_compile_against_torch(device, *workload, steps)
+    check_remat_curve(device, *workload, steps, segments)
     failed = [name for name, ok, _ in RESULTS if not ok]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     print(
