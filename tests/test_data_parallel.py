@@ -146,8 +146,8 @@ def test_replicas_that_differ_make_every_rank_raise_naming_the_difference(case, 
 
 
 def _agreement_collectives():
-    """The all_gathers of the replica check over steps: the first with a layout, and once more when every
-    replica freezes a layer (a new layout); the frozen layer then gets no gradient."""
+    """The all_gathers of the replica check over steps (one 32-byte digest each), also when every replica
+    freezes a layer (a new layout); the frozen layer then gets no gradient."""
     gather, calls = dist.all_gather, []
 
     def counting(*args, **kwargs):
@@ -166,6 +166,26 @@ def _agreement_collectives():
     return counts, grads["0.weight"] is None
 
 
-def test_the_replicas_agreement_costs_one_small_collective_per_layout():
+def test_the_replicas_agreement_costs_one_small_collective_per_step():
     for counts, frozen_none in D.run(_agreement_collectives, 2, timeout=120, pg_timeout=30):
-        assert counts == [1, 1, 2, 2] and frozen_none
+        assert counts == [1, 2, 3, 4] and frozen_none
+
+
+def _one_replica_changes():
+    """Two steps; before the second, rank 1 alone freezes a layer."""
+    model = _model()
+    x, y = _batch(dist.get_rank())
+    try:
+        for step in range(2):
+            if step == 1 and dist.get_rank() == 1:
+                model[0].requires_grad_(False)
+            ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, data_parallel=dist.group.WORLD)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "returned gradients"
+
+
+def test_a_replica_that_changes_after_the_first_step_makes_every_rank_raise():
+    for out in D.run(_one_replica_changes, 2, timeout=120, pg_timeout=30):
+        assert out.startswith("PeerError: sweep: data_parallel= replicas differ"), out
+        assert "rank 1" in out and "frozen" in out, out

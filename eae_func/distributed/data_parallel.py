@@ -232,32 +232,37 @@ def layout_digest(layout: dict) -> bytes:
     return hashlib.sha256(repr(layout).encode()).digest()
 
 
-_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> digests of the layouts agreed on it
+_HOST_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> a gloo group of its ranks
+
+
+def host_group(group: Any, timeout: datetime.timedelta | None = None) -> Any:
+    """``group`` itself under gloo, else a gloo group of the same ranks (made by their first call
+    together, then kept): the ranks compare small values over it in host memory, never a device's."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    made = _HOST_GROUPS.get(group)
+    if made is None:
+        ranks = dist.get_process_group_ranks(group)
+        made = _HOST_GROUPS[group] = dist.new_group(
+            ranks, timeout=timeout, backend="gloo", use_local_synchronization=True
+        )
+    return made
 
 
 def agree(group: Any, layout: dict) -> None:
     """Every replica of ``group`` has this ``layout`` (``replica_layout``), or every one raises
-    ``PeerError`` naming the difference. The first step with a layout costs one all_gather of its
-    32-byte digest (the layouts themselves are gathered only when the digests differ); later steps
-    with a layout agreed on ``group`` cost nothing."""
-    digest = layout_digest(layout)
-    agreed = _AGREED.setdefault(group, set())
-    if digest in agreed:
-        return
-    ranks, rank = dist.get_process_group_ranks(group), dist.get_rank()
-    nccl = dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    mine = torch.frombuffer(bytearray(digest), dtype=torch.int64).to(device)
+    ``PeerError`` naming the difference. Every step all_gathers each replica's 32-byte digest of its
+    layout over ``host_group`` (the layouts themselves only when the digests differ), so a replica
+    changed on its own is caught at the step it changed, with every rank on the same collective."""
+    ranks, rank, host = dist.get_process_group_ranks(group), dist.get_rank(), host_group(group)
+    mine = torch.frombuffer(bytearray(layout_digest(layout)), dtype=torch.uint8)
     everyone = [torch.empty_like(mine) for _ in ranks]
     try:
-        dist.all_gather(everyone, mine, group=group)
+        dist.all_gather(everyone, mine, group=host)
         if all(torch.equal(d, mine) for d in everyone):
-            if len(agreed) >= 8:  # bounded: a model frozen step by step in new ways does not grow it
-                agreed.clear()
-            agreed.add(digest)
             return
         layouts: list = [None] * len(ranks)
-        dist.all_gather_object(layouts, layout, group=group)
+        dist.all_gather_object(layouts, layout, group=host)
     except RuntimeError as e:
         raise PeerError(
             f"rank {rank}: sweep: data_parallel= exchanging the replicas' layouts failed or timed out: {e}"

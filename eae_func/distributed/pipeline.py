@@ -56,6 +56,7 @@ from ..sweep import SweepResult, carries_state, metered
 from ..ties import tie_groups
 from ..tree import NAMESPACE
 from .codecs import Codec, Raw
+from .data_parallel import host_group
 from .launch import PeerError
 from .stage import RangeStage, Step
 
@@ -234,23 +235,11 @@ class Pipeline:
         self.group: Any = dist.new_group(
             list(self.ranks), timeout=datetime.timedelta(seconds=self.timeout), use_local_synchronization=True
         )
-        self.host_group = self._host_group()
+        self.host_group = host_group(self.group, datetime.timedelta(seconds=self.timeout))
         self.failure: str | None = None
         self.agreement: Agreement | None = None
         self._schedules: dict = {}
         self._agree()
-
-    def _host_group(self) -> Any:
-        """The group the ranks agree over: the pipeline's own under gloo, else a gloo group of the
-        same ranks, so agreeing reads host memory, never a device's."""
-        if dist.get_backend(self.group) == "gloo":
-            return self.group
-        return dist.new_group(
-            list(self.ranks),
-            timeout=datetime.timedelta(seconds=self.timeout),
-            backend="gloo",
-            use_local_synchronization=True,
-        )
 
     def plan(self) -> dict:
         """What every rank of the pipeline must agree on: ranks, stage ranges, schedule, codecs and
