@@ -8,8 +8,9 @@
     loss.backward-like driver: ``torch.autograd.grad(loss, params)`` differentiates the glue
         (embeddings, masks, rotary tables, head, loss) and, at each node, runs stage l's reverse step:
         p_l through the passes; m rebuilt at the params it ran with (RNG, autocast and modes replayed,
-        buffers on throwaway clones); (J_W^T p_l, J_a^T p_l) by one ``torch.autograd.grad``; J_W^T p_l
-        added to the parameters' gradients (frozen ones excluded), J_a^T p_l handed back to autograd
+        buffers on throwaway clones); (J_W^T p_l, J_a^T p_l) by one ``torch.autograd.grad``
+        (``vjp.pull_back``); J_W^T p_l added to the parameters' gradients (frozen ones excluded),
+        J_a^T p_l handed back to autograd
 
 Nothing is traced or cached: hooks, custom ``autograd.Function`` backwards, data-dependent control
 flow (MoE routing) and Python state behave as in eager PyTorch; a module called twice is two stages
@@ -29,12 +30,12 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
 
 from . import boundary as B
 from . import capture
 from . import fold as F
 from . import microbatch as M
+from . import vjp as V
 from .adjoint import AdjointState, Measurements, fold_in
 from .capture import as_call, canonical_names, matches
 from .chain import Slots, module_lock, through_hooks
@@ -254,17 +255,11 @@ class Sweep:
                 f"their dropout) and its rebuild came to other outputs than its forward: its gradients would "
                 f"belong to other random numbers. Cut a module that does not reseed, or turn its randomness off"
             )
-        # the outputs' places in the graph, not the outputs: one the graph does not save is freed now
-        flat = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        pairs = [(get_gradient_edge(t), c) for t, c in zip(flat, costates) if t.requires_grad]
-        del out, flat
+        edges = V.places([t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)])
+        del out  # an output the graph does not save is freed now
         wanted = [own[i] for i in trainable] + inputs
         with F.timer(self.opts, stats, "vjp_s", f"eae/{call.name}/vjp"):
-            grads = (
-                torch.autograd.grad([e for e, _ in pairs], wanted, [c for _, c in pairs], allow_unused=True)
-                if pairs and wanted
-                else (None,) * len(wanted)
-            )
+            grads = V.pull_back(edges, costates, wanted)
         for i, g in zip(trainable, grads):
             # plus what a custom Function's own backward accumulated into .grad (Reformer's reversible
             # layers run torch.autograd.backward on their parameters, as under plain autograd)

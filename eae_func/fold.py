@@ -6,7 +6,7 @@ reverse sweep as a fold over the tape (think ``jax.lax.scan`` run backwards).
     boundary:  p_L = loss_scale * d loss(x_L) / d x_L, then the passes
     reverse:   carry, out_l = step(carry, entry_l),  l = hi..lo+1
     step:      (grad W_l, p_{l-1}) = vjp(h_l at (W_l, x_{l-1}))(p_l), then the passes
-               (the stage's graph rebuilt from x_{l-1}, one ``torch.autograd.grad``)
+               (the stage's graph rebuilt from x_{l-1}, one ``torch.autograd.grad``: ``vjp.local_vjp``)
 
 Everything works on a stage range ``lo..hi``, so ``ef.sweep`` (the whole chain), each
 microbatch and every pipeline rank run these same functions. ``reverse`` hands each tape
@@ -24,11 +24,11 @@ from typing import Any, cast
 
 import optree
 import torch
-from torch.autograd.graph import get_gradient_edge
 from torch.profiler import record_function
 
 from . import boundary as B
 from . import compiled, fsdp, remat
+from . import vjp as V
 from .adjoint import AdjointState, fold_in
 from .chain import Chain
 from .lazy import event_seconds
@@ -292,66 +292,6 @@ def explain(e: Exception, chain: Chain, i: int, params: Any, h: Any, autocast_dt
             )
 
 
-def local_vjp(
-    stage,
-    params: Any,
-    buffers: Mapping,
-    floats: list,
-    rebuild: Callable,
-    check: Callable | None = None,
-    frozen: frozenset[str] = frozenset(),
-    params_too: bool = True,
-    inputs_too: bool = True,
-) -> tuple:
-    """``(output, pullback, updated buffers)`` of one stage run with its local autograd graph, the
-    graph ``torch.utils.checkpoint`` builds: ``pullback(cotangents, inputs_too=True)`` is
-    ``(J_W^T p, J_x^T p)`` for the cotangents of the output's differentiable leaves (``J_x^T p`` is
-    ``None`` with ``inputs_too=False``), by one ``torch.autograd.grad`` that frees the graph as it goes
-    and records no double-backward graph. The output is still attached to the graph. ``check(output
-    leaves, inputs)`` sees the graph before that. Only trainable parameters are differentiated: one
-    named in ``frozen`` (``requires_grad=False`` in its module), an integer one and one the stage never
-    reads get ``None``, as plain autograd leaves their ``.grad``. ``params_too=False`` / ``inputs_too=False``
-    build the graph of the inputs alone / the parameters alone (the I and W halves of a zero-bubble
-    backward). An FSDP stage runs FSDP's backward (``eae_func.fsdp.local_vjp``)."""
-    if stage.sharded is not None:
-        return fsdp.local_vjp(stage, buffers, floats, rebuild)
-    if type(params) is dict and all(isinstance(t, torch.Tensor) for t in params.values()):  # a module's
-        names, leaves = list(params), list(params.values())
-        unflatten = lambda xs: dict(zip(names, xs))
-    else:  # any pytree (a function stage): a frozen name is a top-level key
-        tree: Any = params
-        paths, leaves, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
-        names, unflatten = [path[0] if path else None for path in paths], spec.unflatten
-    trainable = [params_too and B.is_differentiable(t) and name not in frozen for name, t in zip(names, leaves)]
-    n = len(leaves)
-    with torch.enable_grad():
-        inputs = [t.detach().requires_grad_(m) for t, m in zip(leaves, trainable)]
-        inputs += [t.detach().requires_grad_(inputs_too) for t in floats]
-        out, updated = stage.call(unflatten(inputs[:n]), buffers, rebuild(inputs[n:]))
-    flat_out = B.flat(out)
-    if check is not None:
-        check(flat_out, inputs)
-    # The outputs' places in the graph, not the outputs: a rebuilt output the graph does not save
-    # (a residual sum) is freed before the vjp runs, as checkpoint's recomputed output is.
-    edges = [get_gradient_edge(t) if t.requires_grad else None for t in flat_out if B.is_differentiable(t)]
-
-    def pullback(cotangents: list, inputs_too: bool = True) -> tuple:
-        sources = inputs if inputs_too else inputs[:n]
-        wanted = [t for t in sources if t.requires_grad]
-        connected = [(e, c) for e, c in zip(edges, cotangents) if e is not None]
-        grads = iter(
-            torch.autograd.grad([e for e, _ in connected], wanted, [c for _, c in connected], allow_unused=True)
-            if connected and wanted
-            else [None] * len(wanted)
-        )
-        full = [next(grads) if t.requires_grad else None for t in sources]
-        if not inputs_too:
-            return unflatten(full), None
-        return unflatten(full[:n]), [torch.zeros_like(t) if g is None else g for g, t in zip(full[n:], inputs[n:])]
-
-    return out, pullback, updated
-
-
 def check_closed_over(chain: Chain, i: int, outputs: list, own: Sequence[torch.Tensor] = ()) -> None:
     """Refuse ``outputs`` (stage i's output leaves) that depend on a tensor requiring grad other than
     ``own`` (the stage's params and input as the sweep gave them): stage i then closes over, say, a
@@ -399,15 +339,6 @@ def check_costate(chain: Chain, l: int, adj: Any, layout: B.Layout) -> list:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{where_}: costate shape {got} differs from {what} shape {tuple(shape)}")
     return flat
-
-
-def cotangent(costate: list, layout: B.Layout) -> list:
-    """The costate leaves as a cotangent of the output's differentiable leaves (zeros where one has none)."""
-    return [
-        torch.zeros(shape, dtype=dt, device=dev) if c is None else c if c.dtype == dt else c.to(dt)
-        for c, shape, (dev, dt), m in zip(costate, layout.shapes, layout.placements, layout.mask)
-        if m
-    ]
 
 
 def processed(
@@ -564,14 +495,14 @@ def kept_graph(
     floats, rebuild, _ = B.split(h, f"input of {chain.where(i)}")
     saved = remat.SavedBytes([*optree.tree_leaves(params, namespace=NAMESPACE), *floats]) if plan.counts else None
     with saved.hooks() if saved is not None else NULL:
-        out, closure, updated = local_vjp(
-            chain.stages[i],
+        out, closure, updated = V.local_vjp(
+            lambda p, x: chain.stages[i].call(p, buffers, x),
             params,
-            buffers,
             floats,
             rebuild,
-            lambda o, own: check_closed_over(chain, i, o, own),
             frozen,
+            check=lambda o, own: check_closed_over(chain, i, o, own),
+            has_aux=True,
         )
     if saved is not None and not plan.kept(i, saved.bytes):
         closure = None
@@ -592,11 +523,7 @@ def boundary_condition(
                 inputs = [t.detach().requires_grad_() for t in floats]
                 loss = chain.loss(rebuild(inputs), *loss_args)
             check_scalar(loss)
-            p = (
-                torch.autograd.grad(loss, inputs, torch.full_like(loss, loss_scale), allow_unused=True)
-                if loss.requires_grad
-                else [None] * len(inputs)
-            )
+            p = V.pull_back(V.places([loss]), [torch.full_like(loss, loss_scale)], inputs)
     except Exception as e:
         note(e, "the loss")
         raise
@@ -679,12 +606,12 @@ def make_step(
                         autocast(opts.autocast, device),
                     ):
                         done = compiled.reverse(
-                            s, opts, params[i], entry.buffers, entry, cotangent(costate, entry.out_layout)
+                            s, opts, params[i], entry.buffers, entry, V.cotangent(costate, entry.out_layout)
                         )
                 if done is not None:
                     grads, g_in = done
                 elif rebuilt and defer_weights and s.sharded is None:
-                    cot = cotangent(costate, entry.out_layout)
+                    cot = V.cotangent(costate, entry.out_layout)
                     grads, g_in = deferred_vjp(
                         s, params[i], entry, floats, rebuild, cot, i > 0 or observed, opts, stats, device
                     )
@@ -697,9 +624,9 @@ def make_step(
                             autocast(opts.autocast, device),
                             entry.cached or NULL,
                         ):
-                            _, closure, _ = local_vjp(s, params[i], entry.buffers, floats, rebuild, None, entry.frozen)
+                            closure = rebuilt_vjp(s, params[i], entry.buffers, floats, rebuild, entry.frozen)
                     with timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device):
-                        grads, g_in = closure(cotangent(costate, entry.out_layout), i > 0 or observed)
+                        grads, g_in = closure(V.cotangent(costate, entry.out_layout), i > 0 or observed)
                 if s.sharded is not None:
                     fsdp.prefetch_below(chain, i)
                 costate_in = None if g_in is None else costate_like(g_in)
@@ -722,6 +649,24 @@ def make_step(
         return Carry(adj, pass_state), StepOut(grads, traced(adj, opts), stats)
 
     return step
+
+
+def rebuilt_vjp(
+    s: Any,
+    params: Any,
+    buffers: Mapping,
+    floats: list,
+    rebuild: Callable,
+    frozen: frozenset[str],
+    params_too: bool = True,
+    inputs_too: bool = True,
+) -> Callable:
+    """The pullback of stage ``s`` rebuilt from its boundary (``floats`` put back by ``rebuild``) at
+    ``params`` (``vjp.local_vjp``); an FSDP stage's runs FSDP's own backward (``fsdp.local_vjp``)."""
+    if s.sharded is not None:
+        return fsdp.local_vjp(s, buffers, floats, rebuild)[1]
+    call = lambda p, x: s.call(p, buffers, x)[0]
+    return V.local_vjp(call, params, floats, rebuild, frozen, params_too, inputs_too)[1]
 
 
 def deferred_vjp(
@@ -748,7 +693,7 @@ def deferred_vjp(
             autocast(opts.autocast, device),
         ):
             inputs = [f.detach() for f in floats] if weights else floats
-            return local_vjp(s, params, entry.buffers, inputs, rebuild, None, entry.frozen, weights, not weights)[1]
+            return rebuilt_vjp(s, params, entry.buffers, inputs, rebuild, entry.frozen, weights, not weights)
 
     def weights() -> Any:
         rebuilt = pullback(True)

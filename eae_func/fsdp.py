@@ -35,6 +35,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from . import boundary as B
+from .vjp import connected
 
 __all__ = []
 
@@ -176,21 +177,24 @@ def unsharded_until_backward(module: nn.Module) -> Iterator[None]:
 
 
 def local_vjp(stage: Any, buffers: Mapping, floats: list, rebuild: Callable) -> tuple:
-    """``fold.local_vjp`` of an FSDP stage: ``(output, pullback, buffers)``; ``pullback(cotangents,
-    inputs_too)`` runs FSDP's backward and returns the stage's gradients taken from the sharded
+    """``vjp.local_vjp`` of an FSDP stage, at its own sharded parameters: ``(output, pullback)``;
+    ``pullback(cotangents, inputs_too)`` runs FSDP's backward into ``.grad`` (``torch.autograd.grad``
+    would not run FSDP's post-backward) and returns the stage's gradients taken from the sharded
     ``.grad`` (``None`` where FSDP left none: frozen, or no sync in this fold) and ``J_x^T p``."""
     module = stage.module
     with torch.enable_grad():
         inputs = [t.detach().requires_grad_() for t in floats]
         with unsharded_until_backward(module):
             out = stage.call({}, buffers, rebuild(inputs))[0]
-    outputs = [t for t in B.leaves(out, "output of an FSDP stage")[0] if B.is_differentiable(t)]
+    outputs = [
+        t if t.requires_grad else None for t in B.leaves(out, "output of an FSDP stage")[0] if B.is_differentiable(t)
+    ]
 
     def pullback(cotangents: list, inputs_too: bool = True) -> tuple:
-        connected = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
-        if connected:  # FSDP's post-backward reduce-scatters into the sharded .grad and reshards
+        graph, cots = connected(outputs, cotangents)
+        if graph:  # FSDP's post-backward reduce-scatters into the sharded .grad and reshards
             with _synced(module):
-                torch.autograd.backward([o for o, _ in connected], [c for _, c in connected])
+                torch.autograd.backward(graph, cots)
         else:
             module.reshard()  # type: ignore[operator]
         grads = {}
@@ -200,7 +204,7 @@ def local_vjp(stage: Any, buffers: Mapping, floats: list, rebuild: Callable) -> 
             return grads, None
         return grads, [torch.zeros_like(t) if t.grad is None else t.grad for t in inputs]
 
-    return out, pullback, buffers
+    return out, pullback
 
 
 class Sweep:

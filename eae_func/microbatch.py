@@ -108,19 +108,24 @@ def sum_grads(grads: Sequence) -> Any:
     return total
 
 
+def merge_counters(*counters: dict) -> dict:
+    """One stage's counters (seconds, calls, rows, queries, ...) from several dicts, added key by key;
+    ``boundary_bytes``, a size, is the largest."""
+    total: dict = {}
+    for c in counters:
+        for k, v in c.items():
+            total[k] = max(total.get(k, 0), v) if k == "boundary_bytes" else total.get(k, 0) + v
+    return total
+
+
 def sum_stats(all_stats: Sequence[dict]) -> dict:
-    """Counters added over microbatches (``boundary_bytes``: the largest); ``boundaries`` keeps
-    each piece's meta under ``"microbatches"``."""
+    """The microbatches' stats as one: each stage's counters merged (``merge_counters``);
+    ``boundaries`` keeps each piece's meta under ``"microbatches"``."""
     if len(all_stats) == 1:
         return all_stats[0]
-    total = {name: dict(entry) for name, entry in all_stats[0].items() if name != "boundaries"}
+    names = dict.fromkeys(name for stats in all_stats for name in stats if name != "boundaries")
+    total = {name: merge_counters(*(stats[name] for stats in all_stats if name in stats)) for name in names}
     total["boundaries"] = {
         i: {"microbatches": tuple(s["boundaries"][i] for s in all_stats)} for i in all_stats[0]["boundaries"]
     }
-    for stats in all_stats[1:]:
-        for name, entry in stats.items():
-            if name == "boundaries":
-                continue
-            for k, v in entry.items():
-                total[name][k] = max(total[name].get(k, 0), v) if k == "boundary_bytes" else total[name].get(k, 0) + v
     return total

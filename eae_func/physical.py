@@ -73,11 +73,14 @@ class Meter:
 def check_probed(chain: Chain, i: int, out: Any, h: Any) -> None:
     """Refuse what physical stage i returned on an estimator's probe call of input ``h`` if it is not
     finite: the estimate made from it would be NaN while the loss, from the forward, stays finite.
-    Under a torch.func transform (a simulation the jvp forms differentiate) nothing is measured."""
+    A simulation being differentiated (under a torch.func transform: the jvp forms; or with its graph:
+    the exact vjp) measures nothing."""
     floats = [
         t
         for t in optree.tree_leaves(out, namespace=NAMESPACE)
-        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and not wrapped(t)
+        if isinstance(t, torch.Tensor)
+        and (t.is_floating_point() or t.is_complex())
+        and not (t.requires_grad or wrapped(t))
     ]
     count = sum(int((~torch.isfinite(t)).sum()) for t in floats)
     if count:

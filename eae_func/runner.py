@@ -25,7 +25,7 @@ from . import fold as F
 from .adjoint import AdjointState, fold_in
 from .chain import Chain
 from .estimators.base import Problem
-from .microbatch import Microbatch
+from .microbatch import Microbatch, merge_counters
 from .options import Options
 from .physical import Meter, check_probed
 from .update import Updater
@@ -46,14 +46,6 @@ class Piece:
     pass_state: Any
     stats: dict
     costate: Any = None
-
-
-def merge_counters(*counters: dict) -> dict:
-    total: dict = {}
-    for c in counters:
-        for k, v in c.items():
-            total[k] = total.get(k, 0) + v
-    return total
 
 
 @dataclasses.dataclass(frozen=True)

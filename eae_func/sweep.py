@@ -34,7 +34,7 @@ from .chain import Chain, from_module, hooked_grads
 from .options import Options, make
 from .passes import compose
 from .physical import Meter
-from .runner import Range, merge_counters
+from .runner import Range
 from .ties import tie_grads, tie_groups
 from .tree import NAMESPACE
 from .update import Updater
@@ -229,7 +229,7 @@ def reducer_of(group: Any, chain: Chain, params: tuple, groups: list) -> Any:
 def metered(stats: dict, chain: Chain, meter: Meter) -> dict:
     """``stats`` with each physical stage's rows and calls of the whole step (forward included)."""
     for i, counts in meter.counts.items():
-        stats[chain.stages[i].name] = merge_counters(stats[chain.stages[i].name], counts)
+        stats[chain.stages[i].name] = M.merge_counters(stats[chain.stages[i].name], counts)
     return stats
 
 

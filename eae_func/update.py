@@ -26,6 +26,7 @@ import torch
 
 from .chain import check_same_tensor, through_hooks
 from .microbatch import add
+from .ties import InFold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,12 +120,7 @@ class Updater:
         if self.spec.fn is not None and not isinstance(self.spec.state, (list, tuple)):
             raise TypeError(f"fused: state must be one entry per stage (a list), got {type(self.spec.state).__name__}")
         self.state: list = list(self.spec.state) if self.spec.state is not None else []
-        self.owner, self.members, self.pending = {}, {}, {}
-        for g, group in enumerate(groups):
-            group = sorted((stage, path[0]) for stage, path in group)  # (stage, name): params are flat dicts
-            owner = group[0][0]  # the lowest stage: the last of its uses the fold reaches
-            for member in group:
-                self.owner[member], self.members[member] = owner, (g, group)
+        self.ties = InFold(groups)
         if self.spec.fn is not None and len(self.state) != len(chain):
             raise ValueError(f"fused: state has {len(self.state)} entries, the chain has {len(chain)} stages")
         self.targets: dict = {}  # (stage, name) -> the optimizer's parameter, every one found before any step
@@ -144,7 +140,7 @@ class Updater:
             s, k = chain.stages[i], i if len(optimizers) > 1 else 0
             frozen = s.frozen()
             for name, t in stage.items():
-                if self.owner.get((i, name), i) != i or name in frozen:
+                if self.ties.uses(i, name)[0][0] != i or name in frozen:
                     continue  # a tied use (due at its owner) or a frozen parameter (never stepped)
                 own = s.module.get_parameter(name) if s.module is not None else t
                 check_same_tensor(own, t, "fused: the gradients were computed at", f"{name!r} of {chain.where(i)}")
@@ -179,19 +175,9 @@ class Updater:
                 self.apply(j, g)
         if self.carry is not None:
             grads = {n: add(self.carry[i][n], g) for n, g in grads.items()}
-        due = {}
-        for name, g in grads.items():
-            key = (i, name)
-            if key not in self.owner:
-                due[name] = g
-                continue
-            group, _ = self.members[key]
-            self.pending[group] = add(self.pending.get(group), g)
-            if self.owner[key] == i:
-                due[name] = self.pending.pop(group)
         due = {  # None: frozen or unused, never stepped
             n: through_hooks(self.hooks[i, n], g) if (i, n) in self.hooks else g
-            for n, g in due.items()
+            for n, g in self.ties.due(i, grads).items()
             if g is not None
         }
         if not due:
@@ -216,7 +202,7 @@ class Updater:
             out = self.spec.fn({n: self.params[i][n] for n in due}, due, self.state[i])
             new, self.state[i] = self._checked(i, due, out)
             for name, t in new.items():
-                for j, n in self.members.get((i, name), (None, [(i, name)]))[1]:
+                for j, n in self.ties.uses(i, name):
                     self.params[j][n] = t
         else:
             self._step(i, due)
@@ -247,7 +233,7 @@ class Updater:
         for i, stage in enumerate(self.params):
             grads = {}
             for name in stage:
-                owner_stage, owner_name = self.members[i, name][1][0] if (i, name) in self.members else (i, name)
+                owner_stage, owner_name = self.ties.uses(i, name)[0]
                 grads[name] = self.due.get(owner_stage, {}).get(owner_name)
             out.append(grads)
         return tuple(out)

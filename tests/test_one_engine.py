@@ -215,6 +215,27 @@ def test_a_pipeline_sums_a_shared_tensor_as_the_sweep_does(ranks):
                 assert torch.equal(got, expected), (ranks, i, n, (got - expected).abs().max())
 
 
+def test_tie_sums_of_two_stage_ranges_combined_are_the_whole_chains():
+    """``tie_grads`` over part of the stages (a pipeline rank's), with ``combine`` adding both parts'
+    sums, gives every use the total it gets over the whole chain, bit for bit."""
+    from eae_func.microbatch import add
+    from eae_func.ties import tie_grads, tie_groups
+
+    chain, params, x, y = _shared_tensor_chain()
+    untied = ef.sweep(chain, tuple({n: t.clone() for n, t in p.items()} for p in params), x, y).grads
+    groups = tie_groups(chain, params)
+    whole = tie_grads(params, untied, groups)
+    halves, sums = [(0, 1), (2, 3)], []
+    for half in halves:
+        tie_grads(params, tuple(untied[i] for i in half), groups, half, lambda part: sums.append(part) or part)
+    both = lambda part: {n: add(sums[0].get(n), sums[1].get(n)) for n in part}
+    for half in halves:
+        got = tie_grads(params, tuple(untied[i] for i in half), groups, half, both)
+        for k, i in enumerate(half):
+            assert all(torch.equal(got[k][n], whole[i][n]) for n in whole[i]), i
+    assert torch.equal(whole[0]["w"], untied[0]["w"] + untied[3]["w"])
+
+
 def fused_on_a_pipeline():
     chain, params, x, y = _shared_tensor_chain()
     pipe = D.Pipeline(chain, [(0, 4)], timeout=30)

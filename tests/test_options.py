@@ -227,7 +227,7 @@ def test_gpu_seconds_add_lazily_and_are_read_when_used_as_numbers():
     """GPU timers: sums of event pairs stay lazy through the stats' counters (no wait for the GPU
     inside the sweep) and become seconds when read."""
     from eae_func.lazy import event_seconds
-    from eae_func.runner import merge_counters
+    from eae_func.microbatch import merge_counters
 
     FakeEvent.waits = 0
     a, b = event_seconds(FakeEvent(0), FakeEvent(250)), event_seconds(FakeEvent(10), FakeEvent(760))

@@ -10,10 +10,10 @@ from typing import Any
 
 import optree
 import torch
-from torch.func import vjp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import boundary as B
+from .. import vjp as V
 from ..physical import rows_of
 from ..tree import NAMESPACE
 from .base import Problem
@@ -146,10 +146,6 @@ class OutputLeaves:
         leaves = optree.tree_leaves(costate, none_is_leaf=True, namespace=NAMESPACE)
         return [p for p, m in zip(leaves, self.mask) if m]
 
-    def cotangents(self, costate: Any, out: list) -> list:
-        """The costate as a cotangent of the differentiable outputs (zeros where it is ``None``)."""
-        return [torch.zeros_like(t) if p is None else p.to(t.dtype) for p, t in zip(self.costates(costate), out)]
-
 
 def call(problem: Problem, i: int, params: Any, h: Any) -> Any:
     """Stage i's output on ``h`` as the sweep's forward computed it (``Problem.call``)."""
@@ -161,26 +157,43 @@ def param_leaves(params: Any) -> tuple[list, Any]:
 
 
 def exact_param_grads(problem: Problem, i: int, h_in: Any, costate: Any) -> tuple[Any, dict]:
-    """``J_W(h_i)ᵀ p`` by one local vjp w.r.t. the parameters only."""
+    """``J_W(h_i)ᵀ p`` by one local vjp w.r.t. the parameters only (``dense``)."""
     params = problem.params[i]
     if not param_leaves(params)[0]:
         return params, {}  # no parameters: the (empty) tree is its own gradient
-    stage = OutputLeaves(problem, i)
     problem.charge(i, rows_of(h_in))
-    out, pullback = vjp(lambda p: stage(p, h_in), params)[:2]
+    out, pullback = V.local_vjp(lambda p, h: call(problem, i, p, h), params, [], lambda _: h_in)
     problem.charge(i, 0, "backward_calls")
-    (grads,) = pullback(stage.cotangents(costate, out), retain_graph=False, create_graph=False)
-    return grads, {}
+    grads, _ = pullback(cotangent(problem, i, costate, out), inputs_too=False)
+    return dense(grads, params), {}
 
 
 def exact_vjp(problem: Problem, i: int, h_in: Any, costate: Any, fn: Callable | None = None) -> tuple[Any, Any]:
-    """``(J_W(h_i)ᵀ p, J_x(h_i)ᵀ p)`` by one local vjp, the input costate mirroring ``h_in``; with
-    ``fn(params, h)`` the vjp is ``fn``'s, at stage i's input and params (a twin's)."""
+    """``(J_W(h_i)ᵀ p, J_x(h_i)ᵀ p)`` by one local vjp (``dense``), the input costate mirroring ``h_in``;
+    with ``fn(params, h)`` the vjp is ``fn``'s, at stage i's input and params (a twin's)."""
     floats, rebuild, costate_like = B.split(h_in, f"input of {where(problem, i)}")
-    stage = OutputLeaves(problem, i, fn)
-    out, pullback = vjp(lambda p, f: stage(p, rebuild(f)), problem.params[i], floats)[:2]
-    grads, g_in = pullback(stage.cotangents(costate, out), retain_graph=False, create_graph=False)
-    return grads, costate_like(list(g_in))
+    stage = (lambda p, h: call(problem, i, p, h)) if fn is None else fn
+    out, pullback = V.local_vjp(stage, problem.params[i], floats, rebuild)
+    grads, g_in = pullback(cotangent(problem, i, costate, out))
+    return dense(grads, problem.params[i]), costate_like(g_in)
+
+
+def cotangent(problem: Problem, i: int, costate: Any, out: Any) -> list:
+    """The costate at stage i's output ``out`` as the cotangent of its differentiable leaves."""
+    leaves, spec = B.leaves(out, f"output of {where(problem, i)}")
+    return V.cotangent(B.flat(costate, none_is_leaf=True), B.Layout.of_leaves(leaves, spec))
+
+
+def dense(grads: Any, params: Any) -> Any:
+    """``grads`` with zeros where a differentiable parameter has ``None`` (the stage does not read it):
+    the estimators' parameter vectors are dense."""
+    return optree.tree_map(
+        lambda g, p: torch.zeros_like(p) if g is None and B.is_differentiable(p) else g,
+        grads,
+        params,
+        none_is_leaf=True,
+        namespace=NAMESPACE,
+    )
 
 
 def fd_param_grads(problem: Problem, i: int, h_in: Any, costate: Any, probes: Probes, eps: float) -> tuple[Any, dict]:

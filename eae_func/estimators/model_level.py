@@ -46,6 +46,7 @@ from torch.func import jvp, vmap
 
 from .. import boundary as B
 from ..chain import Chain, stage
+from ..microbatch import merge_counters
 from ..physical import rows_of
 from ..tree import NAMESPACE
 from .base import Problem
@@ -333,10 +334,7 @@ class ModelLevel:
             grads, param_cost = fd_param_grads(problem, i, h_in, costate, self.probes, self.eps)
         else:
             grads, param_cost = exact_param_grads(problem, i, h_in, costate)
-        cost = dict(prepared.costs[i])
-        for k, v in param_cost.items():
-            cost[k] = cost.get(k, 0) + v
-        return grads, input_costate, cost
+        return grads, input_costate, merge_counters(prepared.costs[i], param_cost)
 
     def oracle(self, run: _Run, exact: dict) -> Iterator[dict]:
         raise NotImplementedError
