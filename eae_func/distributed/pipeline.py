@@ -53,7 +53,7 @@ from ..options import Options, make
 from ..physical import Meter
 from ..runner import Range
 from ..sweep import SweepResult, carries_state, metered
-from ..ties import tie_groups
+from ..ties import tie_grads, tie_groups
 from ..tree import NAMESPACE
 from .codecs import Codec, Raw
 from .data_parallel import host_group
@@ -604,24 +604,15 @@ class Pipeline:
             return loss
 
     def _tie(self, params: tuple, grads: tuple, groups: list, agreement: Agreement) -> tuple:
-        """Give every use of a tied tensor (``groups`` from ``tie_groups``) the sum of all uses'
-        gradients: each rank sums its own uses in order, and where a group spans ranks the partial
-        sums (``_partials``) are added in rank order, so every owner holds bit-identical totals."""
-        if not groups:
-            return grads
-        where = {i: n for n, i in enumerate(self.stages)}
-        flat = [optree.tree_flatten(g, none_is_leaf=True, namespace=NAMESPACE) for g in grads]
-        leaves = [list(f) for f, _ in flat]
-        paths = {i: optree.tree_paths(params[i], namespace=NAMESPACE) for i in self.stages}
-        mine = [[(where[i], paths[i].index(path)) for i, path in group if i in where] for group in groups]
-        partial = {n: functools.reduce(M.add, [leaves[a][b] for a, b in uses]) for n, uses in enumerate(mine) if uses}
-        parts = self._partials(partial, groups, agreement)
-        for n, uses in enumerate(mine):
-            if uses:
-                total = functools.reduce(M.add, parts[n], None)
-                for a, b in uses:
-                    leaves[a][b] = total
-        return tuple(spec.unflatten(f) for (_, spec), f in zip(flat, leaves))
+        """Give every use of a tied tensor the sum of all uses' gradients (``ties.tie_grads``): each rank
+        sums its own uses in order, and where a group spans ranks the partial sums (``_partials``) are
+        added in rank order, so every owner holds bit-identical totals."""
+
+        def combine(partial: dict) -> dict:
+            parts = self._partials(partial, groups, agreement)
+            return {n: functools.reduce(M.add, parts[n], None) for n in partial}
+
+        return tie_grads(params, grads, groups, self.stages, combine)
 
     def _partials(self, partial: dict, groups: list, agreement: Agreement) -> dict:
         """Per tied group this rank uses, the owners' partial sums that are not ``None``, in rank order:
