@@ -411,8 +411,8 @@ def forward(
         if meter is not None and i in opts.physical:
             meter.charge(i, rows_of(h))
         frozen, modes = chain.stages[i].frozen(), modes_of(chain.stages[i].module)
-        out, (outputs, out_spec), closure, rng, cached = run_stage(
-            chain, i, params[i], buffers[i], h, opts, device, plan, tape, stats, frozen
+        out, (outputs, out_spec), closure, rng, cached, tape.buffers[i] = run_stage(
+            chain, i, params[i], buffers[i], h, opts, device, plan, stats, frozen
         )
         upstream_params = upstream_params or bool(optree.tree_leaves(params[i], namespace=NAMESPACE))
         if upstream_params and not any(B.is_differentiable(t) for t in outputs):
@@ -440,13 +440,12 @@ def run_stage(
     opts: Options,
     device: torch.device,
     plan: remat.Plan,
-    tape: Tape,
     stats: dict,
     frozen: frozenset[str],
-) -> tuple[Any, tuple, Callable | None, tuple | None, Any]:
+) -> tuple[Any, tuple, Callable | None, tuple | None, Any, Mapping]:
     """Stage i's forward on ``h``: ``(output, (its leaves, treespec), vjp closure if its graph is kept,
-    RNG state to replay or None, the replaying context of the ops' outputs it kept or None)``; its
-    updated buffers go into ``tape.buffers[i]``. The remat ``plan`` says whether the graph is kept
+    RNG state to replay or None, the replaying context of the ops' outputs it kept or None, its
+    updated buffers)``; its counters are added to ``stats``. The remat ``plan`` says whether the graph is kept
     (a physical stage's never is: its reverse step comes from the estimator) and which ops'
     outputs are (``remat.save``)."""
     s = chain.stages[i]
@@ -457,23 +456,23 @@ def run_stage(
         with timer(opts, stats, "forward_s", f"eae/{s.name}/forward", device), autocast(opts.autocast, device):
             if s.sharded is not None:  # through FSDP at its own parameters; its reverse step rebuilds its graph
                 with torch.no_grad():
-                    out, tape.buffers[i] = s.call(params, buffers, h)
+                    out, updated = s.call(params, buffers, h)
                 flat = B.leaves(out, f"output of {chain.where(i)}")
             elif i in opts.physical or plan.rebuilds(i, chain.names[i]):
                 saving = None if i in opts.physical else plan.saving(i, chain.names[i])
                 with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
                     if saving is not None:
                         with saving[0]:
-                            out, tape.buffers[i] = s.call(params, buffers, h)
+                            out, updated = s.call(params, buffers, h)
                         cached = saving[1]
                     elif opts.compile is not None and compiled.eligible(s, i, opts, B.Layout.of(h)):
-                        out, tape.buffers[i] = compiled.forward(s, opts, params, buffers, h)
+                        out, updated = compiled.forward(s, opts, params, buffers, h)
                     else:
-                        out, tape.buffers[i] = s.call(params, buffers, h)
+                        out, updated = s.call(params, buffers, h)
                 flat = B.leaves(out, f"output of {chain.where(i)}")
                 check_closed_over(chain, i, flat[0])
             else:
-                out, closure, tape.buffers[i] = kept_graph(chain, i, params, buffers, h, plan, frozen)
+                out, closure, updated = kept_graph(chain, i, params, buffers, h, plan, frozen)
                 flat = B.leaves(out, f"output of {chain.where(i)}")
     except Exception as e:
         explain(e, chain, i, params, h, opts.autocast)
@@ -484,7 +483,7 @@ def run_stage(
             f"{chain.where(i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
             f"sweep keeps each stage's input to recompute it: use the out-of-place form"
         )
-    return out, flat, closure, rng if drew(rng, device) else None, cached
+    return out, flat, closure, rng if drew(rng, device) else None, cached, updated
 
 
 def kept_graph(
