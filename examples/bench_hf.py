@@ -42,6 +42,10 @@ exact), then a cProfile of eae_func's small-width GPT-2 step.
 
     python examples/bench_hf.py --regimes     # 8 cells x 2 methods, 21 rounds (pip install -e ".[hf,bench]")
 
+``--keep-heap`` runs ``--regimes`` with glibc keeping the memory it frees mapped
+(``peak_rss.keep_heap``: trim threshold 1 GiB, mmap threshold 32 MiB), for both methods alike, so
+no step faults in pages an earlier step gave back.
+
 ``--capture-check`` times what a graph capture (``capture="graph"``) checks on every call to
 know the model is unchanged since it was captured, on the small-width 12-layer GPT-2: the full
 ``capture.fingerprint`` walk and the ``capture.Watch`` identity pass that replaces it.
@@ -229,10 +233,15 @@ def regimes(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
+    if args.keep_heap:
+        from peak_rss import keep_heap
+
+        keep_heap()
     print("# Hugging Face models: eae_func's run-time cuts against HF gradient checkpointing\n")
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, cpu, {args.threads} threads, "
-        f"{args.rounds} interleaved rounds, fp32, train mode\n"
+        f"{args.rounds} interleaved rounds, fp32, train mode"
+        f"{', glibc keeping freed memory mapped' if args.keep_heap else ''}\n"
     )
     print(
         "| model | regime | fine-tune | HF checkpointing ms | eae_func ms | step ratio | live MB HF ckpt | live MB eae_func | peak ratio |"
@@ -333,6 +342,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 layers, batch 2, seq 32, 1 timed step")
     parser.add_argument("--regimes", action="store_true", help="the side-by-side table against HF checkpointing")
     parser.add_argument("--rounds", type=int, default=21, help="--regimes: interleaved rounds")
+    parser.add_argument(
+        "--keep-heap", action="store_true", help="--regimes: glibc keeps freed memory mapped (no page faults)"
+    )
     parser.add_argument("--capture-check", action="store_true", help="what the graph capture's staleness check costs")
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
