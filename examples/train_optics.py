@@ -28,7 +28,9 @@ the ``examples`` extra (LightPipes, scikit-learn, matplotlib).
 initialization, the batch order and the probe keys; the detector noise stays fresh from the OS),
 and prints each method's test accuracy as mean ± standard error over the K runs, each run's, and
 every method's paired difference (same seeds) to PAT and to zbp; ``--methods`` picks some of
-exact, pat, zbp, np, direct, cv, frozen. The control variate's training stats (the twin's error r,
+exact, pat, zbp, np, direct, cv, frozen, and oracle (not run by default: PAT with the twin at the
+bench's true distance: the exact costate at the bench's states, which the unbiased estimators
+approach as n grows, and which no real bench offers). The control variate's training stats (the twin's error r,
 the residual ρ, β, pooled over the steps) follow the table.
 
     python examples/train_optics.py
@@ -166,6 +168,7 @@ NAMES = {
     "cv": "control variate",
     "frozen": "frozen (readout only)",
 }
+EXTRA = {"oracle": "twin at the true distance (oracle)"}  # by --methods only: a real bench has no such twin
 
 
 def mean_se(values) -> tuple[float, float]:
@@ -180,9 +183,9 @@ def beta_arg(text: str):
 
 def methods_arg(text: str) -> list:
     keys = [k.strip() for k in text.split(",") if k.strip()]
-    unknown = [k for k in keys if k not in NAMES]
+    unknown = [k for k in keys if k not in NAMES and k not in EXTRA]
     if unknown or not keys:
-        raise argparse.ArgumentTypeError(f"{unknown or text!r}: choose from {','.join(NAMES)}")
+        raise argparse.ArgumentTypeError(f"{unknown or text!r}: choose from {','.join([*NAMES, *EXTRA])}")
     return keys
 
 
@@ -196,7 +199,9 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--workers", type=int, default=2, help="processes running the simulator")
     parser.add_argument("--train", type=int, default=1400, help="training samples (the rest of 1797 test)")
-    parser.add_argument("--methods", type=methods_arg, default=list(NAMES), help=f"some of {','.join(NAMES)}")
+    parser.add_argument(
+        "--methods", type=methods_arg, default=list(NAMES), help=f"some of {','.join([*NAMES, *EXTRA])}"
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs of each method, torch seeds seed..seed+K-1")
     parser.add_argument("--seed", type=int, default=0, help="the first run's torch seed")
     parser.add_argument("--cv-beta", type=beta_arg, default="ema", help="control variate's beta: ema, xfit, a number")
@@ -244,8 +249,10 @@ def main(argv=None):
             **{name: (hardware, make(args.probes)) for name, make in fd_estimators(noise.eps).items()},
             "control variate": (hardware, cv),
             "frozen (readout only)": (hardware, E.frozen()),
+            EXTRA["oracle"]: (hardware, E.twin(twin(DISTANCE * (1 + args.mismatch)))),
         }
-        methods = {NAMES[k]: methods[NAMES[k]] for k in args.methods}
+        names = {**NAMES, **EXTRA}
+        methods = {names[k]: methods[names[k]] for k in args.methods}
         seeds = range(args.seed, args.seed + args.repeats)
         if args.repeats == 1:
             print("| method | test accuracy | rows simulated / step | wall s |")
