@@ -24,8 +24,18 @@ each estimator's costate at the optics' input to the exact one (the twin at the 
 noiseless) against n, beside the mismatched twin's, into ``--out`` (default ``./eae_out``). Needs
 the ``examples`` extra (LightPipes, scikit-learn, matplotlib).
 
+``--repeats K`` trains each method K times, repeat k with torch seed ``--seed`` + k (the
+initialization, the batch order and the probe keys; the detector noise stays fresh from the OS),
+and prints each method's test accuracy as mean ± standard error over the K runs, each run's, and
+every method's paired difference (same seeds) to PAT and to zbp; ``--methods`` picks some of
+exact, pat, zbp, np, direct, cv, frozen, and oracle (not run by default: PAT with the twin at the
+bench's true distance: the exact costate at the bench's states, which the unbiased estimators
+approach as n grows, and which no real bench offers). The control variate's training stats (the twin's error r,
+the residual ρ, β, pooled over the steps) follow the table.
+
     python examples/train_optics.py
     python examples/train_optics.py --epochs 2 --probes 8 --workers 2
+    python examples/train_optics.py --methods pat,zbp,cv --repeats 4 --mismatch 0.3 --no-cosines
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import math
+import sys
 import time
 
 import numpy as np
@@ -92,8 +103,8 @@ def network(optics_stage):
     )
 
 
-def init_params():
-    g = torch.Generator().manual_seed(0)
+def init_params(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
     return (
         {"w": torch.randn(64, 64, generator=g) * 0.3, "b": torch.zeros(64)},
         {},
@@ -101,23 +112,31 @@ def init_params():
     )
 
 
-def train(chain, estimator, x, y, args):
-    params = init_params()
+def train(chain, estimator, x, y, args, seed: int = 0):
+    """AdamW for ``args.epochs``; ``seed`` sets the initialization, the batch order and the probe
+    keys (seed 0: those of a single run). Returns the parameters, the rows per step, the wall time
+    and the control variate's stats pooled over the steps (empty for other estimators)."""
+    params = init_params(seed)
     leaves = [t for p in params for t in p.values()]
     opt = torch.optim.AdamW(leaves, lr=args.lr, weight_decay=0.0)
-    rows, steps, start = 0, 0, time.perf_counter()
+    rows, steps, pooled, start = 0, 0, {}, time.perf_counter()
     for epoch in range(args.epochs):
-        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
         for step, idx in enumerate(order.split(args.batch)):
-            res = ef.sweep(chain, params, x[idx], y[idx], estimator=estimator, key=epoch * 10_000 + step)
+            key = seed * 1_000_000 + epoch * 10_000 + step
+            res = ef.sweep(chain, params, x[idx], y[idx], estimator=estimator, key=key)
             if hasattr(estimator, "observe"):  # the control variate's running β, threaded as a value
                 estimator = estimator.observe(res)
             for t, g in zip(leaves, (g for p in res.grads for g in p.values())):
                 t.grad = g
             opt.step()
-            rows += res.stats["optics"].get("rows", 0)
+            stats = res.stats["optics"]
+            rows += stats.get("rows", 0)
+            for name in ("twin_error", "cv_residual", "beta"):  # ratios: a sum pools them
+                if name in stats:
+                    pooled[name] = pooled[name] + stats[name] if name in pooled else stats[name]
             steps += 1
-    return params, rows / steps, time.perf_counter() - start
+    return params, rows / steps, time.perf_counter() - start, {name: float(v) for name, v in pooled.items()}
 
 
 def cosines(hardware, exact_chain, mismatched, params, x, y, ns, eps) -> dict:
@@ -140,6 +159,36 @@ def fd_estimators(eps: float) -> dict:
     }
 
 
+NAMES = {
+    "exact": "exact through twin",
+    "pat": "twin (PAT)",
+    "zbp": "zbp",
+    "np": "np",
+    "direct": "direct",
+    "cv": "control variate",
+    "frozen": "frozen (readout only)",
+}
+EXTRA = {"oracle": "twin at the true distance (oracle)"}  # by --methods only: a real bench has no such twin
+
+
+def mean_se(values) -> tuple[float, float]:
+    """The mean and its standard error (0 for one value)."""
+    v = np.asarray(values, dtype=float)
+    return v.mean(), (v.std(ddof=1) / math.sqrt(len(v)) if len(v) > 1 else 0.0)
+
+
+def beta_arg(text: str):
+    return text if text in ("ema", "xfit") else float(text)
+
+
+def methods_arg(text: str) -> list:
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in NAMES and k not in EXTRA]
+    if unknown or not keys:
+        raise argparse.ArgumentTypeError(f"{unknown or text!r}: choose from {','.join([*NAMES, *EXTRA])}")
+    return keys
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=3)
@@ -150,12 +199,24 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--workers", type=int, default=2, help="processes running the simulator")
     parser.add_argument("--train", type=int, default=1400, help="training samples (the rest of 1797 test)")
+    parser.add_argument(
+        "--methods", type=methods_arg, default=list(NAMES), help=f"some of {','.join([*NAMES, *EXTRA])}"
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each method, torch seeds seed..seed+K-1")
+    parser.add_argument("--seed", type=int, default=0, help="the first run's torch seed")
+    parser.add_argument("--cv-beta", type=beta_arg, default="ema", help="control variate's beta: ema, xfit, a number")
+    parser.add_argument(
+        "--cv-directional", choices=("fd", "exact"), default="fd", help="control variate's twin_directional"
+    )
+    parser.add_argument("--no-cosines", action="store_true", help="skip the cosine-against-n curves and plot")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny data, one epoch, no plot")
     add_out(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.epochs, args.train, args.probes, args.batch = 1, 64, 2, 32
-    plt = None if args.quick else pyplot()  # a missing matplotlib says so before anything trains
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    plt = None if args.quick or args.no_cosines else pyplot()  # a missing matplotlib says so before anything trains
 
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
@@ -181,25 +242,69 @@ def main(argv=None):
             f"{noise.gain:.2g}: eps = {noise.eps:.2g}; {args.probes} probes, {args.epochs} epochs, "
             f"{args.workers} simulator processes\n"
         )
+        cv = E.control_variate(fd_estimators(noise.eps)["zbp"](args.probes), nominal, args.cv_beta, args.cv_directional)
         methods = {
             "exact through twin": (in_silico, None),
             "twin (PAT)": (hardware, E.twin(nominal)),
             **{name: (hardware, make(args.probes)) for name, make in fd_estimators(noise.eps).items()},
-            "control variate": (
-                hardware,
-                E.control_variate(fd_estimators(noise.eps)["zbp"](args.probes), nominal, "ema", "fd"),
-            ),
+            "control variate": (hardware, cv),
             "frozen (readout only)": (hardware, E.frozen()),
+            EXTRA["oracle"]: (hardware, E.twin(twin(DISTANCE * (1 + args.mismatch)))),
         }
-        print("| method | test accuracy | rows simulated / step | wall s |")
-        print("|---|---|---|---|")
+        names = {**NAMES, **EXTRA}
+        methods = {names[k]: methods[names[k]] for k in args.methods}
+        seeds = range(args.seed, args.seed + args.repeats)
+        if args.repeats == 1:
+            print("| method | test accuracy | rows simulated / step | wall s |")
+            print("|---|---|---|---|")
+        else:
+            print(
+                f"| method | test accuracy, mean ± SE of {args.repeats} | runs (seeds {seeds[0]}..{seeds[-1]}) "
+                "| rows simulated / step | wall s (mean) |"
+            )
+            print("|---|---|---|---|---|")
+        accuracy, cv_stats = {}, []
         for name, (chain, estimator) in methods.items():
-            trained, rows, wall = train(chain, estimator, x[train_idx], y[train_idx], args)
-            with torch.no_grad():
-                logits = ef.apply(hardware, trained, x[test_idx])
-            acc = (logits.argmax(-1) == y[test_idx]).float().mean().item()
-            print(f"| {name} | {acc:.3f} | {rows:.0f} | {wall:.1f} |", flush=True)
+            accs, walls = [], []
+            for seed in seeds:
+                trained, rows, wall, stats = train(chain, estimator, x[train_idx], y[train_idx], args, seed)
+                with torch.no_grad():
+                    logits = ef.apply(hardware, trained, x[test_idx])
+                accs.append((logits.argmax(-1) == y[test_idx]).float().mean().item())
+                walls.append(wall)
+                if name == "control variate":
+                    cv_stats.append(stats)
+                if args.repeats > 1:
+                    print(f"  # {name}, seed {seed}: {accs[-1]:.3f} ({wall:.1f} s)", file=sys.stderr, flush=True)
+            accuracy[name] = accs
+            if args.repeats == 1:
+                print(f"| {name} | {accs[0]:.3f} | {rows:.0f} | {wall:.1f} |", flush=True)
+            else:
+                mean, se = mean_se(accs)
+                runs = " ".join(f"{a:.3f}" for a in accs)
+                print(f"| {name} | {mean:.4f} ± {se:.4f} | {runs} | {rows:.0f} | {np.mean(walls):.1f} |", flush=True)
+        if args.repeats > 1:
+            refs = [ref for ref in ("twin (PAT)", "zbp") if ref in accuracy]
+            for k, ref in enumerate(refs):
+                others = [name for name in accuracy if name not in refs[: k + 1]]
+                if others:
+                    text = "; ".join(
+                        "{} {:+.4f} ± {:.4f}".format(name, *mean_se(np.subtract(accuracy[name], accuracy[ref])))
+                        for name in others
+                    )
+                    print(f"\npaired difference to {ref} (same seeds), mean ± SE: {text}")
+        if cv_stats:
+            r, rho, beta = (np.mean([s[k] for s in cv_stats]) for k in ("twin_error", "cv_residual", "beta"))
+            d = 64
+            print(
+                f"\ncontrol variate (β {args.cv_beta}, twin_directional {args.cv_directional}), pooled over the "
+                f"training steps: twin error r {r:.3f}, residual ρ {rho:.3f}, mean β {beta:.3f}; per step its "
+                f"error is (d-1)/n·ρ² = {(d - 1) / args.probes * rho**2:.3f} ‖g‖² against PAT's r² = {r**2:.3f} ‖g‖² "
+                f"(zbp's: {(d - 1) / args.probes:.2f} ‖g‖²); equal at n = {(d - 1) * rho**2 / r**2:.0f} probes"
+            )
 
+        if args.no_cosines:
+            return
         ns = (2, 8) if args.quick else (8, 32, 128)
         curves = cosines(
             hardware, exact_copy, nominal, init_params(), x[train_idx[:64]], y[train_idx[:64]], ns, noise.eps
