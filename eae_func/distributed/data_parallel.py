@@ -227,9 +227,10 @@ def _trained(trained: bool) -> str:
     return "trained" if trained else "frozen (requires_grad=False)"
 
 
-def layout_digest(layout: dict) -> bytes:
-    """32 bytes that equal on two ranks exactly when their ``replica_layout`` do (sha256 of its repr)."""
-    return hashlib.sha256(repr(layout).encode()).digest()
+def digest(value: Any) -> torch.Tensor:
+    """32 bytes (uint8, host memory) that equal on two ranks exactly when their ``value`` do (sha256 of
+    its repr): what the ranks compare of a replica layout or a pipeline step's options."""
+    return torch.frombuffer(bytearray(hashlib.sha256(repr(value).encode()).digest()), dtype=torch.uint8)
 
 
 _HOST_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> a gloo group of its ranks
@@ -255,7 +256,7 @@ def agree(group: Any, layout: dict) -> None:
     layout over ``host_group`` (the layouts themselves only when the digests differ), so a replica
     changed on its own is caught at the step it changed, with every rank on the same collective."""
     ranks, rank, host = dist.get_process_group_ranks(group), dist.get_rank(), host_group(group)
-    mine = torch.frombuffer(bytearray(layout_digest(layout)), dtype=torch.uint8)
+    mine = digest(layout)
     everyone = [torch.empty_like(mine) for _ in ranks]
     try:
         dist.all_gather(everyone, mine, group=host)

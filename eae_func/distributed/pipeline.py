@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import hashlib
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -56,7 +55,7 @@ from ..sweep import SweepResult, carries_state, metered
 from ..ties import tie_grads, tie_groups
 from ..tree import NAMESPACE
 from .codecs import Codec, Raw
-from .data_parallel import host_group
+from .data_parallel import digest, host_group
 from .launch import PeerError
 from .stage import RangeStage, Step
 
@@ -277,7 +276,7 @@ class Pipeline:
         digest differs from the last agreement's (on the first step too), so every rank takes the
         same path."""
         mine = self._step_options(opts, groups, pieces)
-        row = torch.cat([_digest({k: v for k, v in mine.items() if k != "key"}), _digest(opts.key)])
+        row = torch.cat([digest({k: v for k, v in mine.items() if k != "key"}), digest(opts.key)])
         rows = self._gather_digests(row)
         agreed, p = self.agreement, len(self.ranks)
         if (
@@ -717,8 +716,3 @@ def _shapes(trees: list) -> list:
         ]
         for tree in trees
     ]
-
-
-def _digest(value: Any) -> torch.Tensor:
-    """32 bytes (uint8, host memory) that equal on two ranks exactly when their ``value`` do (sha256 of its repr)."""
-    return torch.frombuffer(bytearray(hashlib.sha256(repr(value).encode()).digest()), dtype=torch.uint8)
