@@ -13,9 +13,13 @@ ones: DDP's buckets, FSDP's buffers) and for the second (without that), no gradi
 step before, glibc's ``M_MMAP_THRESHOLD`` at 64 KiB so that it maps every tensor above that on
 its own and unmaps it when freed (RSS follows live memory); the
 bytes each replicated rank sends per step. The gradients of every method are checked against
-DDP's (the sharded ones: this rank's shard of them).
+DDP's (the sharded ones: this rank's shard of them). ``--where`` prints, for the sharded
+methods, the live tensor bytes of a step after the first at their peak, by the operator and
+shape that made them (``bench_memory.LiveBytes``; FSDP's unsharded parameters, which it frees and
+refills in place, are not seen).
 
     python examples/bench_data_parallel.py --blocks 8 --width 256 --seq 256 --batch 4 --rounds 7
+    python examples/bench_data_parallel.py --where      # where the FSDP rows' peaks go
 """
 
 from __future__ import annotations
@@ -124,6 +128,17 @@ def worker(args) -> dict:
             ),
         )
     )
+    if args.where:
+        from bench_memory import LiveBytes
+
+        where = {}
+        for name in ("fsdp2 + checkpoint", "eae on fsdp2"):
+            runs[name]()
+            fsdp_checkpointed.zero_grad(set_to_none=True)
+            with LiveBytes(breakdown=True) as live:
+                runs[name]()
+            where[name] = (live.peak, live.at_peak.most_common(args.where))
+        return {"where": where}
     if args.peak_of is not None:  # a fresh pair of processes per method: its first step, then a second one
         peaks = []
         for _ in range(2):
@@ -164,11 +179,18 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="a smoke run: a tiny model, 1 round")
+    parser.add_argument("--where", type=int, nargs="?", const=8, default=0, help="the FSDP peaks' largest parts")
     parser.add_argument("--peak-of", choices=METHODS, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.blocks, args.width, args.seq, args.batch, args.rounds = 2, 32, 16, 2, 1
     print(f"2 ranks (gloo), {args.blocks} blocks width {args.width}, seq {args.seq}, batch {args.batch}")
+    if args.where:
+        for name, (peak, parts) in D.run(worker, 2, args, timeout=600)[0]["where"].items():
+            print(f"{name}: live peak {peak / 2**20:.1f} MB (rank 0), of which")
+            for what, nbytes in parts:
+                print(f"  {nbytes / 2**20:8.2f} MB  {what}")
+        return
     results = D.run(worker, 2, args, timeout=1800, pg_timeout=600)
     for name in METHODS:
         peaks = D.run(worker, 2, argparse.Namespace(**{**vars(args), "peak_of": name}), timeout=600, pg_timeout=300)

@@ -87,6 +87,7 @@ setup, minus the same figure for the forward-only baseline.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -204,39 +205,55 @@ def make_step(method: str, blocks: list, x, target):
 
 
 class LiveBytes:
-    """Peak bytes of tensor storages created inside the block and alive at once (allocator-free)."""
+    """Peak bytes of tensor storages created inside the block and alive at once (allocator-free).
+    With ``breakdown``, ``at_peak`` counts the bytes alive at the peak by the operator and shape
+    that made them. Storages FSDP frees and refills in place (``resize_``) are not seen."""
 
-    def __init__(self):
+    def __init__(self, breakdown: bool = False):
         import torch
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_leaves
 
         counter = self
 
+        def pointers(tensors) -> set:
+            seen = set()
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    try:
+                        seen.add(t.untyped_storage().data_ptr())
+                    except RuntimeError:  # a storage resized to nothing (FSDP's unsharded parameters)
+                        pass
+            return seen
+
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                inputs = {
-                    t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-                }
+                inputs = pointers(tree_leaves((args, kwargs)))
                 for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor):
-                        counter._add(t.untyped_storage(), inputs)
+                    if isinstance(t, torch.Tensor) and pointers([t]):
+                        counter._add(t.untyped_storage(), inputs, f"{func.__name__} {tuple(t.shape)}")
                 return out
 
-        self.mode, self.live, self.peak, self._tracked = Mode(), 0, 0, set()
+        self.mode, self.live, self.peak, self._tracked = Mode(), 0, 0, {}
+        self.breakdown, self.at_peak = breakdown, collections.Counter()
 
-    def _add(self, storage, inputs) -> None:
+    def _add(self, storage, inputs, what: str) -> None:
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
         if nbytes == 0 or ptr in self._tracked or ptr in inputs:
             return
-        self._tracked.add(ptr)
+        self._tracked[ptr] = (what, nbytes)
         self.live += nbytes
-        self.peak = max(self.peak, self.live)
+        if self.live > self.peak:
+            self.peak = self.live
+            if self.breakdown:
+                self.at_peak = collections.Counter()
+                for name, n in self._tracked.values():
+                    self.at_peak[name] += n
         weakref.finalize(storage, self._free, ptr, nbytes)
 
     def _free(self, ptr: int, nbytes: int) -> None:
-        self._tracked.discard(ptr)
+        self._tracked.pop(ptr, None)
         self.live -= nbytes
 
     def __enter__(self):
