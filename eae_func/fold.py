@@ -115,10 +115,12 @@ class Tape:
 @dataclasses.dataclass(frozen=True)
 class Carry:
     """What the fold carries from boundary l to l-1: the record of p_l after the passes
-    (its costate feeds stage l's step) and the pass state."""
+    (its costate feeds stage l's step), the pass state and what the fused updates have made
+    so far (``update.Pending``; ``None`` without them)."""
 
     adj: AdjointState
     pass_state: Any
+    pending: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -564,10 +566,12 @@ def make_step(
     entry's boundary under the replayed RNG state. A physical stage asks the estimator
     (``stage_vjp(problem, prepared, i, h_in, costate)``, fresh randomness, no replay); with
     physical stages, ``opts.estimator.prepare(problem)`` runs here, once. With an ``updater``
-    (fused updates), ``updater.apply(i, grads)`` consumes the stage's gradients at once and the
-    step emits none. With ``defer_weights`` a digital stage that is rebuilt from its boundary
-    computes ``J_x^T p`` alone and emits its parameter gradients as ``Deferred`` (the I/W split of
-    zero-bubble schedules: the same numbers, the weight half run later). With ``earlier`` (one entry
+    (fused updates), ``pending = updater.apply(carry.pending, i, grads)`` consumes the stage's
+    gradients at once, the step emits none and carries the new ``pending``; a failure says which
+    stages a torch.optim update had stepped (``updater.note``). With ``defer_weights`` a digital
+    stage that is rebuilt from its boundary computes ``J_x^T p`` alone and emits its parameter
+    gradients as ``Deferred`` (the I/W split of zero-bubble schedules: the same numbers, the weight
+    half run later). With ``earlier`` (one entry
     per stage of the chain: the gradients of earlier microbatches), the step emits its stage's
     gradients plus that entry and lets go of the entry, so one set of gradients is alive at a time.
     """
@@ -575,77 +579,86 @@ def make_step(
     observed = opts.keep_costates or not opts.no_passes  # p_0, the chain input's costate, is read by someone
 
     def step(carry: Carry, entry: Entry) -> tuple[Carry, StepOut]:
-        i, s = entry.index, chain.stages[entry.index]
-        physical, stats = i in opts.physical, {}
-        # built from this layout by the previous step, or checked against it (after passes, an estimator
-        # or a transfer from another rank)
-        costate = B.flat(carry.adj.value, none_is_leaf=True)
+        pending = carry.pending
         try:
-            if physical:
-                with timer(opts, stats, "vjp_s", f"eae/{s.name}/estimate", device), autocast(opts.autocast, device):
-                    grads, costate_in, cost = opts.estimator.stage_vjp(
-                        problem, prepared, i, entry.boundary, entry.out_layout.spec.unflatten(costate)
-                    )
-                stats.update(cost)
-                if entry.frozen:
-                    grads = {n: None if n in entry.frozen else g for n, g in grads.items()}
-            elif all(c is None for c in costate):  # no costate flows here (E.frozen() downstream): nothing to do
-                grads = optree.tree_map(lambda t: None, params[i], namespace=NAMESPACE)
-                costate_in = B.split_as(entry.boundary, entry.layout)[2]([None] * sum(entry.layout.mask))
-            else:
-                floats, rebuild, costate_like = B.split_as(entry.boundary, entry.layout)
-                closure = entry.closure
-                done = None
-                rebuilt = closure is None and entry.cached is None
-                if rebuilt and compiled.eligible(s, i, opts, entry.layout):  # recompute + vjp: one graph
-                    with (
-                        timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device),
-                        replay_rng(entry.rng, device),
-                        in_modes(entry.modes),
-                        autocast(opts.autocast, device),
-                    ):
-                        done = compiled.reverse(
-                            s, opts, params[i], entry.buffers, entry, V.cotangent(costate, entry.out_layout)
+            i, s = entry.index, chain.stages[entry.index]
+            physical, stats = i in opts.physical, {}
+            # built from this layout by the previous step, or checked against it (after passes, an estimator
+            # or a transfer from another rank)
+            costate = B.flat(carry.adj.value, none_is_leaf=True)
+            try:
+                if physical:
+                    with timer(opts, stats, "vjp_s", f"eae/{s.name}/estimate", device), autocast(opts.autocast, device):
+                        grads, costate_in, cost = opts.estimator.stage_vjp(
+                            problem, prepared, i, entry.boundary, entry.out_layout.spec.unflatten(costate)
                         )
-                if done is not None:
-                    grads, g_in = done
-                elif rebuilt and defer_weights and s.sharded is None:
-                    cot = V.cotangent(costate, entry.out_layout)
-                    grads, g_in = deferred_vjp(
-                        s, params[i], entry, floats, rebuild, cot, i > 0 or observed, opts, stats, device
-                    )
+                    stats.update(cost)
+                    if entry.frozen:
+                        grads = {n: None if n in entry.frozen else g for n, g in grads.items()}
+                elif all(c is None for c in costate):  # no costate flows here (E.frozen() downstream): nothing to do
+                    grads = optree.tree_map(lambda t: None, params[i], namespace=NAMESPACE)
+                    costate_in = B.split_as(entry.boundary, entry.layout)[2]([None] * sum(entry.layout.mask))
                 else:
-                    if closure is None:
+                    floats, rebuild, costate_like = B.split_as(entry.boundary, entry.layout)
+                    closure = entry.closure
+                    done = None
+                    rebuilt = closure is None and entry.cached is None
+                    if rebuilt and compiled.eligible(s, i, opts, entry.layout):  # recompute + vjp: one graph
                         with (
-                            timer(opts, stats, "recompute_s", f"eae/{s.name}/recompute", device),
+                            timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device),
                             replay_rng(entry.rng, device),
                             in_modes(entry.modes),
                             autocast(opts.autocast, device),
-                            entry.cached or NULL,
                         ):
-                            closure = rebuilt_vjp(s, params[i], entry.buffers, floats, rebuild, entry.frozen)
-                    with timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device):
-                        grads, g_in = closure(V.cotangent(costate, entry.out_layout), i > 0 or observed)
-                if s.sharded is not None:
-                    fsdp.prefetch_below(chain, i)
-                costate_in = None if g_in is None else costate_like(g_in)
-        except Exception as e:
-            note(e, f"the reverse step of {chain.where(i)}")
+                            done = compiled.reverse(
+                                s, opts, params[i], entry.buffers, entry, V.cotangent(costate, entry.out_layout)
+                            )
+                    if done is not None:
+                        grads, g_in = done
+                    elif rebuilt and defer_weights and s.sharded is None:
+                        cot = V.cotangent(costate, entry.out_layout)
+                        grads, g_in = deferred_vjp(
+                            s, params[i], entry, floats, rebuild, cot, i > 0 or observed, opts, stats, device
+                        )
+                    else:
+                        if closure is None:
+                            with (
+                                timer(opts, stats, "recompute_s", f"eae/{s.name}/recompute", device),
+                                replay_rng(entry.rng, device),
+                                in_modes(entry.modes),
+                                autocast(opts.autocast, device),
+                                entry.cached or NULL,
+                            ):
+                                closure = rebuilt_vjp(s, params[i], entry.buffers, floats, rebuild, entry.frozen)
+                        with timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device):
+                            grads, g_in = closure(V.cotangent(costate, entry.out_layout), i > 0 or observed)
+                    if s.sharded is not None:
+                        fsdp.prefetch_below(chain, i)
+                    costate_in = None if g_in is None else costate_like(g_in)
+            except Exception as e:
+                note(e, f"the reverse step of {chain.where(i)}")
+                raise
+            if earlier is not None:
+                before, now = earlier[i], cast(Any, grads)
+                grads, earlier[i] = optree.tree_map(add, before, now, none_is_leaf=True, namespace=NAMESPACE), None
+            if updater is not None:
+                with (
+                    timer(opts, stats, "update_s", f"eae/{s.name}/update", device),
+                    naming(f"the update of {chain.where(i)}"),
+                ):
+                    pending = updater.apply(pending, i, grads)
+                grads = None
+            adj, pass_state = (
+                AdjointState(costate_in, i, boundary_name(chain, i), fold_in(opts.key, i)),
+                carry.pass_state,
+            )
+            if physical or not opts.no_passes:  # else the step built the costate from the boundary: nothing to do
+                adj, pass_state = processed(chain, opts, adj, pass_state, entry.boundary, entry.layout, stats)
+            return Carry(adj, pass_state, pending), StepOut(grads, traced(adj, opts), stats)
+        except BaseException as e:  # KeyboardInterrupt too: say which stages a torch.optim update had stepped
+            if updater is not None:
+                updater.note(pending, e)
             raise
-        if earlier is not None:
-            before, now = earlier[i], cast(Any, grads)
-            grads, earlier[i] = optree.tree_map(add, before, now, none_is_leaf=True, namespace=NAMESPACE), None
-        if updater is not None:
-            with (
-                timer(opts, stats, "update_s", f"eae/{s.name}/update", device),
-                naming(f"the update of {chain.where(i)}"),
-            ):
-                updater.apply(i, grads)
-            grads = None
-        adj, pass_state = AdjointState(costate_in, i, boundary_name(chain, i), fold_in(opts.key, i)), carry.pass_state
-        if physical or not opts.no_passes:  # else the step built the costate from the boundary: nothing to do
-            adj, pass_state = processed(chain, opts, adj, pass_state, entry.boundary, entry.layout, stats)
-        return Carry(adj, pass_state), StepOut(grads, traced(adj, opts), stats)
 
     return step
 

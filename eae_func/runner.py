@@ -3,7 +3,7 @@
     tape         = forward(chain, lo, hi, params, buffers, x_lo)      keep x_lo..x_{hi-1}
     loss, carry  = boundary_condition(chain, x_L, loss_args)          if hi = L, else the received p_hi
     carry, outs  = reverse(step, [carry], tape)                       p_{hi-1}..p_lo, grads
-    -> Piece(loss, grads, trace, buffers, pass state, stats)
+    -> Piece(loss, grads, trace, buffers, pass state, stats, p_lo, pending updates)
 
 ``ef.sweep`` runs it over the whole chain once per microbatch, every pipeline rank over its own
 range, and the model-level estimators' oracle over the whole chain for its exact trace. The
@@ -28,7 +28,7 @@ from .estimators.base import Problem
 from .microbatch import Microbatch, merge_counters
 from .options import Options
 from .physical import Meter, check_probed
-from .update import Updater
+from .update import Pending, Updater
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,8 @@ class Piece:
     does not end the chain), one gradient entry per stage (``None`` each with fused updates; a
     ``fold.Deferred`` with ``defer_weights``), the trace (record L first if the range ends the
     chain, then hi-1 down to lo), the updated buffers of the range's stages, the pass state, the
-    stats and p_lo after the passes (what a pipeline rank sends back, kept whatever the trace keeps)."""
+    stats, p_lo after the passes (what a pipeline rank sends back, kept whatever the trace keeps)
+    and what the fused updates had made when the fold ended (``update.Pending``; ``None`` without)."""
 
     loss: torch.Tensor | None
     grads: tuple
@@ -46,6 +47,7 @@ class Piece:
     pass_state: Any
     stats: dict
     costate: Any = None
+    pending: Pending | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,11 +85,13 @@ class Range:
         pass_state: Any,
         received: Any = None,
         updater: Updater | None = None,
+        pending: Pending | None = None,
         defer_weights: bool = False,
         earlier: list | None = None,
     ) -> Piece:
         """The reverse fold of ``tape`` from the loss (the range ends the chain) or from the
-        ``received`` costate p_hi; ``buffers`` are those the forward ran with. ``defer_weights``:
+        ``received`` costate p_hi; ``buffers`` are those the forward ran with. ``updater``: fused
+        updates, ``pending`` threaded through the fold's carry from this value. ``defer_weights``:
         the parameter gradients of stages rebuilt from their boundary come as ``fold.Deferred``;
         ``earlier``: earlier microbatches' gradients, one entry per stage, added to this one's
         (``fold.make_step``)."""
@@ -99,12 +103,13 @@ class Range:
             loss, carry = F.boundary_condition(
                 chain, tape.take_output(), mb.loss_args, opts, pass_state, mb.scale, stats["loss"]
             )
+            carry = dataclasses.replace(carry, pending=pending)
             head, loss, start = (F.traced(carry.adj, opts),), loss * mb.scale, [carry]
             del carry  # the fold holds p_L alone: it is freed once stage L-1 has used it
         else:
             adj = AdjointState(received, hi, F.boundary_name(chain, hi), fold_in(opts.key, hi))
             F.check_costate(chain, hi, adj, tape.entries[-1].out_layout)
-            loss, head, start = None, (), [F.Carry(adj, pass_state)]
+            loss, head, start = None, (), [F.Carry(adj, pass_state, pending)]
         problem = self.problem(tape, buffers, mb) if opts.physical else None
         step = F.make_step(chain, self.params, opts, self.device, problem, updater, defer_weights, earlier)
         carry, outs = F.reverse(step, start, tape)
@@ -121,6 +126,7 @@ class Range:
             carry.pass_state,
             stats,
             carry.adj.value,
+            carry.pending,
         )
 
     def run(
@@ -129,10 +135,13 @@ class Range:
         mb: Microbatch,
         pass_state: Any,
         updater: Updater | None = None,
+        pending: Pending | None = None,
         earlier: list | None = None,
     ) -> Piece:
         """Forward and backward of the whole chain on microbatch ``mb``."""
-        return self.backward(self.forward(buffers, mb), buffers, mb, pass_state, updater=updater, earlier=earlier)
+        return self.backward(
+            self.forward(buffers, mb), buffers, mb, pass_state, updater=updater, pending=pending, earlier=earlier
+        )
 
     def at(self, mb: Microbatch) -> Options:
         """The options for microbatch ``mb`` (its own key)."""

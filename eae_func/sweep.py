@@ -151,10 +151,10 @@ def run(
     hooks = {(i, n): p for i, s in enumerate(chain.stages) for n, p in s.hooked().items()}
     hold = min(opts.physical) if opts.budget is not None and opts.physical else None
     reducer = reducer_of(False if sharded else opts.data_parallel, chain, params, groups)  # FSDP: its own
-    updater = (  # checked first
-        Updater(opts.update, chain, params, groups, hold, reducer, hooks)
+    updater, pending = (  # checked first
+        Updater.prepare(opts.update, chain, params, groups, hold, reducer, hooks)
         if opts.update is not None or reducer is not None
-        else None
+        else (None, None)
     )
     pieces = M.split(x, loss_args, opts.microbatches, opts.reduction, opts.key)
     whole = Range(chain, 0, len(chain), params, opts, device, meter)
@@ -165,46 +165,46 @@ def run(
         with fsdp.Sweep(chain) if sharded else F.NULL as on_fsdp:
             for j, mb in enumerate(pieces):
                 last = j == len(pieces) - 1
-                if updater is not None and last and grads is not None:  # the last fold updates, adding the earlier sum
-                    updater.carry, grads = grads, None
                 # each stage's step adds the earlier microbatches' gradients to its own and lets go of
-                # them: one set of gradients is alive, not one per microbatch
+                # them: one set of gradients is alive, not one per microbatch; the last fold updates
                 earlier, grads, piece = None if grads is None else list(grads), None, None
                 with on_fsdp.fold(last) if on_fsdp is not None else F.NULL:
-                    piece = whole.run(buffers, mb, state, updater if last else None, earlier)
-                buffers, state = piece.buffers, piece.pass_state
+                    piece = whole.run(buffers, mb, state, updater if last else None, pending, earlier)
+                buffers, state, pending = piece.buffers, piece.pass_state, piece.pending
                 assert piece.loss is not None  # the range ends the chain
                 losses.append(piece.loss)
                 grads = piece.grads
                 traces.append(piece.trace)
                 all_stats.append(piece.stats)
             if updater is not None:
-                updater.finish()
+                assert pending is not None  # the folds carry it
+                pending = updater.finish(pending)
     except BaseException as e:  # KeyboardInterrupt too: say which stages a fused update already stepped
-        if updater is not None:
-            updater.note(e)
+        if updater is not None and pending is not None:
+            updater.note(pending, e)
         raise
     total = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
     stats = metered(M.sum_stats(all_stats), chain, meter)
     if reducer is not None:
         stats["data_parallel"] = dict(reducer.stats)
     stats = Measurements(stats)
-    if updater is not None and updater.keeping:
-        return SweepResult(total, updater.kept(), M.join_adjoints(traces), buffers, state, stats, params)
-    if updater is not None:
-        pure = updater.spec.fn is not None
-        return SweepResult(
-            total,
-            None,
-            M.join_adjoints(traces),
-            buffers,
-            state,
-            stats,
-            tuple(updater.params) if pure else params,
-            tuple(updater.state) if pure else None,
-        )
-    grads = hooked_grads(tie_grads(params, grads, groups), hooks)
-    return SweepResult(total, grads, M.join_adjoints(traces), buffers, state, stats, params)
+    if updater is None:
+        grads = hooked_grads(tie_grads(params, grads, groups), hooks)
+        return SweepResult(total, grads, M.join_adjoints(traces), buffers, state, stats, params)
+    assert pending is not None  # the folds carry it
+    if updater.keeping:
+        return SweepResult(total, updater.grads(pending), M.join_adjoints(traces), buffers, state, stats, params)
+    pure = updater.spec.fn is not None
+    return SweepResult(
+        total,
+        None,
+        M.join_adjoints(traces),
+        buffers,
+        state,
+        stats,
+        pending.params if pure else params,
+        pending.state if pure else None,
+    )
 
 
 def reducer_of(group: Any, chain: Chain, params: tuple, groups: list) -> Any:

@@ -9,7 +9,7 @@ gradients at once).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import optree
 
@@ -78,11 +78,11 @@ class InFold:
     """Tied parameters of stages whose params are flat dicts, for a fold that hands out each stage's
     gradients from the highest stage down and lets go of them: a tied tensor is due once, at the
     lowest stage using it (the last use the fold reaches), with g = Σ_uses g_use added as the uses
-    come (``None`` the zero); at its other uses it is not due."""
+    come (``None`` the zero); at its other uses it is not due. The sums so far are a value the
+    caller threads (``due``), not kept here."""
 
     def __init__(self, groups: list):
         self.group_of: dict = {}  # (stage, name) -> (group index, its uses (stage, name), lowest first)
-        self.pending: dict = {}
         for n, group in enumerate(groups):
             uses = sorted((stage, path[0]) for stage, path in group)
             for use in uses:
@@ -93,16 +93,17 @@ class InFold:
         found = self.group_of.get((i, name))
         return [(i, name)] if found is None else found[1]
 
-    def due(self, i: int, grads: dict) -> dict:
-        """The gradients due at stage i: its own, and a tied tensor's sum where i is its lowest stage."""
-        due = {}
+    def due(self, i: int, grads: dict, sums: Mapping) -> tuple[dict, Mapping]:
+        """``(the gradients due at stage i, the new sums)``: its own, and a tied tensor's sum where i is
+        its lowest stage; ``sums`` (group -> Σ of the uses so far) is not changed, a new one is returned."""
+        due, sums = {}, dict(sums)
         for name, g in grads.items():
             found = self.group_of.get((i, name))
             if found is None:
                 due[name] = g
                 continue
             n, uses = found
-            self.pending[n] = add(self.pending.get(n), g)
+            sums[n] = add(sums.get(n), g)
             if uses[0][0] == i:
-                due[name] = self.pending.pop(n)
-        return due
+                due[name] = sums.pop(n)
+        return due, sums

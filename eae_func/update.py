@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from .chain import check_same_tensor, through_hooks
-from .microbatch import add
 from .ties import InFold
 
 
@@ -71,76 +70,109 @@ def fused(update: Any, state: Any = None, *, max_norm: float | None = None, per:
     )
 
 
+STEPPED = "(eae_func: the fused update had already stepped"
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """What the fold's updates have made so far: a value each reverse step returns anew (threaded in
+    ``fold.Carry.pending``) and never changes in place, so an earlier value stays as it was.
+
+    params:   one dict per stage: a pure update's new tensors where it updated, the given ones elsewhere.
+    state:    a pure update's state, one entry per stage (``()`` for any other).
+    tied:     ``{tie group: Σ gradients of its uses so far}`` of tied tensors not yet due (``InFold.due``).
+    held:     ``(stage, gradients)`` held while a physical stage below may still charge the budget.
+    kept:     ``{stage: gradients due}`` without an update (``data_parallel=`` alone).
+    stepped:  the stages updated so far, in order.
+    """
+
+    params: tuple
+    state: tuple = ()
+    tied: Mapping = dataclasses.field(default_factory=dict)
+    held: tuple = ()
+    kept: Mapping = dataclasses.field(default_factory=dict)
+    stepped: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Updater:
-    """What the fold does with each stage's gradients as soon as they exist: the fused updates of
-    ``spec``, or, with ``spec=None``, keep them (``kept()``); with a ``reducer``
-    (``data_parallel=``), averaged over the replicas first, each stage's reduction on the wire while
-    the fold goes on. ``apply(i, grads_i)`` at stage i's reverse step, ``finish()`` once after the
-    last. Everything is checked when it is made, before any step; ``groups`` are the tied
-    ``(stage, path)`` groups; ``carry`` (set for the last microbatch's fold) holds the earlier
-    folds' gradients; ``stepped`` the stages updated so far (an error after the first update says
-    which). Frozen parameters (``requires_grad=False``) and ones with no gradient are never stepped,
-    so an optimizer over the trainable parameters only is enough.
+    """What the fold does with each stage's gradients as soon as they exist, fixed and checked before
+    any step (``prepare``): the fused updates of ``spec``, or, with ``keeping``, keep them; with a
+    ``reducer`` (``data_parallel=``), averaged over the replicas first, each stage's reduction on the
+    wire while the fold goes on. It maps pending values (``Pending``), as an optax transformation maps
+    its state: ``apply(pending, i, grads_i) -> pending`` at stage i's reverse step, ``finish(pending)
+    -> pending`` once after the last. Frozen parameters (``requires_grad=False``) and ones with no
+    gradient are never stepped, so an optimizer over the trainable parameters only is enough.
 
-    ``hooks``: ``(stage, name) -> parameter`` for the parameters with tensor hooks, run on the
-    gradients due (``chain.through_hooks``) before their average over replicas, as under DDP.
+    ties:     the tied ``(stage, name)`` groups (``InFold``).
+    hooks:    ``(stage, name) -> parameter`` for the parameters with tensor hooks, run on the gradients
+              due (``chain.through_hooks``) before their average over replicas, as under DDP.
+    hold:     with a row budget, the lowest physical stage; updates of the stages above it wait until
+              its reverse step ran (their gradients ``held``), so every charge against the budget comes
+              before the first update and a step over budget updates nothing.
+    targets:  ``(stage, name) -> the optimizer's own parameter`` of a torch.optim update.
 
-    ``hold``: with a row budget, the lowest physical stage; updates of the stages above it wait
-    until its reverse step ran (holding their gradients), so every charge against the budget comes
-    before the first update and a step over budget updates nothing.
+    Side effects are only those that are so by nature: the reductions in flight, and a ``torch.optim``
+    optimizer stepping each stage in place with its step function itself; its step hooks (an EMA, a
+    logger) and learning-rate schedulers then see one ``optimizer.step()`` per sweep, called by
+    ``finish`` when every stage is updated (pre-hooks too run then, after the updates). A pure update
+    commits nothing: its params and state are the final pending value's."""
 
-    A ``torch.optim`` optimizer steps each stage with its step function itself; its step hooks
-    (an EMA, a logger) and learning-rate schedulers then see one ``optimizer.step()`` per sweep,
-    called by ``finish`` when every stage is updated (pre-hooks too run then, after the updates)."""
+    spec: Fused
+    chain: Any
+    keeping: bool
+    ties: InFold
+    hooks: Mapping
+    hold: int | None
+    reducer: Any
+    targets: Mapping
 
-    def __init__(
-        self,
+    @classmethod
+    def prepare(
+        cls,
         spec: Fused | None,
         chain: Any,
         params: tuple,
         groups: list,
         hold: int | None = None,
         reducer: Any = None,
-        hooks: dict | None = None,
-    ):
-        self.spec, self.chain, self.carry, self.hold, self.reducer = spec or Fused(), chain, None, hold, reducer
-        self.hooks = hooks or {}
-        self.keeping = spec is None
-        self.stepped: list[int] = []
-        self.held: list[tuple[int, dict]] = []
-        self.due: dict[int, dict] = {}  # kept: the gradients due at each stage (averaged with a reducer)
-        what = "data_parallel: the params" if self.keeping else "fused: the params"
+        hooks: Mapping | None = None,
+    ) -> tuple[Updater, Pending]:
+        """The ``Updater`` of ``spec`` (``None``: keep the gradients) for a fold over ``chain`` at ``params``
+        (one dict per stage; ``groups``: the tied ``(stage, path)`` groups), everything checked before any
+        step, and its first pending value: the params and the pure update's state as given."""
+        keeping, spec = spec is None, spec or Fused()
+        what = "data_parallel: the params" if keeping else "fused: the params"
         for i, p in enumerate(params):
             if not isinstance(p, dict) or not all(isinstance(t, torch.Tensor) for t in p.values()):
                 raise TypeError(
                     f"{what} of {chain.where(i)} must be a dict of tensors (as from_module gives) for "
                     f"the fold to take their gradients stage by stage, got {type(p).__name__}"
                 )
-        self.params = [dict(p) for p in params]
-        if self.spec.fn is not None and not isinstance(self.spec.state, (list, tuple)):
-            raise TypeError(f"fused: state must be one entry per stage (a list), got {type(self.spec.state).__name__}")
-        self.state: list = list(self.spec.state) if self.spec.state is not None else []
-        self.ties = InFold(groups)
-        if self.spec.fn is not None and len(self.state) != len(chain):
-            raise ValueError(f"fused: state has {len(self.state)} entries, the chain has {len(chain)} stages")
-        self.targets: dict = {}  # (stage, name) -> the optimizer's parameter, every one found before any step
-        if self.spec.optimizers:
-            self.targets = self._targets()
+        if spec.fn is not None and not isinstance(spec.state, (list, tuple)):
+            raise TypeError(f"fused: state must be one entry per stage (a list), got {type(spec.state).__name__}")
+        state = tuple(spec.state) if spec.state is not None else ()
+        ties = InFold(groups)
+        if spec.fn is not None and len(state) != len(chain):
+            raise ValueError(f"fused: state has {len(state)} entries, the chain has {len(chain)} stages")
+        targets = cls._targets(spec.optimizers, chain, params, ties) if spec.optimizers else {}
+        updater = cls(spec, chain, keeping, ties, hooks or {}, hold, reducer, targets)
+        return updater, Pending(tuple(dict(p) for p in params), state)
 
-    def _targets(self) -> dict:
-        """The optimizer's own parameter for every trainable (stage, name): a module stage's parameter
-        by identity, a function stage's tensor by storage."""
-        chain, optimizers = self.chain, self.spec.optimizers
+    @staticmethod
+    def _targets(optimizers: tuple, chain: Any, params: tuple, ties: InFold) -> dict:
+        """The optimizer's own parameter for every trainable (stage, name), every one found before any step:
+        a module stage's parameter by identity, a function stage's tensor by storage."""
         if len(optimizers) not in (1, len(chain)):
             raise ValueError(f"fused: expected one optimizer or one per stage ({len(chain)}), got {len(optimizers)}")
         owned = [{id(p): p for group in o.param_groups for p in group["params"]} for o in optimizers]
         by_storage = [{p.data_ptr(): p for p in o.values() if p.numel()} for o in owned]
         targets = {}
-        for i, stage in enumerate(self.params):
+        for i, stage in enumerate(params):
             s, k = chain.stages[i], i if len(optimizers) > 1 else 0
             frozen = s.frozen()
             for name, t in stage.items():
-                if self.ties.uses(i, name)[0][0] != i or name in frozen:
+                if ties.uses(i, name)[0][0] != i or name in frozen:
                     continue  # a tied use (due at its owner) or a frozen parameter (never stepped)
                 own = s.module.get_parameter(name) if s.module is not None else t
                 check_same_tensor(own, t, "fused: the gradients were computed at", f"{name!r} of {chain.where(i)}")
@@ -162,53 +194,62 @@ class Updater:
             )
         return targets
 
-    def apply(self, i: int, grads: dict) -> None:
-        """Use the gradients due at stage i (its own plus earlier microbatches', a tied parameter's sum
-        at its lowest stage): update with them or keep them, after their average over the replicas;
-        or hold them while a physical stage below may still charge the budget."""
-        if self.hold is not None:
-            if i > self.hold:
-                self.held.append((i, grads))
-                return
-            self.hold, held, self.held = None, self.held, []
-            for j, g in held:
-                self.apply(j, g)
-        if self.carry is not None:
-            grads = {n: add(self.carry[i][n], g) for n, g in grads.items()}
-        due = {  # None: frozen or unused, never stepped
-            n: through_hooks(self.hooks[i, n], g) if (i, n) in self.hooks else g
-            for n, g in self.ties.due(i, grads).items()
-            if g is not None
-        }
-        if not due:
-            return
-        if self.reducer is None:
-            self._use(i, due)
-            return
-        self.reducer.start(i, due)
-        for j, averaged in self.reducer.ready(wait=False):  # those already off the wire
-            self._use(j, averaged)
+    def apply(self, pending: Pending, i: int, grads: dict) -> Pending:
+        """``pending`` after the gradients of stage i (its own plus earlier microbatches'): those due (a
+        tied parameter's sum at its lowest stage) updated with or kept, after their average over the
+        replicas; or held while a physical stage below may still charge the budget. A failure says which
+        stages a torch.optim update had stepped by then (``note``)."""
+        if self.hold is not None and i > self.hold:
+            return dataclasses.replace(pending, held=(*pending.held, (i, grads)))
+        released, pending = (*pending.held, (i, grads)), dataclasses.replace(pending, held=())
+        try:
+            for j, stage_grads in released:
+                due, tied = self.ties.due(j, stage_grads, pending.tied)
+                pending = dataclasses.replace(pending, tied=tied)
+                due = {  # None: frozen or unused, never stepped
+                    n: through_hooks(self.hooks[j, n], g) if (j, n) in self.hooks else g
+                    for n, g in due.items()
+                    if g is not None
+                }
+                if not due:
+                    continue
+                if self.reducer is None:
+                    pending = self._use(pending, j, due)
+                    continue
+                self.reducer.start(j, due)
+                for k, averaged in self.reducer.ready(wait=False):  # those already off the wire
+                    pending = self._use(pending, k, averaged)
+        except BaseException as e:
+            self.note(pending, e)
+            raise
+        return pending
 
-    def _use(self, i: int, due: dict) -> None:
-        """Keep, or clip and update with, the gradients due at stage i (final: summed and averaged)."""
+    def _use(self, pending: Pending, i: int, due: dict) -> Pending:
+        """``pending`` with the gradients due at stage i (final: summed and averaged) kept, or clipped and
+        used to update: a pure update's new tensors in every use of each, its state in entry i."""
         if self.keeping:
-            self.due[i] = due
-            return
+            return dataclasses.replace(pending, kept={**pending.kept, i: due})
         if self.spec.max_norm is not None:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in due.values()]))
             scale = torch.clamp(self.spec.max_norm / (norm + 1e-6), max=1.0)
             due = {n: g * scale.to(g.dtype) for n, g in due.items()}
-        if self.spec.fn is not None:
-            out = self.spec.fn({n: self.params[i][n] for n in due}, due, self.state[i])
-            new, self.state[i] = self._checked(i, due, out)
-            for name, t in new.items():
-                for j, n in self.ties.uses(i, name):
-                    self.params[j][n] = t
-        else:
+        if self.spec.fn is None:
             self._step(i, due)
-        self.stepped.append(i)
+            return dataclasses.replace(pending, stepped=(*pending.stepped, i))
+        out = self.spec.fn({n: pending.params[i][n] for n in due}, due, pending.state[i])
+        new, state = self._checked(pending, i, due, out)
+        changed: dict = {}  # stage -> {name: new tensor}
+        for name, t in new.items():
+            for j, n in self.ties.uses(i, name):
+                changed.setdefault(j, {})[n] = t
+        return dataclasses.replace(
+            pending,
+            params=tuple({**p, **changed[j]} if j in changed else p for j, p in enumerate(pending.params)),
+            state=(*pending.state[:i], state, *pending.state[i + 1 :]),
+            stepped=(*pending.stepped, i),
+        )
 
-    def _checked(self, i: int, due: dict, out: Any) -> tuple:
+    def _checked(self, pending: Pending, i: int, due: dict, out: Any) -> tuple:
         """The pure update's ``(params_l, state_l)`` for stage i, its params exactly the ones it was
         given (names, shapes, dtypes, devices): a misspelt name would add a stray entry and leave the
         real weight as it was."""
@@ -218,7 +259,7 @@ class Updater:
         if set(out[0]) != set(due):
             raise ValueError(f"{where} returned params {sorted(out[0])}; it was given {sorted(due)}, the same names")
         for name, t in out[0].items():
-            old = self.params[i][name]
+            old = pending.params[i][name]
             if not isinstance(t, torch.Tensor) or (t.shape, t.dtype, t.device) != (old.shape, old.dtype, old.device):
                 got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(
@@ -226,15 +267,15 @@ class Updater:
                 )
         return out
 
-    def kept(self) -> tuple:
+    def grads(self, pending: Pending) -> tuple:
         """The kept gradients, one dict per stage in the params' structure: a tied parameter's sum in
         each of its uses, ``None`` where there is none (frozen or unused)."""
         out = []
-        for i, stage in enumerate(self.params):
+        for i, stage in enumerate(pending.params):
             grads = {}
             for name in stage:
                 owner_stage, owner_name = self.ties.uses(i, name)[0]
-                grads[name] = self.due.get(owner_stage, {}).get(owner_name)
+                grads[name] = pending.kept.get(owner_stage, {}).get(owner_name)
             out.append(grads)
         return tuple(out)
 
@@ -250,18 +291,25 @@ class Updater:
             for p in targets:
                 p.grad = None
 
-    def finish(self) -> None:
-        """After the last stage: the reductions still on the wire waited for and used, then each
-        optimizer's ``step()`` once, with no gradient left to apply, so its hooks and schedulers count
-        one step."""
-        for j, averaged in self.reducer.ready(wait=True) if self.reducer is not None else ():
-            self._use(j, averaged)
-        for optimizer in self.spec.optimizers:
-            optimizer.step()
+    def finish(self, pending: Pending) -> Pending:
+        """``pending`` after the last stage: the reductions still on the wire waited for and used, then
+        each optimizer's ``step()`` once, with no gradient left to apply, so its hooks and schedulers
+        count one step."""
+        try:
+            for j, averaged in self.reducer.ready(wait=True) if self.reducer is not None else ():
+                pending = self._use(pending, j, averaged)
+            for optimizer in self.spec.optimizers:
+                optimizer.step()
+        except BaseException as e:
+            self.note(pending, e)
+            raise
+        return pending
 
-    def note(self, e: BaseException) -> None:
-        """Say on ``e`` which stages a torch.optim optimizer already updated in place (an update cannot
-        be taken back); a pure update commits nothing until the sweep returns."""
-        if self.stepped and self.spec.optimizers:
-            done = ", ".join(self.chain.where(i) for i in sorted(self.stepped))
-            e.add_note(f"(eae_func: the fused update had already stepped {done}; the other stages were not)")
+    def note(self, pending: Pending, e: BaseException) -> None:
+        """Say on ``e`` which stages a torch.optim optimizer had updated in place by ``pending`` (an
+        update cannot be taken back), once: the first to say it, the innermost handler, knew the latest
+        value. A pure update commits nothing until the sweep returns."""
+        said = any(n.startswith(STEPPED) for n in getattr(e, "__notes__", ()))
+        if pending.stepped and self.spec.optimizers and not said:
+            done = ", ".join(self.chain.where(i) for i in sorted(pending.stepped))
+            e.add_note(f"{STEPPED} {done}; the other stages were not)")

@@ -206,6 +206,32 @@ def test_a_failed_fused_step_names_the_stages_it_already_stepped():
     ), info.value.__notes__
 
 
+@pytest.mark.parametrize(
+    "boundary, stepped", [(4, "stage 4 ('Linear_4')"), (2, "stage 2 ('Linear_2'), stage 4 ('Linear_4')")]
+)
+def test_a_failure_after_a_fused_step_in_the_same_reverse_step_names_it(boundary, stepped):
+    """A pass failing at boundary l runs after stage l's update, in the same reverse step: the note
+    counts that update (the step notes with the value it made, not the one it was given)."""
+    model = _mlp()
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+
+    def failing(adj, state, ctx):
+        if adj.index == boundary:
+            raise RuntimeError("pass failed")
+        return adj, state
+
+    with pytest.raises(RuntimeError, match="pass failed") as info:
+        ef.sweep(
+            chain,
+            params,
+            *_batch(),
+            passes=ef.Pass(init=lambda: None, update=failing),
+            update=torch.optim.SGD(model.parameters(), lr=0.1),
+        )
+    notes = [n for n in info.value.__notes__ if "already stepped" in n]
+    assert notes == [f"(eae_func: the fused update had already stepped {stepped}; the other stages were not)"]
+
+
 def test_a_numpy_black_box_cannot_write_into_the_saved_boundary():
     """numpy writes bump no torch version counter: the black box gets a read-only array."""
 

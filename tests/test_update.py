@@ -1,12 +1,17 @@
 """Optimizer updates fused into the reverse fold: the same parameters as sweeping, then stepping."""
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import eae_func as ef
+from eae_func import fold
 from eae_func.models import lm_loss, transformer_lm
+from eae_func.update import Updater
 
 STEPS = 3
 
@@ -235,3 +240,58 @@ def test_a_pure_update_returning_other_params_is_refused(wrong, match):
 
     with pytest.raises(ValueError, match=rf"fused: the update of stage \d+ .*{match}"):
         ef.sweep(chain, params, *data[0], update=ef.fused(update, [{} for _ in params]))
+
+
+def _held_by(pending) -> tuple:
+    """What a pending value's containers hold, by identity: equal later only if none was changed in place."""
+    return (
+        pending.params,
+        [tuple((n, id(t)) for n, t in stage.items()) for stage in pending.params],
+        [id(s) for s in pending.state],
+        sorted((k, id(v)) for k, v in pending.tied.items()),
+        [(i, id(g)) for i, g in pending.held],
+        sorted((k, id(v)) for k, v in pending.kept.items()),
+        pending.stepped,
+    )
+
+
+@settings(max_examples=10, deadline=None)
+@given(depth=st.integers(2, 4), tied=st.booleans(), microbatches=st.integers(1, 3), seed=st.integers(0, 99))
+def test_a_pure_update_is_a_value_the_fold_threads(depth, tied, microbatches, seed):
+    """The fold carries what the updates made (``Pending``): each step's ``apply`` returns a new value
+    and leaves the one it was given as it was, the result's params and state are those of the carry
+    the fold returned, and they equal the update applied stage by stage to the unfused gradients."""
+    torch.manual_seed(seed)
+    layers = [m for _ in range(depth) for m in (torch.nn.Linear(4, 4), torch.nn.Tanh())]
+    model = torch.nn.Sequential(*layers).double()
+    if tied:
+        model[-2].weight = model[0].weight
+    chain, params = ef.from_module(model, loss=lambda out, y: (out - y).square().mean())
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    apply, reverse, calls, carries = Updater.apply, fold.reverse, [], []
+
+    def applied(self, pending, i, grads):
+        held = _held_by(pending)
+        new = apply(self, pending, i, grads)
+        calls.append((pending, held, new))
+        return new
+
+    def reversed_(step, start, tape):
+        carry, outs = reverse(step, start, tape)
+        carries.append(carry)
+        return carry, outs
+
+    with mock.patch.object(Updater, "apply", applied), mock.patch.object(fold, "reverse", reversed_):
+        res = ef.sweep(chain, params, x, y, microbatches=microbatches, update=ef.fused(_sgd, [{} for _ in params]))
+    assert len(calls) == len(chain)  # one apply per stage, in the last fold alone
+    for before, held, after in calls:
+        assert after is not before and _held_by(before) == held
+    final = carries[-1].pending
+    assert res.params is final.params and res.update_state is final.state
+    grads = ef.grad(chain, params, x, y, microbatches=microbatches)
+    for stage, new, g, state in zip(params, res.params, grads, res.update_state):
+        assert new.keys() == stage.keys()
+        assert all(torch.equal(new[n], t - 0.1 * g[n]) for n, t in stage.items())
+        assert state == ({"steps": 1} if stage else {})  # a stage with params has some due
+    if tied:
+        assert res.params[0]["weight"] is res.params[-2]["weight"]
