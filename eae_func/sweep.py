@@ -239,29 +239,38 @@ _CAPTURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Sequence[str] | None, x: Any) -> tuple:
     """``(chain, qualified, parameters)`` for a model: ``qualified[i]`` maps stage i's parameter and
     buffer names to the model's own (canonical: a tied tensor has one name), ``parameters`` is the set
-    of the model's parameter names. A captured chain and its names are kept per model, cut and input
-    layout, with a ``capture.Watch`` of the model (its fingerprint: modules, tensors, hooks, modes
-    and plain attributes at any depth): a training loop captures once, and a model changed since (a
-    module replaced, a flag toggled, ``.double()``, a hook added) is captured again."""
+    of the model's parameter names. A module's chain (one stage per child, or captured: per cut and
+    input layout) and its names are kept per model with a ``capture.Watch`` of it (its fingerprint:
+    modules, tensors, hooks, modes and plain attributes at any depth): a training loop builds them
+    once, and a model changed since (a module replaced, a flag toggled, ``.double()``, a hook added)
+    is built again. A list of stages, and a model with FSDP modules (whose own state moves at every
+    call), are built at every call."""
     if loss is None:
         raise TypeError(f"sweep: a model ({type(model).__name__}) needs loss=loss_fn(output, *loss_args)")
     if split_at is None:
-        chain, _ = from_module(model, loss)
-        prefixes = [n for n, _ in model.named_children()] if isinstance(model, nn.Module) else [None] * len(chain)
-        return (chain, *_names(model, chain, prefixes))
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"sweep: split_at cuts a model's own forward, got a {type(model).__name__}")
-    key = (tuple(split_at), tuple(capture_layout(optree.tree_leaves(x, namespace=NAMESPACE))))
 
-    def captured() -> tuple:
-        chain = from_module(model, loss, split_at=split_at, example=x)[0]
-        return (chain, *_names(model, chain, [None] * len(chain)))
+        def made() -> tuple:
+            chain, _ = from_module(model, loss)
+            prefixes = [n for n, _ in model.named_children()] if isinstance(model, nn.Module) else [None] * len(chain)
+            return (chain, *_names(model, chain, prefixes))
+
+        if not isinstance(model, nn.Module) or fsdp.holds_shards(model):
+            return made()
+        key: tuple = ()
+    else:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"sweep: split_at cuts a model's own forward, got a {type(model).__name__}")
+        key = (tuple(split_at), tuple(capture_layout(optree.tree_leaves(x, namespace=NAMESPACE))))
+
+        def made() -> tuple:
+            chain = from_module(model, loss, split_at=split_at, example=x)[0]
+            return (chain, *_names(model, chain, [None] * len(chain)))
 
     with capture.LOCK:  # a second thread capturing the same model waits and finds this capture
         cache = _CAPTURED.setdefault(model, {})
         hit = cache.get(key)
         watch = hit[0].current() if hit is not None else capture.Watch(model)
-        chain, qualified, parameters = kept(cache, key, watch, captured)
+        chain, qualified, parameters = kept(cache, key, watch, made)
     return chain.ending_in(loss), qualified, parameters
 
 

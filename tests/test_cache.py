@@ -2,8 +2,10 @@
 fingerprint changes, and hold at most their limit, dropping the least recently used."""
 
 import gc
+import importlib
 import types
 import weakref
+from unittest import mock
 
 import torch
 from hypothesis import given, settings
@@ -112,3 +114,56 @@ def test_a_watch_does_not_keep_the_model_alive():
     del model
     gc.collect()
     assert alive() is None and watch.current() is watch
+
+
+# ----------------------------------------------------------------------------- a module's chain, kept
+
+
+def _linear(m, v):
+    linears = [c for c in m if isinstance(c, torch.nn.Linear)]
+    return linears[v % len(linears)]
+
+
+def _changes():
+    return [
+        lambda m, v: None,
+        lambda m, v: m.__setitem__(v % len(m), torch.nn.Linear(3, 3)),  # a child replaced
+        lambda m, v: _linear(m, v).weight.requires_grad_(bool(v % 2)),  # frozen, or trainable again
+        lambda m, v: m.append(torch.nn.Linear(3, 3)),
+        lambda m, v: setattr(_linear(m, v), "weight", m[0].weight),  # tied to the first child's
+        lambda m, v: _linear(m, v).register_forward_hook(lambda mod, args, out: out * 2.0),
+    ]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(_changes()) - 1), st.integers(0, 5)), max_size=8))
+def test_a_sequential_chain_is_built_once_and_again_after_any_change(steps):
+    """A sweep of an ``nn.Sequential`` builds its chain on the first call and again only when the model
+    changed; after any changes its gradients are autograd's."""
+    import torch.nn.functional as F
+
+    import eae_func as ef
+
+    S = importlib.import_module("eae_func.sweep")  # the module (``eae_func.sweep`` is the function)
+    builds = []
+    build = S.from_module
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3)).double()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    for which, v in [(0, 0), *steps]:
+        before = capture.fingerprint(model)
+        _changes()[which](model, v)
+        model.double()
+        changed, count = capture.fingerprint(model) != before, len(builds)
+        params = dict(model.named_parameters())
+        with mock.patch.object(S, "from_module", lambda *a, **k: builds.append(1) or build(*a, **k)):
+            grads = ef.grad(model, params, x, y, loss=F.mse_loss)
+        assert len(builds) == count + (1 if changed or count == 0 else 0)
+        model.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        assert grads.keys() == params.keys()
+        for n, p in params.items():
+            if p.requires_grad:
+                torch.testing.assert_close(grads[n], p.grad, rtol=1e-12, atol=1e-12)
+            else:
+                assert grads[n] is None
