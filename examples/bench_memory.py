@@ -238,7 +238,7 @@ class LiveBytes:
         self.mode, self.live, self.peak, self._tracked = Mode(), 0, 0, {}
         self.breakdown, self.at_peak = breakdown, collections.Counter()
 
-    def _add(self, storage, inputs, what: str) -> None:
+    def _add(self, storage, inputs, what: str = "") -> None:
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
         if nbytes == 0 or ptr in self._tracked or ptr in inputs:
             return
