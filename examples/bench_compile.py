@@ -8,14 +8,19 @@ Model: ``--depth`` ``models.Block(256, 8, 4, 1024)`` or (``--model llama``) tran
 ``LlamaDecoderLayer`` of the same width, heads and MLP, seq 128, batch 4, fp32, the loss and every
 parameter gradient. ``--model llama-captured`` takes the whole ``LlamaModel`` (on ``inputs_embeds``)
 instead: checkpoint is Hugging Face's own ``gradient_checkpointing_enable()``, and eae_func cuts the
-model by graph capture (``split_at=["layers.*"]``), its layers sharing their compiled graphs. Per method: the one-time compile seconds (the first step's time minus a
-steady step's), the step time interleaved over ``--rounds`` rounds (A B C ... A B C ...), its
-median as a ratio to eager autograd, and the peak resident set of a steady step above the set
-before it, in a fresh process per method (one warm-up step first, glibc mapping every tensor above
-64 KiB on its own so RSS follows live memory). The gradients are checked against eager autograd's.
+model by graph capture (``split_at=["layers.*"]``), its layers sharing their compiled graphs.
+
+Per method: the one-time compile seconds (the first step's time minus a steady step's), the step
+time interleaved over ``--rounds`` rounds (A B C ... A B C ...), its median as a ratio to eager
+autograd, its median minor page faults (``ru_minflt``: memory glibc gave back and the step touched
+again; ``--keep-heap`` times with glibc keeping what it frees, for every method alike), and the peak
+resident set of a steady step above the set before it, in a fresh process per method (one warm-up
+step first, glibc mapping every tensor above 64 KiB on its own so RSS follows live memory). The
+gradients are checked against eager autograd's.
 
     python examples/bench_compile.py --depth 6 --rounds 11
     python examples/bench_compile.py --model llama --depth 12 --rounds 11
+    python examples/bench_compile.py --model llama --depth 6 --rounds 11 --keep-heap
     python examples/bench_compile.py --model llama-captured --depth 12 --rounds 11
 """
 
@@ -24,13 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import time
 
 from extras import extra
-from peak_rss import step_peak_mb
+from peak_rss import keep_heap, step_peak_mb
 
 METHODS = (
     "autograd",
@@ -223,7 +229,8 @@ def captured_steps(model, checkpointed, regional, x, y) -> dict:
 
 
 def peak_worker(args) -> None:
-    """One method's steady-step peak RSS above the set before it, printed as JSON."""
+    """One method's steady-step peak RSS above the set before it, printed as JSON (glibc's heap as the
+    environment sets it: every tensor mapped on its own, whatever ``--keep-heap`` says)."""
     import torch
 
     torch.set_num_threads(args.threads)
@@ -243,6 +250,7 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--keep-heap", action="store_true", help="time with glibc keeping freed memory mapped")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 blocks, seq 16, 1 round, no peaks")
     parser.add_argument("--peak-of", choices=METHODS, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -251,6 +259,8 @@ def main(argv=None):
     if args.peak_of is not None:
         return peak_worker(args)
 
+    if args.keep_heap:
+        keep_heap()
     import torch
 
     torch.set_num_threads(args.threads)
@@ -266,12 +276,13 @@ def main(argv=None):
             (g - r).abs().max().item() if g is not None and r is not None else 0.0 if g is r else float("inf")
             for g, r in zip(grads, reference)
         )
-    times = {name: [] for name in runs}
+    times, faults = {name: [] for name in runs}, {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, step in runs.items():
-            start = time.perf_counter()
+            before, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     median = {n: statistics.median(t) for n, t in times.items()}
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     peaks: dict = {}  # --quick: not measured, printed as "-"
@@ -290,13 +301,17 @@ def main(argv=None):
         "llama-captured": "layers of LlamaModel(256, 8 heads, 4 KV, MLP 1024), cut by capture",
         "block": "models.Block(256, 8, 4, 1024)",
     }[args.model]
-    print(f"{args.depth} x {kind}, seq {args.seq}, batch {args.batch}, {args.threads} threads")
-    print(f"{'method':<30} {'step / autograd':>15} {'compile s':>10} {'peak MB':>8} {'max |g - autograd|':>19}")
+    heap = ", glibc keeping freed memory mapped" if args.keep_heap else ""
+    print(f"{args.depth} x {kind}, seq {args.seq}, batch {args.batch}, {args.threads} threads{heap}")
+    print(
+        f"{'method':<30} {'step / autograd':>15} {'faults / step':>13} {'compile s':>10} {'peak MB':>8} "
+        f"{'max |g - autograd|':>19}"
+    )
     for name in METHODS:
         compile_s = max(first[name] - median[name], 0.0) if "compile" in name else 0.0
         print(
-            f"{name:<30} {median[name] / median['autograd']:>14.2f}x {compile_s:>10.1f} "
-            f"{f'{peaks[name]:.1f}' if name in peaks else '-':>8} {errors[name]:>19.1e}"
+            f"{name:<30} {median[name] / median['autograd']:>14.2f}x {statistics.median(faults[name]):>13.0f} "
+            f"{compile_s:>10.1f} {f'{peaks[name]:.1f}' if name in peaks else '-':>8} {errors[name]:>19.1e}"
         )
 
 
