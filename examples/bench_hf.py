@@ -44,7 +44,10 @@ exact), then a cProfile of eae_func's small-width GPT-2 step.
 
 ``--keep-heap`` runs ``--regimes`` with glibc keeping the memory it frees mapped
 (``peak_rss.keep_heap``: trim threshold 1 GiB, mmap threshold 32 MiB), for both methods alike, so
-no step faults in pages an earlier step gave back.
+no step faults in pages an earlier step gave back. ``--no-early-stop`` runs HF checkpointing without
+its early stop (``torch.utils.checkpoint.set_checkpoint_early_stop(False)``): its recompute then runs
+each layer to its end, as eae_func's rebuild does, where by default it stops at the layer's last
+saved tensor and skips the matrix product after it (Llama's ``down_proj``).
 
 ``--capture-check`` times what a graph capture (``capture="graph"``) checks on every call to
 know the model is unchanged since it was captured, on the small-width 12-layer GPT-2: the full
@@ -241,7 +244,8 @@ def regimes(args: argparse.Namespace) -> None:
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, cpu, {args.threads} threads, "
         f"{args.rounds} interleaved rounds, fp32, train mode"
-        f"{', glibc keeping freed memory mapped' if args.keep_heap else ''}\n"
+        f"{', glibc keeping freed memory mapped' if args.keep_heap else ''}"
+        f"{', HF checkpointing without early stop' if args.no_early_stop else ''}\n"
     )
     print(
         "| model | regime | fine-tune | HF checkpointing ms | eae_func ms | step ratio | live MB HF ckpt | live MB eae_func | peak ratio |"
@@ -345,6 +349,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--keep-heap", action="store_true", help="--regimes: glibc keeps freed memory mapped (no page faults)"
     )
+    parser.add_argument(
+        "--no-early-stop", action="store_true", help="--regimes: HF checkpointing recomputes each layer to its end"
+    )
     parser.add_argument("--capture-check", action="store_true", help="what the graph capture's staleness check costs")
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -361,7 +368,10 @@ def main(argv=None) -> None:
         print(json.dumps(worker(json.loads(args._worker))))
         return
     if args.regimes:
-        regimes(args)
+        from torch.utils.checkpoint import set_checkpoint_early_stop
+
+        with set_checkpoint_early_stop(not args.no_early_stop):
+            regimes(args)
         return
     if args.capture_check:
         capture_check(args)
