@@ -38,7 +38,9 @@ a cost that depends on the order of frees rather than on the method's work.
 ``ef.value_and_grad(..., recompute=budget)`` over byte budgets from 0 (recompute every stage) to
 all graphs kept (the last ones that fit), and the last graph kept with ``remat.save`` (matmul
 outputs kept) on the 0..L-1 blocks before it, beside
-``torch.utils.checkpoint.checkpoint_sequential`` with 1..L segments; it
+``torch.utils.checkpoint.checkpoint_sequential`` with 1..L segments (``--no-early-stop``: each
+segment's recompute run to its end, as eae_func's rebuild runs a block, where by default it stops
+at the segment's last saved tensor and skips the matrix product after it); it
 plots it into ``--out`` (default ``./eae_out``; matplotlib, from the ``examples`` extra). The
 llama block needs the ``hf`` extra, eae-runtime the ``bench`` extra.
 
@@ -277,11 +279,13 @@ def run(spec: dict, env: dict | None = None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def curve(depth: int, batch: int, seq: int, threads: int, steps: int, heap_kept: bool, plt, folder) -> None:
+def curve(
+    depth: int, batch: int, seq: int, threads: int, steps: int, heap_kept: bool, early_stop: bool, plt, folder
+) -> None:
     """Step time against live peak: eae_func's remat budgets beside checkpoint_sequential's segments."""
     import torch
     from torch import nn
-    from torch.utils.checkpoint import checkpoint_sequential
+    from torch.utils.checkpoint import checkpoint_sequential, set_checkpoint_early_stop
 
     import eae_func as ef
 
@@ -306,7 +310,8 @@ def curve(depth: int, batch: int, seq: int, threads: int, steps: int, heap_kept:
 
         def ckpt(s=segments):
             model.zero_grad(set_to_none=True)
-            loss_fn(checkpoint_sequential(model, s, x, use_reentrant=False), target).backward()
+            with set_checkpoint_early_stop(early_stop):
+                loss_fn(checkpoint_sequential(model, s, x, use_reentrant=False), target).backward()
 
         runs[("checkpoint_sequential", segments)] = ckpt
     peaks, times = {}, {k: [] for k in runs}
@@ -321,7 +326,10 @@ def curve(depth: int, batch: int, seq: int, threads: int, steps: int, heap_kept:
             start = time.perf_counter()
             fn()
             times[key].append(time.perf_counter() - start)
-    print(f"\n### Remat curve: block, depth {depth} (gradient step, live MB, median of {steps} interleaved)\n")
+    print(
+        f"\n### Remat curve: block, depth {depth} (gradient step, live MB, median of {steps} interleaved"
+        f"{'; checkpoint without early stop' if not early_stop else ''})\n"
+    )
     print("| method | setting | live MB | step s |")
     print("|---|---|---|---|")
     for (method, setting), peak in peaks.items():
@@ -369,6 +377,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=usable_cores())
     parser.add_argument("--curve", action="store_true", help="also the remat curve and its plot")
     parser.add_argument("--keep-heap", action="store_true", help="time with glibc keeping freed memory mapped")
+    parser.add_argument("--no-early-stop", action="store_true", help="--curve: checkpoint recomputes to the end")
     parser.add_argument("--quick", action="store_true", help="smoke run: depth 2, batch 2, seq 32, 1 step")
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     add_out(parser)
@@ -431,7 +440,17 @@ def main(argv=None) -> None:
                 flush=True,
             )
     if args.curve:
-        curve(args.depths[0], args.batch, args.seq, args.threads, max(args.steps, 2), args.keep_heap, plt, args.out)
+        curve(
+            args.depths[0],
+            args.batch,
+            args.seq,
+            args.threads,
+            max(args.steps, 2),
+            args.keep_heap,
+            not args.no_early_stop,
+            plt,
+            args.out,
+        )
 
 
 if __name__ == "__main__":
