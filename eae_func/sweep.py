@@ -243,8 +243,8 @@ def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Seque
     input layout) and its names are kept per model with a ``capture.Watch`` of it (its fingerprint:
     modules, tensors, hooks, modes and plain attributes at any depth): a training loop builds them
     once, and a model changed since (a module replaced, a flag toggled, ``.double()``, a hook added)
-    is built again. A list of stages, and a model with FSDP modules (whose own state moves at every
-    call), are built at every call."""
+    is built again. A list of stages, and a model with FSDP modules (the build runs FSDP's lazy
+    initialisation from the root), are built at every call."""
     if loss is None:
         raise TypeError(f"sweep: a model ({type(model).__name__}) needs loss=loss_fn(output, *loss_args)")
     if split_at is None:
