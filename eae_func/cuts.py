@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import random
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ from torch import nn
 
 from . import boundary as B
 from . import capture
+from . import early_stop as ES
 from . import fold as F
 from . import microbatch as M
 from . import vjp as V
@@ -184,6 +185,25 @@ class Sweep:
             raise TypeError(f"cut {call.name!r}: its output has no tensor ({type(out).__name__}); cut another module")
         return [t for t in leaves if isinstance(t, torch.Tensor)]
 
+    def kind(self, call: Call) -> Hashable | None:
+        """The kind of the call's rebuild for ``early_stop`` (``None``: it runs in full, as one that
+        reseeds torch's generator must, to be checked against its forward)."""
+        if not self.opts.early_stop or call.sums is not None:
+            return None
+        key = (
+            id(call.module),
+            call.spec,
+            tuple(ES.layout(t) if isinstance(t, torch.Tensor) else t for t in call.leaves),
+            tuple(p.requires_grad for p in call.params.values()),
+            call.autocast,
+            tuple(training for _, training in call.modes),
+        )
+        try:
+            hash(key)
+        except TypeError:  # an argument that is not hashable: not a kind
+            return None
+        return key
+
     def passes(self, call: Call, costates: list) -> list:
         """The costate of the call's output after the passes (one tensor, or a tuple for several)."""
         value = costates[0] if len(costates) == 1 else tuple(costates)
@@ -224,31 +244,35 @@ class Sweep:
         leaves, own = list(call.leaves), {}
         local = {n: own.setdefault(id(p), p.detach().requires_grad_(p.requires_grad)) for n, p in call.params.items()}
         trainable = {id(p): p for p in call.params.values() if p.requires_grad and B.is_differentiable(p)}
-        with torch.enable_grad():
-            inputs = [leaves[i].requires_grad_() for i in call.inputs]  # detached when kept
-            args, kwargs = pytree.tree_unflatten(leaves, call.spec)
-            _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
-            try:
-                with (
-                    F.timer(self.opts, stats, "recompute_s", f"eae/{call.name}/recompute"),
-                    F.replay_rng(call.rng, self.device),
-                    F.in_modes(call.modes),
-                    HOST.replay(call.host),
-                    replay_autocast(call.autocast),
-                    module_lock(call.module),
-                    holding(call.module, {**local, **{n: b.clone() for n, b in call.buffers.items()}}),
-                ):
-                    out = call.forward(*args, **kwargs)
-            except Exception as e:
-                F.note(e, f"the rebuild of cut {call.name!r}")
-                e.add_note(
-                    "(eae_func: the rebuild runs the module again on the inputs of its forward; one the forward "
-                    "changed in place (a KV cache, a dict or list it appends to) differs now: call the model "
-                    "without a cache (use_cache=False), or cut where no such state is passed)"
-                )
-                raise
-            finally:
-                _ACTIVE.depth -= 1
+        inputs = [leaves[i].requires_grad_() for i in call.inputs]  # detached when kept
+        args, kwargs = pytree.tree_unflatten(leaves, call.spec)
+
+        def rebuild(run: Callable) -> Any:
+            with (
+                torch.enable_grad(),
+                F.timer(self.opts, stats, "recompute_s", f"eae/{call.name}/recompute"),
+                F.replay_rng(call.rng, self.device),
+                F.in_modes(call.modes),
+                HOST.replay(call.host),
+                replay_autocast(call.autocast),
+                module_lock(call.module),
+                holding(call.module, {**local, **{n: b.clone() for n, b in call.buffers.items()}}),
+            ):
+                return run(call.forward, *args, **kwargs)
+
+        _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
+        try:
+            out = ES.rebuilt(self.kind(call), rebuild)
+        except Exception as e:
+            F.note(e, f"the rebuild of cut {call.name!r}")
+            e.add_note(
+                "(eae_func: the rebuild runs the module again on the inputs of its forward; one the forward "
+                "changed in place (a KV cache, a dict or list it appends to) differs now: call the model "
+                "without a cache (use_cache=False), or cut where no such state is passed)"
+            )
+            raise
+        finally:
+            _ACTIVE.depth -= 1
         if call.sums is not None and not all(torch.equal(a, b) for a, b in zip(sums(out), call.sums)):
             raise ValueError(
                 f"cut {call.name!r} seeds torch's generator afresh (torch.seed(), as Reformer's layers do for "

@@ -28,6 +28,7 @@ from torch.profiler import record_function
 
 from . import boundary as B
 from . import compiled, fsdp, remat
+from . import early_stop as ES
 from . import vjp as V
 from .adjoint import AdjointState, fold_in
 from .chain import Chain
@@ -622,14 +623,7 @@ def make_step(
                         )
                     else:
                         if closure is None:
-                            with (
-                                timer(opts, stats, "recompute_s", f"eae/{s.name}/recompute", device),
-                                replay_rng(entry.rng, device),
-                                in_modes(entry.modes),
-                                autocast(opts.autocast, device),
-                                entry.cached or NULL,
-                            ):
-                                closure = rebuilt_vjp(s, params[i], entry.buffers, floats, rebuild, entry.frozen)
+                            closure = rebuilt_closure(s, params[i], entry, floats, rebuild, opts, stats, device)
                         with timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device):
                             grads, g_in = closure(V.cotangent(costate, entry.out_layout), i > 0 or observed)
                     if s.sharded is not None:
@@ -672,13 +666,58 @@ def rebuilt_vjp(
     frozen: frozenset[str],
     params_too: bool = True,
     inputs_too: bool = True,
+    run: Callable = ES.whole,
 ) -> Callable:
     """The pullback of stage ``s`` rebuilt from its boundary (``floats`` put back by ``rebuild``) at
-    ``params`` (``vjp.local_vjp``); an FSDP stage's runs FSDP's own backward (``fsdp.local_vjp``)."""
+    ``params`` (``vjp.local_vjp``), its forward called through ``run`` (``early_stop``); an FSDP
+    stage's runs FSDP's own backward (``fsdp.local_vjp``)."""
     if s.sharded is not None:
         return fsdp.local_vjp(s, buffers, floats, rebuild)[1]
-    call = lambda p, x: s.call(p, buffers, x)[0]
+    call = lambda p, x: run(s.call, p, buffers, x)[0]
     return V.local_vjp(call, params, floats, rebuild, frozen, params_too, inputs_too)[1]
+
+
+def rebuilt_closure(
+    s: Any,
+    params: Any,
+    entry: Entry,
+    floats: list,
+    rebuild: Callable,
+    opts: Options,
+    stats: dict,
+    device: torch.device,
+    params_too: bool = True,
+    inputs_too: bool = True,
+) -> Callable:
+    """``rebuilt_vjp`` under the stage's replayed RNG state, modes and autocast, stopped early
+    (``early_stop``) where the options allow and the stage is neither FSDP's nor ``remat.save``'s."""
+
+    def attempt(run: Callable) -> Callable:
+        with (
+            timer(opts, stats, "recompute_s", f"eae/{s.name}/recompute", device),
+            replay_rng(entry.rng, device),
+            in_modes(entry.modes),
+            autocast(opts.autocast, device),
+            entry.cached or NULL,
+        ):
+            return rebuilt_vjp(s, params, entry.buffers, floats, rebuild, entry.frozen, params_too, inputs_too, run)
+
+    plain = not opts.early_stop or s.sharded is not None or entry.cached is not None
+    kind = (
+        None
+        if plain
+        else (
+            id(s.module if s.module is not None else s.fn),
+            s.param_layout,
+            tuple(ES.layout(f) for f in floats),
+            entry.frozen,
+            params_too,
+            inputs_too,
+            opts.autocast,
+            tuple(training for _, training in entry.modes),
+        )
+    )
+    return ES.rebuilt(kind, attempt)
 
 
 def deferred_vjp(
@@ -698,14 +737,8 @@ def deferred_vjp(
     computed (rebuilt with its input detached), both under the replayed RNG state."""
 
     def pullback(weights: bool) -> Callable:
-        with (
-            timer(opts, stats, "recompute_s", f"eae/{s.name}/recompute", device),
-            replay_rng(entry.rng, device),
-            in_modes(entry.modes),
-            autocast(opts.autocast, device),
-        ):
-            inputs = [f.detach() for f in floats] if weights else floats
-            return rebuilt_vjp(s, params, entry.buffers, inputs, rebuild, entry.frozen, weights, not weights)
+        inputs = [f.detach() for f in floats] if weights else floats
+        return rebuilt_closure(s, params, entry, inputs, rebuild, opts, stats, device, weights, not weights)
 
     def weights() -> Any:
         rebuilt = pullback(True)

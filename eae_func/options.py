@@ -95,6 +95,12 @@ class Options:
     written, each call of a matched module one stage: ``eae_func.cuts``; options only a chain
     implements fall back to ``"graph"``), or ``"graph"`` (a chain captured by ``torch.export``)."""
 
+    early_stop: bool = True
+    """Rebuild a stage without running the kernels of the ops after the last tensor its graph
+    saves, as ``torch.utils.checkpoint`` stops its recompute (``eae_func.early_stop``); the same
+    gradients, bit for bit. ``False``: every rebuild runs its stage in full (a module that keeps its
+    output in Python state, or reads it with ``.tolist()``, sees NaN in a stopped rebuild)."""
+
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "passes", compose(self.passes) if self.passes is not None else compose())
@@ -129,7 +135,7 @@ class Options:
                 raise TypeError(f"sweep: physical must be a list of stage names or indices, got {self.physical!r}")
             set_(self, "physical", tuple(self.physical))
         set_(self, "recompute", remat.policy(self.recompute))
-        for name in ("offload", "keep_costates", "timers"):
+        for name in ("offload", "keep_costates", "timers", "early_stop"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"sweep: {name} must be True or False, got {getattr(self, name)!r}")
         if self.update is not None and not isinstance(self.update, Fused):
@@ -241,6 +247,7 @@ class SweepOptions(TypedDict, total=False):
     data_parallel: Any
     compile: bool | str | Mapping[str, Any] | None
     capture: str
+    early_stop: bool
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(Options))

@@ -1,0 +1,183 @@
+"""A rebuild stopped early (the kernels after the graph's last saved tensor skipped) gives the full
+rebuild's gradients bit for bit, on the fold and on run-time cuts; a rebuild that goes another way
+than the learned tail runs again in full; a tail that is not safe to skip is never skipped."""
+
+import contextlib
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import eae_func as ef
+from eae_func import early_stop as ES
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@contextlib.contextmanager
+def stopping():
+    """Tiny stages: every tail is worth stopping; the kinds start unlearned; yields the list of the
+    outputs whose kernels were skipped."""
+    skipped: list = []
+    allocated = ES.allocated
+    with (
+        mock.patch.object(ES, "WORTH", 0),
+        mock.patch.object(ES, "_KINDS", {}),
+        mock.patch.object(ES, "allocated", lambda *a: skipped.append(a) or allocated(*a)),
+    ):
+        yield skipped
+
+
+class Tail(nn.Module):
+    """``x + b(tanh(a(x)))`` and a variant tail: b's product and the tail's ops after it save nothing."""
+
+    def __init__(self, dim: int, tail: str):
+        super().__init__()
+        self.a, self.b, self.tail = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim), tail
+        self.kept = None
+
+    def forward(self, x):
+        h = self.b(torch.tanh(self.a(x)))
+        if self.tail == "scaled":
+            h = 0.5 * h
+        elif self.tail == "reshaped":
+            h = h.reshape(-1).reshape(x.shape)
+        elif self.tail == "random":
+            h = h + 1e-3 * torch.rand_like(h)
+        elif self.tail == "kept":
+            self.kept = h.detach()
+        elif self.tail == "item":
+            h = h * 2.0 if h.abs().max().item() > 1e9 else h
+        elif self.tail == "function":
+            h = Halve.apply(h)
+        elif self.tail == "hooked":
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                h = self.b(torch.tanh(self.a(h)))
+        return x + h
+
+
+class Halve(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 0.5
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 0.5
+
+
+def grads(model, x, **options):
+    """The sweep's gradients, the global RNG seeded alike for every call (the random tail draws)."""
+    params = [dict(m.named_parameters()) for m in model]
+    torch.manual_seed(7)
+    return ef.grad(model, params, x, loss=lambda h: h.pow(3).mean(), **options)
+
+
+def assert_bitwise(a, b):
+    assert all(torch.equal(ga[n], gb[n]) for ga, gb in zip(a, b) for n in ga)
+
+
+@given(
+    st.lists(st.sampled_from(["residual", "scaled", "reshaped"]), min_size=1, max_size=3),
+    st.integers(2, 5),
+    st.integers(1, 4),
+    st.sampled_from([1, 2]),
+    st.integers(0, 2**16),
+)
+def test_a_stopped_rebuild_gives_the_full_rebuilds_gradients_bit_for_bit(tails, dim, rows, microbatches, seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[Tail(dim, t) for t in tails]).double()
+    x = torch.randn(2 * rows, dim, dtype=torch.float64)
+    full = grads(model, x, early_stop=False, microbatches=microbatches)
+    with stopping() as skipped:
+        assert_bitwise(full, grads(model, x, microbatches=microbatches))  # learns (then stops, microbatch 2)
+        assert ES._KINDS and all(k is not None for k in ES._KINDS.values())
+        learning = len(skipped)
+        assert_bitwise(full, grads(model, x, microbatches=microbatches))  # stops
+        assert len(skipped) - learning >= 2 * len(tails) * microbatches  # b's product and the residual add
+
+
+def test_the_tail_is_learned_once_then_skipped():
+    torch.manual_seed(0)
+    model = nn.Sequential(Tail(4, "residual"), Tail(4, "residual")).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    full = grads(model, x, early_stop=False)
+    with stopping() as skipped:
+        assert_bitwise(full, grads(model, x))  # learns (a kind per module)
+        assert skipped == []
+        assert [[str(op.func) for op in kind.tail] for kind in ES._KINDS.values()] == [
+            ["aten.addmm.default", "aten.add.Tensor"]
+        ] * 2
+        assert_bitwise(full, grads(model, x))
+        assert len(skipped) == 4  # two stages, addmm and add each
+
+
+def test_a_rebuild_that_goes_another_way_runs_again_in_full_and_twice_stops_the_kind():
+    torch.manual_seed(0)
+    model = nn.Sequential(Tail(4, "residual")).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with stopping() as skipped:
+        grads(model, x)  # learned with the residual tail
+        for k, tail in enumerate(["scaled", "reshaped"]):
+            model[0].tail = tail
+            full = grads(model, x, early_stop=False)
+            assert_bitwise(full, grads(model, x))
+            (kind,) = ES._KINDS.values()
+            assert (kind is None) == (k == 1)
+        assert len(skipped) == 2  # each skipped b's product, then missed and ran again in full
+        model[0].tail = "residual"
+        grads(model, x)
+        assert len(skipped) == 2  # never again
+
+
+@pytest.mark.parametrize("tail", ["random", "kept", "item", "function", "hooked"])
+def test_a_tail_that_is_not_safe_to_skip_is_never_skipped(tail):
+    torch.manual_seed(0)
+    model = nn.Sequential(Tail(4, tail)).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    full = grads(model, x, early_stop=False)
+    with stopping() as skipped:
+        for _ in range(2):
+            assert_bitwise(full, grads(model, x))
+        assert list(ES._KINDS.values()) == [None]
+        assert skipped == []
+    if tail == "kept":
+        assert not model[0].kept.isnan().any()
+
+
+class Stack(nn.Module):
+    """An embedding, layers cut at run time, a head: the glue differentiated by autograd."""
+
+    def __init__(self, dim: int, depth: int):
+        super().__init__()
+        self.embed = nn.Linear(3, dim)
+        self.layers = nn.ModuleList(Tail(dim, "residual") for _ in range(depth))
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+@given(st.integers(1, 3), st.integers(2, 5), st.integers(0, 2**16))
+def test_run_time_cuts_stopped_early_give_the_full_rebuilds_gradients(depth, dim, seed):
+    torch.manual_seed(seed)
+    model = Stack(dim, depth).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    params = dict(model.named_parameters())
+
+    def run(**options):
+        return ef.grad(model, params, x, loss=lambda y: y.pow(2).mean(), split_at=["layers.*"], **options)
+
+    full = run(early_stop=False)
+    with stopping() as skipped:
+        for _ in range(2):
+            got = run()
+            assert all(torch.equal(full[n], got[n]) for n in full)
+        assert [k is not None for k in ES._KINDS.values()] == [True] * depth
+        assert len(skipped) == 2 * depth  # the second step's: addmm and add per layer
