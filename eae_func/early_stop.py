@@ -31,12 +31,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.utils._pytree as pytree
 from torch.autograd.function import BackwardCFunction
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _len_torch_dispatch_stack
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _len_torch_dispatch_stack,  # pyright: ignore[reportPrivateImportUsage]
+)
 
 R = TypeVar("R")
 aten = torch.ops.aten
@@ -84,27 +88,28 @@ def rebuilt(key: Hashable | None, attempt: Callable[[Callable], R]) -> R:
     kind = None if key is None else _KINDS.get(key, LEARN)
     if kind is None:
         return attempt(whole)
-    rebuild = Rebuild(None if kind is LEARN else kind)
-    try:
+    if not isinstance(kind, Kind):  # the kind's first rebuild: in full, watched
+        rebuild = Rebuild(None)
         result = attempt(rebuild.run)
-    except Exception:
-        if not rebuild.skipped:
-            raise
-        rebuild.missed = rebuild.missed or "it raised"
-    if kind is LEARN:
         _KINDS.pop(key, None)
         _KINDS[key] = rebuild.learned
         while len(_KINDS) > LIMIT:
             del _KINDS[next(iter(_KINDS))]
         return result
-    assert isinstance(kind, Kind)
+    rebuild = Rebuild(kind)
+    try:
+        result = attempt(rebuild.run)
+    except Exception:
+        if not rebuild.skipped:  # the full forward's own error
+            raise
+        result, rebuild.missed = None, rebuild.missed or "it raised"
     if rebuild.missed is not None:
         kind.misses += 1
         if kind.misses >= 2:
             _KINDS[key] = None
         if rebuild.skipped:
             return attempt(whole)
-    return result
+    return cast(R, result)
 
 
 def whole(f: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -140,7 +145,7 @@ class Rebuild(TorchDispatchMode):
 
     def run(self, f: Callable, *args: Any, **kwargs: Any) -> Any:
         """``f(*args, **kwargs)`` with its saves counted and, from save ``push``, under this mode."""
-        if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # pyright: ignore[reportAttributeAccessIssue]
             self.missed = "saved-tensor hooks are disabled"
             return f(*args, **kwargs)
         with torch.autograd.graph.saved_tensors_hooks(self.pack, unpack):
@@ -270,7 +275,8 @@ class Rebuild(TorchDispatchMode):
 def hooks_on_top() -> tuple:
     """The ids of the saved-tensor hooks on top (ids, not the hooks: a mode holding its own bound
     ``pack`` would be a reference cycle, its tail's outputs kept until a collection)."""
-    return tuple(map(id, torch._C._autograd._top_saved_tensors_default_hooks(False) or ()))
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)  # pyright: ignore[reportAttributeAccessIssue]
+    return tuple(map(id, top or ()))
 
 
 def layout(t: torch.Tensor) -> tuple:
