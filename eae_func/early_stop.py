@@ -66,7 +66,7 @@ class Op:
     args: tuple  # its arguments as ``Rebuild.describe`` gives them
     outs: tuple  # (shape, stride, dtype, device) of each output tensor
     spec: Any  # the outputs' structure
-    view: bool  # it aliases an input: it is run (there is no kernel to skip)
+    view: bool  # it aliases an input (``_unsafe_view`` does, undeclared): it is run, no kernel to skip
 
 
 @dataclasses.dataclass
@@ -233,7 +233,7 @@ class Rebuild(TorchDispatchMode):
         elif not grad or not ours:
             self.unsafe = self.unsafe or f"{func} runs without grad or under saved-tensor hooks of the model's own"
         else:
-            view = any(r.alias_info is not None for r in func._schema.returns)
+            view = func is aten._unsafe_view.default or any(r.alias_info is not None for r in func._schema.returns)
             self.ops.append(Op(func, described, tuple(layout(t) for t in leaves), spec, view))
             r = REDUCES.get(func)
             self.work += 0 if view else leaves[0].numel() * (1 if r is None else args[r].shape[-1])

@@ -55,6 +55,7 @@ EVERY_OPTION = dict(
     data_parallel=False,
     compile=None,
     capture="graph",
+    early_stop=True,
 )
 
 

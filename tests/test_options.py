@@ -312,7 +312,7 @@ def test_remat_save_names_what_it_takes():
 
 
 @given(
-    name=st.sampled_from(["offload", "keep_costates", "timers"]),
+    name=st.sampled_from(["offload", "keep_costates", "timers", "early_stop"]),
     value=st.one_of(st.sampled_from(["False", "no", "True", "", None]), st.integers(0, 1), st.floats(0, 1)),
 )
 def test_a_boolean_option_takes_only_true_or_false(name, value):
