@@ -17,12 +17,19 @@ split_at=layers_of(model))``, both after ``torch.manual_seed(1)``. Each type lan
 
     python examples/hf_zoo.py                  # every type, the table and the counts
     python examples/hf_zoo.py --types gpt2 t5  # some of them
+    python examples/hf_zoo.py --stop-every-tail
+
+``--stop-every-tail`` counts every layer's tail worth an early stop (``early_stop.WORTH = 0``;
+these layers are far below it) and runs each sweep twice after the same seed: the first learns
+the tails in full, the second skips their kernels; the row is the worse of the two, and the
+last line counts the kernels skipped.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import math
 import sys
 import time
@@ -150,7 +157,7 @@ def relative(grads, reference) -> float:
     return worst
 
 
-def check(kind: str, class_name: str, causal: bool) -> tuple[str, str]:
+def check(kind: str, class_name: str, causal: bool, sweeps: int = 1) -> tuple[str, str]:
     import torch
 
     import eae_func as ef
@@ -170,13 +177,18 @@ def check(kind: str, class_name: str, causal: bool) -> tuple[str, str]:
     try:
         split_at = layers_of(model)
         params = dict(model.named_parameters())
-        seed(1)
-        res = ef.sweep(model, params, inputs, loss=lambda out: out.loss, split_at=split_at, keep_costates=False)
+        results = []
+        for _ in range(sweeps):
+            seed(1)
+            results.append(
+                ef.sweep(model, params, inputs, loss=lambda out: out.loss, split_at=split_at, keep_costates=False)
+            )
     except Exception as e:
         return "refused", f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    res = results[-1]
     if not res.adjoints:
         return "no cut", ", ".join(split_at)
-    err = relative(res.grads, reference)
+    err = max(relative(r.grads, reference) for r in results)
     stages = f"{len(res.adjoints)} stages at {', '.join(split_at)}"
     if err <= 1e-12:
         return "exact", stages
@@ -185,9 +197,25 @@ def check(kind: str, class_name: str, causal: bool) -> tuple[str, str]:
     return "wrong", f"{err:.1e}; {stages}"
 
 
+@contextlib.contextmanager
+def every_tail_stopped(skipped: list):
+    """``eae_func.early_stop`` counting every tail worth stopping, each skipped kernel's output
+    appended to ``skipped``, its learned kinds apart; all put back afterwards."""
+    from eae_func import early_stop as ES
+
+    before = ES.WORTH, ES.allocated, ES._KINDS
+    allocated = ES.allocated
+    ES.WORTH, ES.allocated, ES._KINDS = 0, lambda *a: skipped.append(a) or allocated(*a), {}
+    try:
+        yield
+    finally:
+        ES.WORTH, ES.allocated, ES._KINDS = before
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--types", nargs="+", help="model types (default: all)")
+    parser.add_argument("--stop-every-tail", action="store_true", help="every tail stopped early, on a second sweep")
     args = parser.parse_args(argv)
     import torch
 
@@ -199,15 +227,18 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     table = mappings()
     kinds = args.types or sorted(table)
-    rows, counts = [], collections.Counter()
+    rows, counts, skipped = [], collections.Counter(), []
     start = time.perf_counter()
-    for kind in kinds:
-        class_name, causal = table[kind]
-        outcome, note = check(kind, class_name, causal)
-        counts[outcome] += 1
-        rows.append((kind, class_name, outcome, note))
-        print(f"| {kind} | {class_name} | {outcome} | {note} |", flush=True)
+    with every_tail_stopped(skipped) if args.stop_every_tail else contextlib.nullcontext():
+        for kind in kinds:
+            class_name, causal = table[kind]
+            outcome, note = check(kind, class_name, causal, 2 if args.stop_every_tail else 1)
+            counts[outcome] += 1
+            rows.append((kind, class_name, outcome, note))
+            print(f"| {kind} | {class_name} | {outcome} | {note} |", flush=True)
     print(f"\n{dict(counts)} of {len(kinds)} types in {time.perf_counter() - start:.0f} s")
+    if args.stop_every_tail:
+        print(f"{len(skipped)} kernels skipped by early stops")
     return {kind: outcome for kind, _, outcome, _ in rows}
 
 
