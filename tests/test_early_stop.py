@@ -3,6 +3,7 @@ rebuild's gradients bit for bit, on the fold and on run-time cuts; a rebuild tha
 than the learned tail runs again in full; a tail that is not safe to skip is never skipped."""
 
 import contextlib
+import gc
 from unittest import mock
 
 import pytest
@@ -13,6 +14,8 @@ from torch import nn
 
 import eae_func as ef
 from eae_func import early_stop as ES
+
+from live_bytes import LiveBytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -181,3 +184,27 @@ def test_run_time_cuts_stopped_early_give_the_full_rebuilds_gradients(depth, dim
             assert all(torch.equal(full[n], got[n]) for n in full)
         assert [k is not None for k in ES._KINDS.values()] == [True] * depth
         assert len(skipped) == 2 * depth  # the second step's: addmm and add per layer
+
+
+def test_a_stopped_rebuild_holds_no_more_memory_than_a_full_one_and_lets_it_all_go():
+    """Live bytes (exact): the step's peak, and what is still alive after it with the collector off
+    (a tail output held in a reference cycle would stay until a collection)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Tail(8, "residual") for _ in range(3)]).double()
+    x = torch.randn(16, 8, dtype=torch.float64)
+    seen = {}
+    for early_stop in (False, True):
+        with stopping() as skipped:
+            grads(model, x, early_stop=early_stop)  # learns
+            gc.collect()
+            gc.disable()
+            try:
+                with LiveBytes() as live:
+                    g = grads(model, x, early_stop=early_stop)
+                    del g
+            finally:
+                gc.enable()
+            seen[early_stop] = live.peak, live.live, len(skipped)
+    assert seen[True][0] <= seen[False][0]
+    assert seen[True][1] == seen[False][1] == 0
+    assert seen[True][2] == 6 and seen[False][2] == 0
