@@ -30,6 +30,7 @@ NaN there (``early_stop=False`` rebuilds in full).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar, cast
 
@@ -52,6 +53,7 @@ REDUCES = {aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 1, aten.
 # argument's last dimension a matrix product sums over: its multiply-adds are numel(out) times that
 LEARN = object()  # a kind not seen yet
 _KINDS: dict[Hashable, Kind | None] = {}  # what each kind of rebuild learned (None: never stopped)
+_LOCK = threading.Lock()
 
 
 class Miss(Exception):
@@ -85,16 +87,20 @@ def rebuilt(key: Hashable | None, attempt: Callable[[Callable], R]) -> R:
     for its forward; ``run`` stops the forward early where kind ``key`` learned its tail (``None``:
     never), learns it on the kind's first rebuild, and a stopped attempt that misses is made again
     in full (``attempt`` must set up its replayed state itself: RNG, modes, autocast)."""
-    kind = None if key is None else _KINDS.get(key, LEARN)
+    try:
+        kind = None if key is None else _KINDS.get(key, LEARN)
+    except TypeError:  # an argument's structure is not hashable: no kind
+        kind = None
     if kind is None:
         return attempt(whole)
     if not isinstance(kind, Kind):  # the kind's first rebuild: in full, watched
         rebuild = Rebuild(None)
         result = attempt(rebuild.run)
-        _KINDS.pop(key, None)
-        _KINDS[key] = rebuild.learned
-        while len(_KINDS) > LIMIT:
-            del _KINDS[next(iter(_KINDS))]
+        with _LOCK:
+            _KINDS.pop(key, None)
+            _KINDS[key] = rebuild.learned
+            while len(_KINDS) > LIMIT:
+                del _KINDS[next(iter(_KINDS))]
         return result
     rebuild = Rebuild(kind)
     try:
@@ -281,6 +287,14 @@ def hooks_on_top() -> tuple:
 
 def layout(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device
+
+
+def described(leaf: Any) -> Hashable:
+    """An argument of a stage, as part of its kind's key: a tensor's layout, a plain value, or the
+    type of anything else (a key must not keep a cache object and its tensors alive)."""
+    if isinstance(leaf, torch.Tensor):
+        return layout(leaf)
+    return leaf if leaf is None or isinstance(leaf, (bool, int, float, str)) else type(leaf)
 
 
 def allocated(shape: torch.Size, stride: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

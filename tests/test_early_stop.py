@@ -4,6 +4,7 @@ than the learned tail runs again in full; a tail that is not safe to skip is nev
 
 import contextlib
 import gc
+import weakref
 from unittest import mock
 
 import pytest
@@ -208,3 +209,39 @@ def test_a_stopped_rebuild_holds_no_more_memory_than_a_full_one_and_lets_it_all_
     assert seen[True][0] <= seen[False][0]
     assert seen[True][1] == seen[False][1] == 0
     assert seen[True][2] == 6 and seen[False][2] == 0
+
+
+class _Cache:
+    """An object a layer is called with (as a Hugging Face cache is)."""
+
+
+def test_a_kind_keeps_no_argument_of_the_call_alive():
+    """The kind's key holds an object argument's type, not the object (nor its tensors)."""
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tail = Tail(4, "residual")
+
+        def forward(self, x, cache):
+            return self.tail(x)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(2))
+
+        def forward(self, x, cache):
+            for layer in self.layers:
+                x = layer(x, cache)
+            return x
+
+    model = Model().double()
+    cache = _Cache()
+    alive = weakref.ref(cache)
+    with stopping():
+        inputs = {"x": torch.randn(3, 4, dtype=torch.float64), "cache": cache}
+        ef.grad(model, dict(model.named_parameters()), inputs, loss=lambda y: y.sum(), split_at=["layers.*"])
+        del inputs
+        del cache
+        assert alive() is None and len(ES._KINDS) == 2
