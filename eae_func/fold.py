@@ -702,11 +702,9 @@ def rebuilt_closure(
         ):
             return rebuilt_vjp(s, params, entry.buffers, floats, rebuild, entry.frozen, params_too, inputs_too, run)
 
-    plain = not opts.early_stop or s.sharded is not None or entry.cached is not None
-    kind = (
-        None
-        if plain
-        else (
+    kind = None  # the rebuild's kind for early_stop (None: in full)
+    if opts.early_stop and s.sharded is None and entry.cached is None:
+        kind = (
             id(s.module if s.module is not None else s.fn),
             s.param_layout,
             tuple(ES.layout(f) for f in floats),
@@ -716,7 +714,6 @@ def rebuilt_closure(
             opts.autocast,
             tuple(training for _, training in entry.modes),
         )
-    )
     return ES.rebuilt(kind, attempt)
 
 
