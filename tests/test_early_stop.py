@@ -245,3 +245,36 @@ def test_a_kind_keeps_no_argument_of_the_call_alive():
         del inputs
         del cache
         assert alive() is None and len(ES._KINDS) == 2
+
+
+@given(st.integers(1, 3), st.integers(2, 5), st.integers(0, 2**16))
+def test_the_zero_bubble_halves_stopped_early_give_the_full_backward(depth, dim, seed):
+    """The I half and the W half of a zero-bubble backward, each a rebuild of its own kind, learn
+    and then stop early, and still give the full reverse step's gradients bit for bit."""
+    from eae_func import fold as Fold
+    from eae_func import microbatch as M
+    from eae_func.options import make
+    from eae_func.runner import Range
+
+    g = torch.Generator().manual_seed(seed)
+    stage = ef.stage(lambda p, h: h + torch.tanh(h @ p["a"]) @ p["b"])
+    chain = ef.Chain([stage] * depth, loss=lambda out, y: out.pow(3).mean())
+    params = tuple(
+        {"a": torch.randn(dim, dim, generator=g), "b": torch.randn(dim, dim, generator=g)} for _ in range(depth)
+    )
+    x, y = torch.randn(3, dim, generator=g), torch.randn(3, dim, generator=g)
+
+    def backward(defer: bool, early_stop: bool) -> tuple:
+        opts = make("test", {"early_stop": early_stop}).bind(chain)
+        runner = Range(chain, 0, depth, params, opts, torch.device("cpu"))
+        mb = M.split(x, (y,), 1, "mean", seed)[0]
+        buffers = chain.check_buffers(None)
+        piece = runner.backward(runner.forward(buffers, mb), buffers, mb, opts.passes.init(), defer_weights=defer)
+        return tuple(g.compute() if isinstance(g, Fold.Deferred) else g for g in piece.grads)
+
+    full = backward(False, False)
+    with stopping() as skipped:
+        for _ in range(2):  # learns, then stops
+            assert_bitwise(full, backward(True, True))
+        assert len(ES._KINDS) == 2 and all(k is not None for k in ES._KINDS.values())
+        assert skipped
