@@ -11,7 +11,7 @@ next-token loss ``cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten
     hf-checkpoint model.gradient_checkpointing_enable(), then the same
     eae_func      eae_func.value_and_grad(model, dict(model.named_parameters()), ids, ids,
                   loss=loss, split_at=["transformer.h.*"])   (``grad`` plus the loss; the
-                  model is cut per decoder layer by torch.export capture, in the warm-up step)
+                  model's forward runs as written, each decoder layer's call cut at run time)
 
 Each method runs in its own fresh subprocess (this script with ``--_worker METHOD``), one
 after the other, with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc serves every tensor above
@@ -23,7 +23,8 @@ import transients). It then runs 1 warm-up step and ``--steps`` timed steps, the
 RNG seeded with ``torch.manual_seed(step)`` before each, so every method draws the same
 dropout masks. "peak MB above setup" is the high-water mark over the timed steps minus
 the resident set after setup; "warm-up peak" is the same for the warm-up step alone
-(for eae_func it includes the graph capture). Step time is the median of the timed steps.
+(for eae_func it includes each layer's first rebuild, which learns its early stop). Step time
+is the median of the timed steps.
 Every worker reports the loss and global gradient norm of its first timed step; the
 three methods should agree to about 1e-5 relative.
 
