@@ -186,9 +186,10 @@ class Sweep:
         return [t for t in leaves if isinstance(t, torch.Tensor)]
 
     def kind(self, call: Call) -> Hashable | None:
-        """The kind of the call's rebuild for ``early_stop`` (``None``: it runs in full, as one that
-        reseeds torch's generator must, to be checked against its forward)."""
-        if not self.opts.early_stop or call.sums is not None:
+        """The kind of the call's rebuild for ``early_stop`` (``None``: it runs in full: the option is
+        off, the call is too small to pay, or it reseeds torch's generator and must be checked
+        against its forward)."""
+        if not self.opts.early_stop or call.sums is not None or not ES.may_pay(call.leaves):
             return None
         return (
             id(call.module),

@@ -47,6 +47,8 @@ R = TypeVar("R")
 aten = torch.ops.aten
 
 WORTH = 1 << 22  # multiply-adds a tail must skip to pay for counting the saves (~100 µs of a CPU core)
+REACH = 1 << 12  # a tail op's multiply-adds per element of the stage's inputs, at most, as far as
+# ``may_pay`` assumes (a layer's last product reduces over its hidden width, not over thousands)
 LIMIT = 256  # kinds remembered (the oldest learned is dropped first)
 RISKY = frozenset({torch.Tag.nondeterministic_seeded, torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output})
 REDUCES = {aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 1, aten.baddbmm.default: 1}  # which
@@ -116,6 +118,13 @@ def rebuilt(key: Hashable | None, attempt: Callable[[Callable], R]) -> R:
         if rebuild.skipped:
             return attempt(whole)
     return cast(R, result)
+
+
+def may_pay(tensors: Any) -> bool:
+    """Whether a stage with these input tensors may have a tail worth stopping, ``WORTH`` at
+    ``REACH`` multiply-adds per input element: smaller stages are not even looked up (the lookup
+    costs a few microseconds, a tenth of a tiny stage's reverse step)."""
+    return sum(t.numel() for t in tensors if isinstance(t, torch.Tensor)) * REACH >= WORTH
 
 
 def whole(f: Callable, *args: Any, **kwargs: Any) -> Any:

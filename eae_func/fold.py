@@ -703,16 +703,15 @@ def rebuilt_closure(
             return rebuilt_vjp(s, params, entry.buffers, floats, rebuild, entry.frozen, params_too, inputs_too, run)
 
     kind = None  # the rebuild's kind for early_stop (None: in full)
-    if opts.early_stop and s.sharded is None and entry.cached is None:
-        kind = (
+    if opts.early_stop and s.sharded is None and entry.cached is None and ES.may_pay(floats):
+        kind = (  # what a rebuild's ops depend on, cheaply (the rest, layouts and dtypes, is checked op for op)
             id(s.module if s.module is not None else s.fn),
-            s.param_layout,
-            tuple(ES.layout(f) for f in floats),
+            tuple(f.shape for f in floats),
             entry.frozen,
             params_too,
             inputs_too,
             opts.autocast,
-            tuple(training for _, training in entry.modes),
+            entry.modes[0][1] if entry.modes else None,  # the stage's training flag
         )
     return ES.rebuilt(kind, attempt)
 
