@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar, cast
 
@@ -147,7 +148,9 @@ class Rebuild(TorchDispatchMode):
         self.count = 0  # tensors saved so far
         self.began = self.last = self.before = 0  # the count when the tail so far began / at the last op / before it
         self.ops: list[Op] = []  # the tail so far
-        self.outputs: list[torch.Tensor] = []  # its outputs, held so that their ids stay theirs
+        self.outputs: list[weakref.ref] = []  # its outputs, weakly: a skipped kernel's output is freed as
+        # the kernel's would be (an id of a freed one may come back: ``number`` checks the object)
+        self.held: list[torch.Tensor] = []  # learning: the outputs themselves, for their nodes
         self.index: dict[int, int] = {}  # id of a tail output -> its number
         self.read: set[int] = set()  # the tail outputs a later tail op read
         self.work = 0  # the tail's multiply-adds
@@ -174,12 +177,12 @@ class Rebuild(TorchDispatchMode):
                     if _get_current_dispatch_mode() is not self:
                         raise RuntimeError("early_stop: the stage's forward left a dispatch mode of its own on")
                     self.__exit__(None, None, None)
-        returns = tuple(self.index.get(id(t)) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        returns = tuple(self.number(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
         if self.kind is None:
             self.learned = self.learn(returns)
         elif self.skipped and (returns != self.kind.returns or len(self.ops) != len(self.kind.tail)):
             self.miss("its tail ended otherwise than the one learned")
-        self.outputs, self.index = [], {}  # the graph holds what it needs of them
+        self.outputs, self.held, self.index = [], [], {}  # the graph holds what it needs of them
         return out
 
     def push(self) -> None:
@@ -234,7 +237,8 @@ class Rebuild(TorchDispatchMode):
         """Learning: ``func`` run, and kept as the tail's next op (its first if a save came since)."""
         if self.count > self.began:
             self.began, self.before = self.count, self.last
-            self.ops, self.outputs, self.index, self.read, self.work, self.unsafe = [], [], {}, set(), 0, None
+            self.ops, self.outputs, self.held, self.index = [], [], [], {}
+            self.read, self.work, self.unsafe = set(), 0, None
         self.last = self.count
         described = self.describe(args, kwargs)
         self.read.update(d[1] for d in described[1] if type(d) is tuple and d[:1] == ("tail",))
@@ -258,7 +262,7 @@ class Rebuild(TorchDispatchMode):
     def learn(self, returns: tuple) -> Kind | None:
         """The kind's ``Kind`` from the tail watched to the end (``None``: never stop it)."""
         kept_aside = set(range(len(self.outputs))) - self.read - set(returns)
-        function = any(isinstance(t.grad_fn, BackwardCFunction) for t in self.outputs)
+        function = any(isinstance(t.grad_fn, BackwardCFunction) for t in self.held)
         if self.unsafe or kept_aside or function or self.work < WORTH:
             return None
         return Kind(self.count, self.before, tuple(self.ops), returns)
@@ -267,18 +271,25 @@ class Rebuild(TorchDispatchMode):
         for t in leaves:
             if isinstance(t, torch.Tensor):
                 self.index[id(t)] = len(self.outputs)
-                self.outputs.append(t)
+                self.outputs.append(weakref.ref(t))
+                if self.kind is None:
+                    self.held.append(t)
+
+    def number(self, t: torch.Tensor) -> int | None:
+        """Tail output ``t``'s number (``None``: not a tail output)."""
+        n = self.index.get(id(t))
+        return n if n is not None and self.outputs[n]() is t else None
 
     def describe(self, args: tuple, kwargs: dict) -> tuple:
         """An op's arguments: their structure and, per leaf, ``("tail", n)`` for tail output n, the
         layout of another tensor, or the value."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
         return spec, tuple(
-            ("tail", self.index[id(x)])
-            if isinstance(x, torch.Tensor) and id(x) in self.index
+            x
+            if not isinstance(x, torch.Tensor)
             else ("tensor", *layout(x))
-            if isinstance(x, torch.Tensor)
-            else x
+            if (n := self.number(x)) is None
+            else ("tail", n)
             for x in leaves
         )
 
