@@ -81,11 +81,11 @@ def as_call(x: Any) -> tuple[tuple, dict]:
     return (x,), {}
 
 
-def _module_paths(node) -> list[str]:
-    """The module paths a graph node runs in, outermost first, relative to the model."""
+def _module_calls(node) -> list[tuple[str, str]]:
+    """The module calls a graph node runs in, outermost first: ``(path relative to the model, call
+    key)``; a module's second call has a key of its own (``"...@1"``)."""
     stack = node.meta.get("nn_module_stack") or {}
-    paths = [path.split("@")[0] for path, _ in stack.values()]
-    return [p[len(_ROOT) :] for p in paths if p.startswith(_ROOT)]
+    return [(path[len(_ROOT) :], key) for key, (path, _) in stack.items() if path.startswith(_ROOT)]
 
 
 PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
@@ -409,24 +409,38 @@ class CapturedStage(nn.Module):
         return self.piece.run(self._lookup, h)
 
 
-def _stage_of_nodes(graph, cut_modules: set) -> tuple[dict, list]:
-    """Stage index of every computing node (in execution order), and each stage's name."""
-    stage_of, names, current, owner, seen = {}, [], -1, None, []
+def _stage_of_nodes(graph, cut_modules: set) -> tuple[dict, list, list]:
+    """Stage index of every computing node (in execution order), each stage's name (a module's
+    second call ``"name#2"``, as run-time cuts name it) and the cut module each stage is a call of
+    (``None``: the operations between cuts)."""
+    stage_of, names, cuts, current, owner, seen = {}, [], [], -1, None, []
     for node in graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        paths = _module_paths(node)
-        hit = next((p for p in paths if p in cut_modules), None)
-        if current < 0 or (paths and hit != owner):
+        calls = _module_calls(node)
+        paths = [path for path, _ in calls]
+        hit = next((call for call in calls if call[0] in cut_modules), None)
+        if current < 0 or (hit != owner and (paths or owner is not None)):  # a call ends where its module does
             current, owner, seen = current + 1, hit, []
-            names.append(hit)
+            names.append(None if hit is None else hit[0])
+            cuts.append(None if hit is None else hit[0])
         ancestor = any(c.startswith(paths[-1] + ".") for c in cut_modules) if paths else True
         if not ancestor and paths[-1] not in seen and hit is None:
             seen.append(paths[-1])
             names[current] = "+".join(seen) if len(seen) < 4 else f"{seen[0]}..{seen[-1]}"
         stage_of[node] = current
     names = [n or f"stage_{k}" for k, n in enumerate(names)]
-    return stage_of, [n if names.count(n) == 1 else f"{n}#{k}" for k, n in enumerate(names)]
+    return stage_of, [n if k == 0 else f"{n}#{k + 1}" for n, k in zip(names, _occurrences(names))], cuts
+
+
+def _occurrences(names: list) -> list[int]:
+    """How many times each name came before it."""
+    counts: collections.Counter = collections.Counter()
+    out = []
+    for n in names:
+        out.append(counts[n])
+        counts[n] += 1
+    return out
 
 
 def exported(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, list[str]]:
@@ -492,9 +506,10 @@ def data_dependent(e: BaseException) -> bool:
     return "data-dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__
 
 
-def cut_model(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[list[CapturedStage], list[str]]:
-    """``(stages, names)``: ``model``'s forward on ``example`` cut before and after every module
-    whose path matches a pattern of ``split_at`` (see the module docstring)."""
+def cut_model(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[list[CapturedStage], list[str], dict]:
+    """``(stages, names, shown)``: ``model``'s forward on ``example`` cut before and after every module
+    whose path matches a pattern of ``split_at`` (see the module docstring); ``shown``: the boundaries
+    the cuts' calls output, as run-time cuts show them (``_shown``)."""
     if isinstance(split_at, str) or not all(isinstance(p, str) for p in split_at) or not split_at:
         raise TypeError(f"split_at: expected a list of module paths (glob patterns), got {split_at!r}")
     cut_modules = {n for n, _ in model.named_modules() if n and any(matches(n, p) for p in split_at)}
@@ -539,8 +554,8 @@ def cut_model(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[
             f"off (layerdrop=0, eval mode) or draw with torch's RNG, which the sweep replays"
         )
     module, signature = program.graph_module, program.graph_signature
-    stage_of, names = _stage_of_nodes(module.graph, cut_modules)
-    running = {n.split("#")[0] for n in names}
+    stage_of, names, cuts = _stage_of_nodes(module.graph, cut_modules)
+    running = set(filter(None, cuts))
     idle = sorted(cut_modules - running)
     if idle:
         raise ValueError(
@@ -567,7 +582,24 @@ def cut_model(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[
                 f"cannot feed; cut the model by hand"
             )
     pieces = split(program, stage_of, len(names), sources, _model_leaves, example, "split_at")
-    return [CapturedStage(model, piece, model.training) for piece in pieces], names
+    return [CapturedStage(model, piece, model.training) for piece in pieces], names, _shown(pieces, names, cuts)
+
+
+def _shown(pieces: list[Piece], names: list[str], cuts: list) -> dict:
+    """``{boundary k + 1: (j, name, keys)}`` for every stage k that is the j-th cut call: its costate is
+    the entries ``keys`` of the boundary, those the call itself computed (``None``: the whole output,
+    where the call ends the model)."""
+    calls = [k for k, cut in enumerate(cuts) if cut is not None]
+    return {
+        k + 1: (
+            j + 1,
+            names[k],
+            None
+            if pieces[k].user_outputs is not None
+            else tuple(o for o in pieces[k].outputs if o in pieces[k].carried),
+        )
+        for j, k in enumerate(calls)
+    }
 
 
 def _model_leaves(h: Any) -> list:

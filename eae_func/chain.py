@@ -12,6 +12,7 @@ import contextlib
 import copy
 import dataclasses
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -245,20 +246,41 @@ def stage(fn: Callable, name: str | None = None, physical: bool = False, differe
 
 
 @dataclasses.dataclass(frozen=True)
+class Shown:
+    """How a boundary of a chain cut at a model's modules shows to the passes and the trace, as
+    run-time cuts show it: the ``index``-th cut call (1, 2, ... in call order) named ``name``
+    (``"layers.0"``; a second call of one module ``"layers.0#2"``), its costate the entries ``keys``
+    of the boundary (the cut's own outputs; ``None``: the whole boundary)."""
+
+    index: int
+    name: str
+    keys: tuple[str, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Chain:
     """``x_l = h_l(params_l, x_{l-1})`` for l = 1..L, then ``loss(x_L, *loss_args)``.
 
     ``ties`` lists groups of ``(stage_index, param_name)`` that are one tensor
-    (a tied embedding and head); their gradients are summed.
+    (a tied embedding and head); their gradients are summed. ``shown``: where the passes run and
+    what the trace records, ``{boundary l: Shown}`` (a model cut at ``split_at``: the cuts' outputs
+    alone, as run-time cuts see them); ``None``: every boundary 0..L, as itself.
     """
 
     stages: tuple[Stage, ...]
     loss: Callable
     ties: tuple[tuple[tuple[int, str], ...], ...] = ()
+    shown: Mapping[int, Shown] | None = None
     names: tuple[str, ...] = dataclasses.field(init=False)
     labels: tuple[str, ...] = dataclasses.field(init=False, repr=False)
 
-    def __init__(self, stages: Iterable[Stage | Callable], loss: Callable, ties: Iterable = ()):
+    def __init__(
+        self,
+        stages: Iterable[Stage | Callable],
+        loss: Callable,
+        ties: Iterable = (),
+        shown: Mapping[int, Shown] | None = None,
+    ):
         stages = tuple(s if isinstance(s, Stage) else stage(s) for s in stages)
         if not stages:
             raise ValueError("Chain: expected at least one stage, got an empty chain")
@@ -274,6 +296,7 @@ class Chain:
         object.__setattr__(self, "labels", tuple(f"stage {i} ({n!r})" for i, n in enumerate(names)))
         object.__setattr__(self, "loss", loss)
         object.__setattr__(self, "ties", tuple(tuple((int(i), str(n)) for i, n in group) for group in ties))
+        object.__setattr__(self, "shown", None if shown is None else types.MappingProxyType(dict(shown)))
         for group in self.ties:
             for i, n in group:
                 if not 0 <= i < len(named):
@@ -293,6 +316,20 @@ class Chain:
             raise TypeError(f"Chain: loss must be callable loss(output, *loss_args), got {type(loss).__name__}")
         chain = copy.copy(self)
         object.__setattr__(chain, "loss", loss)
+        return chain
+
+    def showing(self, l: int) -> Shown | None:
+        """How boundary ``l`` shows to the passes and the trace (``None``: it does not)."""
+        if self.shown is None:
+            return Shown(l, self.names[l - 1] if l > 0 else "input")
+        return self.shown.get(l)
+
+    def showing_all(self) -> Chain:
+        """This chain with every boundary shown as itself (an estimator's exact trace reads them all)."""
+        if self.shown is None:
+            return self
+        chain = copy.copy(self)
+        object.__setattr__(chain, "shown", None)
         return chain
 
     def index(self, name_or_index: str | int) -> int:
@@ -469,12 +506,14 @@ def from_module(
             raise TypeError(f"from_module: split_at cuts a model's own forward, got a {type(model).__name__}")
         fsdp.refuse_capture(model)
         with capture.LOCK:
-            stages, names = capture.cut_model(model, example, split_at)
+            stages, names, calls = capture.cut_model(model, example, split_at)
         named_children = list(zip(names, stages))
+        shown = {l: Shown(*call) for l, call in calls.items()}
     else:
         named_children = (
             list(model.named_children()) if isinstance(model, nn.Sequential) else [(None, c) for c in _children(model)]
         )
+        shown = None
         if isinstance(model, nn.Module):
             fsdp.lazy_init(model)  # the root's, before its FSDP children run one by one
     detached: dict[int, torch.Tensor] = {}
@@ -515,6 +554,7 @@ def from_module(
         [dataclasses.replace(s, physical=s.physical or i in marked) for i, s in enumerate(chain.stages)],
         loss=loss,
         ties=chain.ties,
+        shown=shown,
     )
     return chain, tuple(params)
 

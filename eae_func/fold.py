@@ -116,21 +116,23 @@ class Tape:
 @dataclasses.dataclass(frozen=True)
 class Carry:
     """What the fold carries from boundary l to l-1: the record of p_l after the passes
-    (its costate feeds stage l's step), the pass state and what the fused updates have made
-    so far (``update.Pending``; ``None`` without them)."""
+    (its costate feeds stage l's step), the pass state, what the fused updates have made
+    so far (``update.Pending``; ``None`` without them) and the record the passes returned
+    where the chain shows boundary l (``processed``)."""
 
     adj: AdjointState
     pass_state: Any
     pending: Any = None
+    shown: AdjointState | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class StepOut:
     """What one step emits: the stage's parameter gradients, the record of its input boundary
-    as the trace keeps it, and the step's counters."""
+    as the trace keeps it (``None``: the chain does not show it), and the step's counters."""
 
     grads: Any
-    record: AdjointState
+    record: AdjointState | None
     stats: dict
 
 
@@ -346,37 +348,80 @@ def check_costate(chain: Chain, l: int, adj: Any, layout: B.Layout) -> list:
 
 def processed(
     chain: Chain, opts: Options, adj: AdjointState, pass_state: Any, boundary: Any, layout: B.Layout, stats: dict
-) -> tuple[AdjointState, Any]:
-    """``adj`` and ``pass_state`` after the passes, the costate checked against the boundary's ``layout``
-    (the sweep skips this for a costate it built from the boundary itself when there are no passes)."""
+) -> tuple[AdjointState, Any, AdjointState | None]:
+    """``(adj, pass_state, record)``: boundary l's costate after the passes, where the chain shows the
+    boundary (``Chain.showing``: the passes see the record of its shown part, under its shown index,
+    name and key), checked against the boundary's ``layout``; ``record``: what the passes returned
+    (``None``: the boundary is not shown, and nothing ran). The sweep skips this for a costate it
+    built from the boundary itself when there are no passes."""
     l = adj.index
-    ctx = Context(boundary, chain.stages[l - 1] if l > 0 else None, opts.key)
+    shown = chain.showing(l)
+    if shown is None:
+        check_costate(chain, l, adj, layout)  # an estimator's or another rank's costate all the same
+        return adj, pass_state, None
+    record = AdjointState(part(adj.value, shown.keys), shown.index, shown.name, fold_in(opts.key, shown.index))
+    ctx = Context(part(boundary, shown.keys), chain.stages[l - 1] if l > 0 else None, opts.key)
     try:
-        with timer(opts, stats, "pass_s", f"eae/{boundary_name(chain, l)}/passes", layout.placements[0][0]):
-            out = opts.passes.update(adj, pass_state, ctx)
+        with timer(opts, stats, "pass_s", f"eae/{shown.name}/passes", layout.placements[0][0]):
+            out = opts.passes.update(record, pass_state, ctx)
     except Exception as e:
-        note(e, f"the passes at boundary {l}")
+        note(e, f"the passes at boundary {shown.index} ({shown.name!r})")
         raise
     if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(
-            f"pass {opts.passes.name!r} at boundary {l}: update must return (AdjointState, state), "
-            f"got {type(out).__name__}"
+            f"pass {opts.passes.name!r} at boundary {shown.index} ({shown.name!r}): update must return "
+            f"(AdjointState, state), got {type(out).__name__}"
         )
-    flat = check_costate(chain, l, out[0], layout)
+    if not isinstance(out[0], AdjointState):
+        check_costate(chain, l, out[0], layout)  # raises, naming what it got
+    full = adj.replace(value=with_part(adj.value, shown.keys, out[0].value))
+    flat = check_costate(chain, l, full, layout)
     given = optree.tree_leaves(adj.value, none_is_leaf=True, namespace=NAMESPACE)
     if any(t is None and g is not None for t, g in zip(flat, given)):
         at = "the chain's input" if l == 0 else f"output of {chain.where(l - 1)}"
         raise ValueError(
-            f"pass {opts.passes.name!r} at boundary {l} ({at}): returned value=None for a costate that was a "
-            f"tensor, which would silently zero every gradient upstream of it; return a costate "
+            f"pass {opts.passes.name!r} at boundary {shown.index} ({at}): returned value=None for a costate that "
+            f"was a tensor, which would silently zero every gradient upstream of it; return a costate "
             f"(adj.replace(value=torch.zeros_like(adj.value)) stops the signal on purpose)"
         )
-    return out
+    return full, out[1], out[0]
 
 
-def traced(adj: AdjointState, opts: Options) -> AdjointState:
+def shown_as(chain: Chain, adj: AdjointState, key: int) -> AdjointState | None:
+    """The record of boundary ``adj.index`` as the chain shows it when no pass runs (``processed``)."""
+    if chain.shown is None:
+        return adj
+    shown = chain.showing(adj.index)
+    if shown is None:
+        return None
+    value = None if adj.value is None else part(adj.value, shown.keys)
+    return AdjointState(value, shown.index, shown.name, fold_in(key, shown.index))
+
+
+def part(tree: Any, keys: tuple[str, ...] | None) -> Any:
+    """The entries ``keys`` of a boundary (its state or its costate): one as itself, several as a
+    tuple; ``None``: the whole boundary."""
+    if keys is None:
+        return tree
+    return tree[keys[0]] if len(keys) == 1 else tuple(tree[k] for k in keys)
+
+
+def with_part(costate: Any, keys: tuple[str, ...] | None, value: Any) -> Any:
+    """``costate`` with its entries ``keys`` replaced by ``value`` (as ``part`` gives them); a value of
+    another structure is returned as it is, for ``check_costate`` to name."""
+    if keys is None:
+        return value
+    parts = (value,) if len(keys) == 1 else value
+    if not isinstance(parts, tuple) or len(parts) != len(keys):
+        return value
+    return {**costate, **dict(zip(keys, parts))}
+
+
+def traced(adj: AdjointState | None, opts: Options) -> AdjointState | None:
     """The record as the trace keeps it: without its costate unless ``keep_costates``."""
-    return adj if opts.keep_costates else AdjointState(None, adj.index, adj.stage, adj.key, adj.history, adj.meta)
+    if adj is None or opts.keep_costates:
+        return adj
+    return AdjointState(None, adj.index, adj.stage, adj.key, adj.history, adj.meta)
 
 
 # ----------------------------------------------------------------------------- the three parts
@@ -531,9 +576,10 @@ def boundary_condition(
         raise
     costate = costate_like([torch.zeros_like(t) if g is None else g for g, t in zip(p, inputs)])
     adj = AdjointState(costate, L, boundary_name(chain, L), fold_in(opts.key, L))
+    shown = shown_as(chain, adj, opts.key)
     if not opts.no_passes:
-        adj, pass_state = processed(chain, opts, adj, pass_state, h, B.Layout.of(h), stats)
-    return loss.detach(), Carry(adj, pass_state)
+        adj, pass_state, shown = processed(chain, opts, adj, pass_state, h, B.Layout.of(h), stats)
+    return loss.detach(), Carry(adj, pass_state, shown=shown)
 
 
 def check_scalar(loss: Any) -> None:
@@ -646,9 +692,10 @@ def make_step(
                 AdjointState(costate_in, i, boundary_name(chain, i), fold_in(opts.key, i)),
                 carry.pass_state,
             )
+            shown = shown_as(chain, adj, opts.key)
             if physical or not opts.no_passes:  # else the step built the costate from the boundary: nothing to do
-                adj, pass_state = processed(chain, opts, adj, pass_state, entry.boundary, entry.layout, stats)
-            return Carry(adj, pass_state, pending), StepOut(grads, traced(adj, opts), stats)
+                adj, pass_state, shown = processed(chain, opts, adj, pass_state, entry.boundary, entry.layout, stats)
+            return Carry(adj, pass_state, pending, shown), StepOut(grads, traced(shown, opts), stats)
         except BaseException as e:  # KeyboardInterrupt too: say which stages a torch.optim update had stepped
             if updater is not None:
                 updater.note(pending, e)

@@ -90,10 +90,13 @@ class Options:
     local vjp as one graph; ``eae_func.compiled``): ``True``, a mode string or a dict of
     ``torch.compile``'s keyword arguments; stages running the same code on the same shapes share
     their graphs. After ``__post_init__``, that dict (``None``: off)."""
-    capture: str = "run"
+    capture: str | None = None
     """How a model (an ``nn.Module``) with ``split_at`` is cut: ``"run"`` (its forward runs as
-    written, each call of a matched module one stage: ``eae_func.cuts``; options only a chain
-    implements fall back to ``"graph"``), or ``"graph"`` (a chain captured by ``torch.export``)."""
+    written, each call of a matched module one stage: ``eae_func.cuts``), ``"graph"`` (a chain
+    captured by ``torch.export``), or ``None``: ``"run"``, unless an option only a chain implements
+    is set (``cuts.needs_graph``). Given, it is never overridden: ``"run"`` with such an option is
+    refused, naming it. Both cut the model at the same boundaries, the cuts' outputs in call order,
+    and pass the same records to the passes."""
 
     early_stop: bool = True
     """Rebuild a stage without running the kernels of the ops after the last tensor its graph
@@ -113,8 +116,10 @@ class Options:
                 raise TypeError(
                     f"sweep: {name} must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}"
                 )
-        if self.capture not in CAPTURES:
-            raise ValueError(f"sweep: capture must be 'run' or 'graph', got {self.capture!r}")
+        if self.capture is not None and self.capture not in CAPTURES:
+            raise ValueError(
+                f"sweep: capture must be 'run', 'graph' or None (chosen by the options), got {self.capture!r}"
+            )
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"sweep: reduction must be 'mean' or 'sum', got {self.reduction!r}")
         m = self.microbatches
@@ -246,7 +251,7 @@ class SweepOptions(TypedDict, total=False):
     timers: bool
     data_parallel: Any
     compile: bool | str | Mapping[str, Any] | None
-    capture: str
+    capture: str | None
     early_stop: bool
 
 

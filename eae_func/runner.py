@@ -104,7 +104,7 @@ class Range:
                 chain, tape.take_output(), mb.loss_args, opts, pass_state, mb.scale, stats["loss"]
             )
             carry = dataclasses.replace(carry, pending=pending)
-            head, loss, start = (F.traced(carry.adj, opts),), loss * mb.scale, [carry]
+            head, loss, start = (F.traced(carry.shown, opts),), loss * mb.scale, [carry]
             del carry  # the fold holds p_L alone: it is freed once stage L-1 has used it
         else:
             adj = AdjointState(received, hi, F.boundary_name(chain, hi), fold_in(opts.key, hi))
@@ -113,7 +113,7 @@ class Range:
         problem = self.problem(tape, buffers, mb) if opts.physical else None
         step = F.make_step(chain, self.params, opts, self.device, problem, updater, defer_weights, earlier)
         carry, outs = F.reverse(step, start, tape)
-        trace = head + tuple(o.record for o in reversed(outs))
+        trace = tuple(a for a in head + tuple(o.record for o in reversed(outs)) if a is not None)
         stats.update(
             {chain.names[i]: merge_counters(tape.stats[chain.names[i]], o.stats) for i, o in zip(range(lo, hi), outs)}
         )
@@ -176,7 +176,8 @@ class Range:
                 timers=False,
             ).bind(probed)
             piece = Microbatch(mb.x, mb.loss_args, 1.0, opts.key)
-            return Range(probed, 0, len(probed), self.params, exact, device).run(buffers, piece, None).trace
+            whole = Range(probed.showing_all(), 0, len(probed), self.params, exact, device)
+            return whole.run(buffers, piece, None).trace
 
         def state(i: int) -> Any:
             entry = next((e for e in tape.entries if e.index == i), None)  # looked up, not held: the fold frees them

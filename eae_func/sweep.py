@@ -306,14 +306,7 @@ def _on_model(
 ) -> SweepResult:
     """``sweep`` of a model: cut at run time (``eae_func.cuts``), or its chain, params per stage from a
     flat dict, results back in its structure."""
-    if (
-        split_at is not None
-        and opts.capture == "run"
-        and isinstance(model, nn.Module)
-        and isinstance(params, Mapping)
-        and not cuts.needs_graph(opts)
-        and not fsdp.holds_shards(model)
-    ):
+    if split_at is not None and at_run_time(model, params, opts):
         if loss is None:
             raise TypeError(f"sweep: a model ({type(model).__name__}) needs loss=loss_fn(output, *loss_args)")
         if buffers is not None and not isinstance(buffers, Mapping):
@@ -360,6 +353,28 @@ def _on_model(
         buffers=flat_dict(res.buffers),
         params={q: updated.get(q, given[q]) for q in given},
     )
+
+
+def at_run_time(model: nn.Module | Sequence, params: Sequence | Mapping, opts: Options) -> bool:
+    """Whether a model with ``split_at`` is cut at run time (``capture="run"``) or captured (``"graph"``):
+    as ``capture=`` says, or, with ``capture=None``, at run time unless something needs a chain;
+    ``"run"`` given where something needs a chain is refused, naming it."""
+    if opts.capture == "graph" or not isinstance(model, nn.Module):  # chain_of names what a list lacks
+        return False
+    needs = [f"{name}=" for name in cuts.needs_graph(opts)]
+    if not isinstance(params, Mapping):
+        needs.append("params as one dict per stage (run-time cuts take dict(model.named_parameters()))")
+    if fsdp.holds_shards(model):
+        needs.append("FSDP2 (fully_shard) modules")
+    if not needs:
+        return True
+    if opts.capture == "run":
+        raise ValueError(
+            f"sweep: capture='run' cuts {type(model).__name__} at run time, which does not implement "
+            f"{', '.join(needs)}; give capture='graph' (a chain captured by torch.export, the same boundaries "
+            f"and records) or capture=None to choose by the options, or leave out {needs[0]}"
+        )
+    return False
 
 
 def _on_ddp(

@@ -128,7 +128,7 @@ def test_microbatches_must_fit_the_batch():
 def test_a_pass_returning_something_else_than_a_pair_is_named():
     _, chain, params, x, y = small()
     bad = Pass(init=lambda: None, update=lambda a, s, ctx: a, name="forgot_the_state")
-    with pytest.raises(TypeError, match=r"pass 'forgot_the_state' at boundary 3: update must return"):
+    with pytest.raises(TypeError, match=r"pass 'forgot_the_state' at boundary 3 \(.*\): update must return"):
         ef.sweep(chain, params, x, y, passes=bad)
 
 

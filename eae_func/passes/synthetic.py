@@ -60,7 +60,8 @@ def synthetic(lr: float = 0.5, momentum: float = 0.9, warmup: int = 100, replace
         if ctx.boundary is None:
             raise ValueError(
                 f"synthetic: boundary {adj.index} has no boundary state (ctx.boundary is None); "
-                f"the pass predicts the costate from it, run it inside ef.sweep"
+                f"the pass predicts the costate from it: run it inside ef.sweep on a chain, or on a model with "
+                f"split_at and capture='graph' (run-time cuts keep no boundary state for the passes)"
             )
         costates, spec = optree.tree_flatten(adj.value, none_is_leaf=True, namespace=NAMESPACE)
         boundaries = optree.tree_leaves(ctx.boundary, none_is_leaf=True, namespace=NAMESPACE)

@@ -1,0 +1,179 @@
+"""One meaning of a pass on every path: a model cut with ``split_at`` at run time (``capture="run"``)
+and captured as a chain (``capture="graph"``, which an option only a chain implements used to choose
+silently) shows the passes the same boundaries, the cuts' outputs in call order, under the same
+indices, names and keys, so every built-in pass gives the same gradients and records on both."""
+
+import functools
+import math
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import eae_func as ef
+from eae_func import passes as P
+from eae_func.adjoint import NAMESPACE
+
+F64 = torch.float64
+
+
+class Layers(nn.Module):
+    """embedding -> three cut layers -> head: glue around the cuts."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(4, 8)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+class Skip(nn.Module):
+    """A skip connection alive across two cuts: a capture carries it beside the stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = nn.Linear(4, 6)
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+        self.up = nn.Linear(6, 3)
+
+    def forward(self, x):
+        skip = torch.tanh(self.down(x))
+        return self.up(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(skip)))))) + skip)
+
+
+class Twice(nn.Module):
+    """One cut module called twice in a row, then once more after glue: three stages."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.block(self.block(self.inp(x)))
+        return self.out(self.block(h * 0.5))
+
+
+MODELS = {
+    "layers": (Layers, ["layers.*"], ["layers.0", "layers.1", "layers.2"]),
+    "skip": (Skip, ["a", "b", "c"], ["a", "b", "c"]),
+    "twice": (Twice, ["block"], ["block", "block#2", "block#3"]),
+}
+
+
+def passes():
+    return {
+        "identity": P.identity(),
+        "scale": P.scale(2.0),
+        "clip": P.clip_by_global_norm(0.05),
+        "clip_by_value": P.clip_by_value(0.01),
+        "gaussian_noise": P.gaussian_noise(0.1),
+        "cast16": P.cast(torch.float16),
+        "fp8": P.fp8(),
+        "int8": P.int8(),
+        "int8_channel": P.int8("channel"),
+        "int8_stochastic": P.int8(stochastic=True),
+        "topk": P.topk(0.3),
+        "randk": P.randk(0.3),
+        "check_finite": P.check_finite("zero"),
+        "stats": P.stats(),
+        "log": P.log(),
+        "error_feedback": P.error_feedback(P.int8()),
+        "when": P.when(lambda a: a.index > 1, P.scale(3.0)),
+        "only_index": P.only(P.scale(0.5), indices=2),
+        "composed": ef.compose(P.int8(), P.clip_by_global_norm(0.05), P.stats()),
+    }
+
+
+@functools.cache
+def built(name):
+    """One model per kind for the whole module (its capture is kept between sweeps), its data."""
+    torch.manual_seed(0)
+    model = MODELS[name][0]().double()
+    return model, torch.randn(6, 4, dtype=F64), torch.randn(6, 3, dtype=F64)
+
+
+def sweep(name, capture, p, key=7):
+    model, x, y = built(name)
+    params = dict(model.named_parameters())
+    split_at = MODELS[name][1]
+    return ef.sweep(model, params, x, y, loss=F.mse_loss, split_at=split_at, passes=p, key=key, capture=capture)
+
+
+def close(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.allclose(a, b, rtol=1e-9, atol=1e-14)
+    if isinstance(a, float | int) and not isinstance(a, bool):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-14)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+    if isinstance(a, tuple | list):
+        return len(a) == len(b) and all(close(u, v) for u, v in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("name", list(passes()))
+def test_every_builtin_pass_means_the_same_at_run_time_and_captured(model, name):
+    run, graph = (sweep(model, capture, passes()[name]) for capture in ("run", "graph"))
+    assert [(a.index, a.stage) for a in run.adjoints] == [(3, n) for n in MODELS[model][2][2:]] + [
+        (2, MODELS[model][2][1]),
+        (1, MODELS[model][2][0]),
+    ]
+    assert [(a.index, a.stage, a.key, a.history) for a in graph.adjoints] == [
+        (a.index, a.stage, a.key, a.history) for a in run.adjoints
+    ]
+    for r, g in zip(run.adjoints, graph.adjoints):
+        assert close(r.value, g.value), (r.index, r.stage)
+        assert close(dict(r.meta), dict(g.meta)), (r.index, dict(r.meta), dict(g.meta))
+    assert run.grads.keys() == graph.grads.keys()
+    for k in run.grads:
+        assert close(run.grads[k], graph.grads[k]), k
+    assert close(run.stats["boundaries"], graph.stats["boundaries"])
+    assert optree.tree_structure(run.pass_state, namespace=NAMESPACE) == optree.tree_structure(
+        graph.pass_state, namespace=NAMESPACE
+    )
+
+
+def test_a_pass_scales_the_cut_gradients_it_flows_through_on_both_paths():
+    """``P.scale(2)`` at every cut's output: the head (after the last cut) is untouched, layer k's
+    gradients carry a factor 2 per cut at or after it, the embedding (before the first) 2**3, on both
+    paths: the numbers the two meanings of a pass differed in."""
+    plain = sweep("layers", "run", P.identity())
+    for capture in ("run", "graph"):
+        scaled = sweep("layers", capture, P.scale(2.0))
+        factor = {"head": 1, "layers.2": 2, "layers.1": 4, "layers.0": 8, "emb": 8}
+        for k, g in scaled.grads.items():
+            prefix = next(p for p in factor if k.startswith(p))
+            torch.testing.assert_close(g, factor[prefix] * plain.grads[k], rtol=1e-12, atol=0)
+
+
+def test_an_option_only_a_chain_implements_keeps_the_run_time_meaning():
+    """``microbatches=2`` needs a chain: with ``capture=None`` it is captured, the same records and
+    gradients (int8 at the cuts); an explicit ``capture="run"`` is never overridden: refused, naming it."""
+    model, x, y = built("layers")
+    params = dict(model.named_parameters())
+    kw = dict(loss=F.mse_loss, split_at=["layers.*"], passes=P.scale(2.0))
+    one = ef.sweep(model, params, x, y, **kw)
+    two = ef.sweep(model, params, x, y, microbatches=2, **kw)
+    assert [(a.index, a.stage) for a in two.adjoints] == [(a.index, a.stage) for a in one.adjoints]
+    for k in one.grads:
+        torch.testing.assert_close(two.grads[k], one.grads[k], rtol=1e-12, atol=1e-15)
+    with pytest.raises(ValueError, match=r"capture='run'.*does not implement microbatches=.*capture='graph'"):
+        ef.sweep(model, params, x, y, microbatches=2, capture="run", **kw)
+
+
+def test_synthetic_needs_the_boundary_state_and_says_where_it_is():
+    """``P.synthetic`` predicts from the boundary state: a capture passes the cut's output; run-time
+    cuts keep none and say which path has it."""
+    graph = sweep("layers", "graph", P.synthetic(warmup=0, replace=False))
+    assert [a.stage for a in graph.adjoints] == ["layers.2", "layers.1", "layers.0"]
+    with pytest.raises(ValueError, match=r"capture='graph'"):
+        sweep("layers", "run", P.synthetic(warmup=0, replace=False))
