@@ -177,3 +177,32 @@ def test_synthetic_needs_the_boundary_state_and_says_where_it_is():
     assert [a.stage for a in graph.adjoints] == ["layers.2", "layers.1", "layers.0"]
     with pytest.raises(ValueError, match=r"capture='graph'"):
         sweep("layers", "run", P.synthetic(warmup=0, replace=False))
+
+
+def _pipelined_and_run_time():
+    """The ``layers`` model captured, on a two-rank pipeline with two microbatches (``P.scale(2)`` and
+    ``P.clip_by_value``, which act on each element alike, at the cuts), against the same model cut at run
+    time in one process: every rank's records are the run-time trace's."""
+    import eae_func.distributed as D
+
+    model, x, y = built("layers")
+    split_at, p = MODELS["layers"][1], ef.compose(P.scale(2.0), P.clip_by_value(0.01))
+    chain, params = ef.from_module(model, loss=F.mse_loss, split_at=split_at, example=x[:3])
+    pipe = D.Pipeline(chain, [(0, 2), (2, len(chain))], params=params, schedule="1f1b", timeout=30)
+    res = pipe.sweep(params, x, y, passes=p, microbatches=2, key=7)
+    ref = ef.sweep(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, split_at=split_at, passes=p, key=7)
+    by_index = {a.index: a for a in ref.adjoints}
+    return {
+        "records": [(a.index, a.stage, a.history) for a in res.adjoints],
+        "expected": [(a.index, by_index[a.index].stage, by_index[a.index].history) for a in res.adjoints],
+        "values": all(close(a.value, by_index[a.index].value) for a in res.adjoints),
+    }
+
+
+def test_a_pipeline_of_the_captured_model_shows_the_run_time_records():
+    import eae_func.distributed as D
+
+    outs = D.run(_pipelined_and_run_time, 2, timeout=120)
+    for out in outs:
+        assert out["records"] == out["expected"] and out["values"], out
+    assert sorted(i for out in outs for i, _, _ in out["records"]) == [1, 2, 3]
