@@ -10,6 +10,7 @@ out = ef.apply(chain, params, x)  # the chain's output, its stages run forward
 from . import estimators, passes, remat
 from .adjoint import AdjointState, fold_in
 from .chain import Chain, Stage, apply, from_module, stage, write_back, write_buffers, write_grads
+from .chunked import chunked_loss
 from .estimators.base import Estimator, Problem
 from .function import cut
 from .options import Options
@@ -32,6 +33,7 @@ __all__ = [
     "Stage",
     "SweepResult",
     "apply",
+    "chunked_loss",
     "black_box",
     "compose",
     "cut",

@@ -302,9 +302,22 @@ def check_closed_over(chain: Chain, i: int, outputs: list, own: Sequence[torch.T
     ``own`` (the stage's params and input as the sweep gave them): stage i then closes over, say, a
     module's weights, whose gradient the sweep would silently drop. With no ``own`` tensors, any output
     requiring grad is one."""
+    leaves = closed_over(outputs, own)
+    if leaves is None:
+        return
+    raise ValueError(
+        f"{chain.where(i)}: its output depends on a tensor that requires grad but is not among its "
+        f"params (shapes {leaves or 'unknown'}): a stage that closes over a module's weights would get "
+        f"no gradient for them; pass them in params (ef.from_module, or functional_call on them)"
+    )
+
+
+def closed_over(outputs: Sequence, own: Sequence[torch.Tensor] = ()) -> list | None:
+    """The shapes of up to three leaf tensors requiring grad, other than ``own``, that ``outputs``
+    depend on (``[]``: some, unknown; ``None``: none)."""
     grad_fns = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
     if not grad_fns:
-        return
+        return None
     mine = {id(t) for t in own}
     leaves, seen, todo = [], set(), [f for f in grad_fns if f is not None]
     while todo and len(leaves) < 3:
@@ -316,13 +329,7 @@ def check_closed_over(chain: Chain, i: int, outputs: list, own: Sequence[torch.T
         if variable is not None and id(variable) not in mine:
             leaves.append(tuple(variable.shape))
         todo += [f for f, _ in fn.next_functions if f is not None]
-    if mine and not leaves:
-        return
-    raise ValueError(
-        f"{chain.where(i)}: its output depends on a tensor that requires grad but is not among its "
-        f"params (shapes {leaves or 'unknown'}): a stage that closes over a module's weights would get "
-        f"no gradient for them; pass them in params (ef.from_module, or functional_call on them)"
-    )
+    return None if mine and not leaves else leaves
 
 
 def check_costate(chain: Chain, l: int, adj: Any, layout: B.Layout) -> list:
@@ -570,6 +577,12 @@ def boundary_condition(
                 inputs = [t.detach().requires_grad_() for t in floats]
                 loss = chain.loss(rebuild(inputs), *loss_args)
             check_scalar(loss)
+            if (outside := closed_over([loss], inputs)) is not None:
+                raise ValueError(
+                    f"loss: it depends on tensors that require grad besides the chain's output (shapes {outside}), "
+                    f"a head or norm it closes over, whose gradients the sweep would silently drop; make it the "
+                    f"chain's last stage, or cut the model at run time (capture='run'), where it is glue"
+                )
             p = V.pull_back(V.places([loss]), [torch.full_like(loss, loss_scale)], inputs)
     except Exception as e:
         note(e, "the loss")

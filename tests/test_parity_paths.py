@@ -142,6 +142,50 @@ def test_every_builtin_pass_means_the_same_at_run_time_and_captured(model, name)
     )
 
 
+def _hugging_face(kind):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=64, n_positions=32)
+        split_at = ["transformer.h.*"]
+    else:
+        config = transformers.LlamaConfig(
+            num_hidden_layers=3,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
+        split_at = ["model.layers.*"]
+    model = transformers.AutoModelForCausalLM.from_config(config).double().eval()
+    return model, split_at, torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _next_token_loss(out, ids):
+    return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hugging_face_models_show_the_same_records_on_both_paths(kind):
+    """Code nobody here wrote: a capture carries the causal mask (GPT-2) or the rotary tables (Llama)
+    across every cut beside the stream; the passes see the layers' outputs alone on both paths."""
+    model, split_at, ids = _hugging_face(kind)
+    params = dict(model.named_parameters())
+    for p in (P.scale(2.0), P.clip_by_global_norm(1e-3), P.int8(), P.randk(0.5)):
+        run, graph = (
+            ef.sweep(model, params, ids, ids, loss=_next_token_loss, split_at=split_at, passes=p, key=5, capture=c)
+            for c in ("run", "graph")
+        )
+        names = [f"{split_at[0][:-2]}.{k}" for k in (2, 1, 0)]
+        assert [(a.index, a.stage) for a in run.adjoints] == list(zip((3, 2, 1), names))
+        assert [(a.index, a.stage, a.key, a.history) for a in graph.adjoints] == [
+            (a.index, a.stage, a.key, a.history) for a in run.adjoints
+        ]
+        assert all(close(r.value, g.value) for r, g in zip(run.adjoints, graph.adjoints)), p.name
+        assert all(close(run.grads[k], graph.grads[k]) for k in params), p.name
+
+
 def test_a_pass_scales_the_cut_gradients_it_flows_through_on_both_paths():
     """``P.scale(2)`` at every cut's output: the head (after the last cut) is untouched, layer k's
     gradients carry a factor 2 per cut at or after it, the embedding (before the first) 2**3, on both
