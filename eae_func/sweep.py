@@ -307,6 +307,7 @@ def _on_model(
     """``sweep`` of a model: cut at run time (``eae_func.cuts``), or its chain, params per stage from a
     flat dict, results back in its structure."""
     if split_at is not None and at_run_time(model, params, opts):
+        assert isinstance(model, nn.Module) and isinstance(params, Mapping)  # at_run_time checked them
         if loss is None:
             raise TypeError(f"sweep: a model ({type(model).__name__}) needs loss=loss_fn(output, *loss_args)")
         if buffers is not None and not isinstance(buffers, Mapping):
