@@ -15,7 +15,7 @@ loss does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -125,7 +125,7 @@ class _ChunkedLoss(torch.autograd.Function):
             with torch.enable_grad():
                 chunk = plan.chunk_loss(local, h, y)
             inputs = ([h] if grad_hidden is not None else []) + trained
-            got: Sequence = torch.autograd.grad(chunk, inputs, grad, allow_unused=True) if inputs else ()
+            got = torch.autograd.grad(chunk, inputs, grad, allow_unused=True)  # autograd asks: inputs is not empty
             if grad_hidden is not None:
                 grad_hidden[rows : rows + h.shape[0]] = got[0]
                 got = got[1:]
