@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
@@ -58,9 +59,12 @@ def needs_graph(opts: Options) -> list[str]:
         given.append("physical")
     if opts.recompute != default.recompute:
         given.append("recompute")
-    if opts.data_parallel not in (None, False):
-        given.append("data_parallel")
     return given
+
+
+def multi_process() -> bool:
+    """Whether this process is one of several in a ``torch.distributed`` run."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 @dataclasses.dataclass
@@ -467,4 +471,14 @@ def sweep_model(
             grads[n] = through_hooks(hooked[n], grads[n])
     stats = dict(run.stats)
     stats["boundaries"] = {a.index: dict(a.meta) for a in run.trace}
+    if opts.data_parallel is None and multi_process():
+        from .distributed.data_parallel import warn_local_gradients
+
+        warn_local_gradients("sweep")
+    elif opts.data_parallel is not None and opts.data_parallel is not False:
+        # each replica's stages are the calls it made (a MoE replica calls other experts): the
+        # model's final gradients are averaged over the fixed layout of its trained parameters
+        from .distributed.data_parallel import average_model_grads
+
+        grads, stats["data_parallel"] = average_model_grads(opts.data_parallel, params, grads)
     return value.detach(), grads, tuple(run.trace), fresh, run.pass_state, Measurements(stats)

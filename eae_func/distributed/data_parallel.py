@@ -13,8 +13,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
+import os
+import sys
 import time
+import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import optree
@@ -133,12 +137,17 @@ def _wait(work, timeout: datetime.timedelta, what: str) -> None:
 class Reducer:
     """The fold's gradients averaged over the replicas of ``group`` as soon as each stage has them.
 
-    ``start(i, grads)`` divides stage i's gradients by R, flattens them into one bucket per dtype
-    and launches an asynchronous ``all_reduce`` (sum) of each: DDP's arithmetic, so the result is
-    bitwise DDP's average; the fold goes on to the next stage's recompute while the bucket is on the
-    wire. ``ready(wait)`` hands back ``(i, averaged grads)`` of the launched stages in launch order,
-    those already finished (all of them with ``wait``). ``stats``: bytes sent per rank (as a ring
-    moves them) and the seconds spent waiting.
+    ``start(i, grads, like)`` reduces stage i's gradients over a fixed layout, ``like`` (every trained
+    parameter due at the stage, the same on every replica, as ``agree`` checks): per dtype one bucket
+    of every member's gradient (zeros where this replica has none: unused, as DDP's
+    ``find_unused_parameters`` fills them) and a presence flag per member, divided by R, then one
+    asynchronous ``all_reduce`` (sum): DDP's arithmetic, so the result is bitwise DDP's average
+    (1/R) sum_r g_r, and the replicas always pair the same tensors, whatever each one used. A member
+    no replica used has no gradient (absent, ``None`` to the caller), as DDP leaves its ``.grad``.
+    The fold goes on to the next stage's recompute while the bucket is on the wire. ``ready(wait)``
+    hands back ``(i, averaged grads)`` of the launched stages in launch order, those already finished
+    (all of them with ``wait``). ``stats``: bytes sent per rank (as a ring moves them, the flags
+    included) and the seconds spent waiting.
     """
 
     def __init__(self, group: Any):
@@ -146,16 +155,19 @@ class Reducer:
         self.launched: list = []
         self.stats = {"bytes_sent": 0, "wait_s": 0.0, "buckets": 0}
 
-    def start(self, i: int, grads: dict) -> None:
-        names, buckets = list(grads), []
-        for dtype in dict.fromkeys(g.dtype for g in grads.values()):
-            members = [n for n in names if grads[n].dtype == dtype]
-            bucket = torch.cat([grads[n].reshape(-1) for n in members]).div_(self.size)
+    def start(self, i: int, grads: Mapping[str, torch.Tensor | None], like: Mapping[str, torch.Tensor]) -> None:
+        buckets = []
+        for dtype in dict.fromkeys(t.dtype for t in like.values()):
+            members = [n for n, t in like.items() if t.dtype == dtype]
+            pieces = [_flat_grad(grads.get(n), like[n]) for n in members]
+            present = [float(grads.get(n) is not None) for n in members]
+            flags = torch.tensor(present, dtype=dtype, device=like[members[0]].device)
+            bucket = torch.cat([*pieces, flags]).div_(self.size)
             work = dist.all_reduce(bucket, group=self.group, async_op=True)
             buckets.append((members, bucket, work))
             self.stats["bytes_sent"] += 2 * (self.size - 1) * bucket.numel() * bucket.element_size() // self.size
             self.stats["buckets"] += 1
-        self.launched.append((i, {n: grads[n].shape for n in names}, buckets))
+        self.launched.append((i, {n: t.shape for n, t in like.items()}, buckets))
 
     def ready(self, wait: bool) -> list[tuple[int, dict]]:
         done = []
@@ -170,11 +182,50 @@ class Reducer:
                     raise PeerError(
                         f"rank {dist.get_rank()}: the all_reduce of stage {i}'s gradients failed or timed out: {e}"
                     ) from e
-                pieces = bucket.split([shapes[n].numel() for n in members])
-                averaged.update({n: piece.view(shapes[n]) for n, piece in zip(members, pieces)})
+                *pieces, flags = bucket.split([*(shapes[n].numel() for n in members), len(members)])
+                used = flags.tolist()  # the number of replicas that used each member, over R
+                averaged.update({n: p.view(shapes[n]) for n, p, u in zip(members, pieces, used) if u > 0})
             self.stats["wait_s"] += time.perf_counter() - start
-            done.append((i, {n: averaged[n] for n in shapes}))
+            done.append((i, {n: averaged[n] for n in shapes if n in averaged}))
         return done
+
+
+def _flat_grad(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``grad`` flattened into ``like``'s dtype, or zeros of its size where there is none."""
+    if grad is None:
+        return like.new_zeros(like.numel())
+    return grad.reshape(-1).to(like.dtype)
+
+
+def average_model_grads(group: Any, params: Mapping[str, torch.Tensor], grads: dict) -> tuple[dict, dict]:
+    """``(grads averaged over the replicas of group, the Reducer's stats)`` for a model swept whole
+    (run-time cuts, whose stages are the calls each replica made: a MoE replica may call other
+    experts): once the replicas ``agree`` on the model's parameters (names, shapes, dtypes, trained),
+    one ``Reducer`` step over the fixed layout of every trained parameter, so a parameter some
+    replica used gets (1/R) sum_r g_r (zero where unused) and one no replica used stays ``None``."""
+    trained = {n: t for n, t in params.items() if t.requires_grad and is_differentiable(t)}
+    entries = [("the model", n, tuple(t.shape), str(t.dtype), n in trained) for n, t in params.items()]
+    agree(group, {"stages": ["the model"], "params": entries, "ties": []})
+    reducer = Reducer(group)
+    if trained:
+        reducer.start(0, grads, trained)
+    averaged = dict(reducer.ready(wait=True)).get(0, {})
+    return {n: averaged.get(n) if n in trained else g for n, g in grads.items()}, dict(reducer.stats)
+
+
+def warn_local_gradients(where: str) -> None:
+    """Warn (at the caller's own line: the first frame outside eae_func and torch) that a multi-process
+    run without ``data_parallel=`` gives this rank's gradients alone."""
+    inside = (os.path.dirname(os.path.dirname(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"{where}: in a multi-process run without data_parallel=, the gradients are this rank's batch "
+        "alone (not averaged over replicas); give data_parallel=group (or the DDP model itself), or "
+        "data_parallel=False for local gradients on purpose",
+        stacklevel=level,
+    )
 
 
 def replica_layout(chain: Chain, params: tuple, groups: list) -> dict:
