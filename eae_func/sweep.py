@@ -317,6 +317,10 @@ def _on_model(
             model, params, x, loss_args, loss, split_at, pass_state, buffers, opts
         )
         return SweepResult(value, grads, trace, updated, state, stats, params)
+    if split_at is not None and opts.data_parallel is not None and isinstance(params, Mapping):
+        # the replicas agree on the model before each captures it: one whose model differs (and whose
+        # capture may fail on it) names the difference, as every other replica does
+        cuts.replicas_of(opts.data_parallel, params)
     example = x if split_at is None else _piece_of(x, opts, "a model cut with split_at")
     chain, qualified, parameters = chain_of(model, loss, split_at, example)
     flat = isinstance(params, Mapping)

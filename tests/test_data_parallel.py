@@ -101,8 +101,8 @@ def test_data_parallel_is_bitwise_ddp_and_a_ddp_model_trains_on():
         assert out["stepped"] == 0.0 and out["ddp_after"] == 0.0
         assert out["fused"] < 1e-12 and out["replicas_agree"]
         n_params = sum(p.numel() for p in _model().parameters())
-        flags = len(list(_model().parameters()))  # one presence flag per parameter tensor
-        assert out["bytes"] == (n_params + flags) * 8  # 2 (R-1)/R of every float64 gradient, once
+        flags = len(list(_model().parameters()))  # one int32 flag per parameter: used on this rank or not
+        assert out["bytes"] == n_params * 8 + flags * 4  # 2 (R-1)/R of every float64 gradient, once
         # the chain path and run-time cuts warn once each, at the caller's line (not inside torch)
         assert len(out["warnings"]) == 2, out["warnings"]
         for message, filename in out["warnings"]:
@@ -149,6 +149,35 @@ def test_replicas_that_differ_make_every_rank_raise_naming_the_difference(case, 
         assert out.startswith("PeerError: sweep: data_parallel= replicas differ"), out
         assert re.search(named, out), out
         assert "give every replica the same model" in out
+
+
+def _a_replica_its_forward_fails_on(capture):
+    """Rank 1's first layer is wider, so its forward (and a capture of it) fails on its own model."""
+    model = _model()
+    if dist.get_rank() == 1:
+        model[0] = nn.Linear(8, 20).double()
+    x, y = _batch(dist.get_rank())
+    try:
+        ef.grad(
+            model,
+            dict(model.named_parameters()),
+            x,
+            y,
+            loss=F.mse_loss,
+            split_at=["0", "2"],
+            capture=capture,
+            data_parallel=dist.group.WORLD,
+        )
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "returned gradients"
+
+
+@pytest.mark.parametrize("capture", ["run", "graph"])
+def test_a_replica_whose_model_differs_is_named_on_every_rank_before_its_forward_or_capture(capture):
+    for out in D.run(_a_replica_its_forward_fails_on, 2, capture, timeout=120, pg_timeout=30):
+        assert out.startswith("PeerError: sweep: data_parallel= replicas differ"), out
+        assert re.search(r"'0.weight': shape \(16, 8\), torch.float64 on rank 0, shape \(20, 8\)", out), out
 
 
 def _agreement_collectives():

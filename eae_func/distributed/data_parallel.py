@@ -138,79 +138,97 @@ class Reducer:
     """The fold's gradients averaged over the replicas of ``group`` as soon as each stage has them.
 
     ``start(i, grads, like)`` reduces stage i's gradients over a fixed layout, ``like`` (every trained
-    parameter due at the stage, the same on every replica, as ``agree`` checks): per dtype one bucket
-    of every member's gradient (zeros where this replica has none: unused, as DDP's
-    ``find_unused_parameters`` fills them) and a presence flag per member, divided by R, then one
-    asynchronous ``all_reduce`` (sum): DDP's arithmetic, so the result is bitwise DDP's average
-    (1/R) sum_r g_r, and the replicas always pair the same tensors, whatever each one used. A member
-    no replica used has no gradient (absent, ``None`` to the caller), as DDP leaves its ``.grad``.
-    The fold goes on to the next stage's recompute while the bucket is on the wire. ``ready(wait)``
-    hands back ``(i, averaged grads)`` of the launched stages in launch order, those already finished
-    (all of them with ``wait``). ``stats``: bytes sent per rank (as a ring moves them, the flags
-    included) and the seconds spent waiting.
+    parameter due at the stage, the same on every replica, as ``agree`` checks): ``buckets`` of every
+    member's gradient, zeros where this replica has none (unused, as DDP's ``find_unused_parameters``
+    fills them), divided by R, each summed by one asynchronous ``all_reduce``: DDP's arithmetic, so
+    the result is bitwise DDP's average (1/R) sum_r g_r, and the replicas always pair the same
+    tensors, whatever each one used. Beside them, one flag per member (used here or not) is summed
+    over ``host_group`` in host memory: a member no replica used has no gradient (absent, ``None`` to
+    the caller), as DDP leaves its ``.grad``. The fold goes on to the next stage's recompute while the
+    buckets are on the wire. ``ready(wait)`` hands back ``(i, averaged grads)`` of the launched stages
+    in launch order, those already finished (all of them with ``wait``). ``stats``: bytes sent per rank
+    (as a ring moves them, the flags included) and the seconds spent waiting.
     """
 
     def __init__(self, group: Any):
-        self.group, self.size = group, dist.get_world_size(group)
+        self.group, self.size, self.host = group, dist.get_world_size(group), host_group(group)
         self.launched: list = []
         self.stats = {"bytes_sent": 0, "wait_s": 0.0, "buckets": 0}
 
     def start(self, i: int, grads: Mapping[str, torch.Tensor | None], like: Mapping[str, torch.Tensor]) -> None:
-        buckets = []
-        for dtype in dict.fromkeys(t.dtype for t in like.values()):
-            members = [n for n, t in like.items() if t.dtype == dtype]
-            pieces = [_flat_grad(grads.get(n), like[n]) for n in members]
-            present = [float(grads.get(n) is not None) for n in members]
-            flags = torch.tensor(present, dtype=dtype, device=like[members[0]].device)
-            bucket = torch.cat([*pieces, flags]).div_(self.size)
-            work = dist.all_reduce(bucket, group=self.group, async_op=True)
-            buckets.append((members, bucket, work))
-            self.stats["bytes_sent"] += 2 * (self.size - 1) * bucket.numel() * bucket.element_size() // self.size
-            self.stats["buckets"] += 1
-        self.launched.append((i, {n: t.shape for n, t in like.items()}, buckets))
+        flags = torch.tensor([grads.get(n) is not None for n in like], dtype=torch.int32)
+        works = [dist.all_reduce(flags, group=self.host, async_op=True)]
+        made = buckets(grads, like, self.size)
+        works += [dist.all_reduce(bucket, group=self.group, async_op=True) for _, bucket in made]
+        for t in (flags, *(bucket for _, bucket in made)):
+            self.stats["bytes_sent"] += 2 * (self.size - 1) * t.numel() * t.element_size() // self.size
+        self.stats["buckets"] += len(made)
+        self.launched.append((i, like, flags, made, works))
 
     def ready(self, wait: bool) -> list[tuple[int, dict]]:
         done = []
-        while self.launched and (wait or all(work.is_completed() for _, _, work in self.launched[0][2])):
-            i, shapes, buckets = self.launched.pop(0)
+        while self.launched and (wait or all(work.is_completed() for work in self.launched[0][-1])):
+            i, like, flags, made, works = self.launched.pop(0)
             start = time.perf_counter()
-            averaged = {}
-            for members, bucket, work in buckets:
+            for work in works:
                 try:
                     work.wait()
                 except RuntimeError as e:
                     raise PeerError(
                         f"rank {dist.get_rank()}: the all_reduce of stage {i}'s gradients failed or timed out: {e}"
                     ) from e
-                *pieces, flags = bucket.split([*(shapes[n].numel() for n in members), len(members)])
-                used = flags.tolist()  # the number of replicas that used each member, over R
-                averaged.update({n: p.view(shapes[n]) for n, p, u in zip(members, pieces, used) if u > 0})
             self.stats["wait_s"] += time.perf_counter() - start
-            done.append((i, {n: averaged[n] for n in shapes if n in averaged}))
+            done.append((i, averaged(made, like, dict(zip(like, flags.tolist())))))
         return done
 
 
-def _flat_grad(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """``grad`` flattened into ``like``'s dtype, or zeros of its size where there is none."""
-    if grad is None:
-        return like.new_zeros(like.numel())
-    return grad.reshape(-1).to(like.dtype)
+def buckets(
+    grads: Mapping[str, torch.Tensor | None], like: Mapping[str, torch.Tensor], size: int
+) -> list[tuple[list[str], torch.Tensor]]:
+    """``(members, bucket)`` per dtype of ``like``: the members' gradients flattened and concatenated
+    (zeros of a member's size where ``grads`` has none), divided by ``size``; the same members, sizes
+    and dtypes on every replica with the same ``like``, whatever each one used."""
+    out = []
+    for dtype in dict.fromkeys(t.dtype for t in like.values()):
+        members = [n for n, t in like.items() if t.dtype == dtype]
+        pieces = [like[n].new_zeros(like[n].numel()) if grads.get(n) is None else grads[n].reshape(-1) for n in members]
+        out.append((members, torch.cat(pieces).to(dtype).div_(size)))
+    return out
+
+
+def averaged(summed: list, like: Mapping[str, torch.Tensor], used: Mapping[str, int]) -> dict:
+    """The gradients of the summed ``buckets``, each member in ``like``'s shape, where some replica
+    used it (``used[name] > 0``: the number that did); the members none used are left out."""
+    out = {}
+    for members, bucket in summed:
+        for n, piece in zip(members, bucket.split([like[n].numel() for n in members])):
+            if used[n] > 0:
+                out[n] = piece.view(like[n].shape)
+    return {n: out[n] for n in like if n in out}
+
+
+def model_layout(params: Mapping[str, torch.Tensor]) -> dict:
+    """``replica_layout`` of a model swept whole (run-time cuts): its parameters by name, one entry."""
+    entries = [("the model", n, tuple(t.shape), str(t.dtype), trained(t)) for n, t in params.items()]
+    return {"stages": ["the model"], "params": entries, "ties": []}
+
+
+def trained(t: torch.Tensor) -> bool:
+    return t.requires_grad and is_differentiable(t)
 
 
 def average_model_grads(group: Any, params: Mapping[str, torch.Tensor], grads: dict) -> tuple[dict, dict]:
     """``(grads averaged over the replicas of group, the Reducer's stats)`` for a model swept whole
     (run-time cuts, whose stages are the calls each replica made: a MoE replica may call other
-    experts): once the replicas ``agree`` on the model's parameters (names, shapes, dtypes, trained),
-    one ``Reducer`` step over the fixed layout of every trained parameter, so a parameter some
-    replica used gets (1/R) sum_r g_r (zero where unused) and one no replica used stays ``None``."""
-    trained = {n: t for n, t in params.items() if t.requires_grad and is_differentiable(t)}
-    entries = [("the model", n, tuple(t.shape), str(t.dtype), n in trained) for n, t in params.items()]
-    agree(group, {"stages": ["the model"], "params": entries, "ties": []})
+    experts; the replicas ``agree`` on ``model_layout`` before its forward): one ``Reducer`` step over
+    the fixed layout of every trained parameter, so a parameter some replica used gets
+    (1/R) sum_r g_r (zero where unused) and one no replica used stays ``None``."""
+    like = {n: t for n, t in params.items() if trained(t)}
     reducer = Reducer(group)
-    if trained:
-        reducer.start(0, grads, trained)
+    if like:
+        reducer.start(0, grads, like)
     averaged = dict(reducer.ready(wait=True)).get(0, {})
-    return {n: averaged.get(n) if n in trained else g for n, g in grads.items()}, dict(reducer.stats)
+    return {n: averaged.get(n) if n in like else g for n, g in grads.items()}, dict(reducer.stats)
 
 
 def warn_local_gradients(where: str) -> None:
