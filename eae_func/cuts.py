@@ -427,7 +427,8 @@ def sweep_model(
     at ``params``, a flat ``{qualified name: tensor}`` dict as ``dict(model.named_parameters())`` gives
     (a parameter it lacks is used as the module holds it, and not differentiated); ``grads`` has the
     names of ``params`` and ``buffers`` every buffer's, updated (BatchNorm's running statistics), the
-    module's own never written."""
+    module's own never written. With ``data_parallel=`` the replicas agree on the model before its
+    forward and ``grads`` are their average (``data_parallel.average_model_grads``)."""
     own_params = list(model.named_parameters(remove_duplicate=False))
     own_buffers = list(model.named_buffers(remove_duplicate=False))
     first = canonical_names([*own_params, *own_buffers])  # a tied tensor's names -> its first name

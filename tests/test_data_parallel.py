@@ -254,7 +254,7 @@ def _routed_grads(unequal):
     reference = DDP(_routed(unequal), find_unused_parameters=True)
     F.mse_loss(reference(x), y).backward()
     want = {n[len("module.") :]: p.grad for n, p in reference.named_parameters()}
-    out = {"want": want}
+    out: dict = {"want": want}
     model = _routed(unequal)
     params = dict(model.named_parameters())
     world = dist.group.WORLD

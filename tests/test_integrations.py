@@ -28,9 +28,9 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids.clamp(min=0), "labels": ids}
 
 
-def _train(cls, tmp_path, resume_from_checkpoint=None, n_layer=3, **extra):
+def _train(cls, tmp_path, resume_from_checkpoint=None, **extra):
     transformers.set_seed(0)
-    config = transformers.GPT2Config(n_layer=n_layer, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
+    config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
     model = transformers.GPT2LMHeadModel(config)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path),
@@ -80,8 +80,8 @@ def _ddp_weights(accumulate):
 
     extra = {"gradient_accumulation_steps": accumulate, "ddp_backend": "gloo", "disable_tqdm": True}
     with tempfile.TemporaryDirectory() as out:
-        want = _train(transformers.Trainer, out, n_layer=2, **extra)[0]
-        got = _train(EAETrainer, out, n_layer=2, **extra)[0]
+        want = _train(transformers.Trainer, out, **extra)[0]
+        got = _train(EAETrainer, out, **extra)[0]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, [p.detach() for p in got.parameters()])
     return max((a - b).abs().max().item() for a, b in zip(want.parameters(), got.parameters())), everyone

@@ -191,7 +191,7 @@ def buckets(
     out = []
     for dtype in dict.fromkeys(t.dtype for t in like.values()):
         members = [n for n, t in like.items() if t.dtype == dtype]
-        pieces = [like[n].new_zeros(like[n].numel()) if grads.get(n) is None else grads[n].reshape(-1) for n in members]
+        pieces = [like[n].new_zeros(like[n].numel()) if (g := grads.get(n)) is None else g.reshape(-1) for n in members]
         out.append((members, torch.cat(pieces).to(dtype).div_(size)))
     return out
 
