@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
@@ -58,9 +59,28 @@ def needs_graph(opts: Options) -> list[str]:
         given.append("physical")
     if opts.recompute != default.recompute:
         given.append("recompute")
-    if opts.data_parallel not in (None, False):
-        given.append("data_parallel")
     return given
+
+
+def replicas_of(group: Any, params: Mapping[str, torch.Tensor]) -> Any:
+    """The process group the gradients are averaged over (``None``: none), once its replicas agree on
+    the model (before the forward, so a replica whose model differs fails there, as every other does);
+    a multi-process run without ``data_parallel=`` is warned that its gradients are this rank's alone."""
+    if group is None and multi_process():
+        from .distributed.data_parallel import warn_local_gradients
+
+        warn_local_gradients("sweep")
+    if group is None or group is False:
+        return None
+    from .distributed import data_parallel as DP
+
+    DP.agree(group, DP.model_layout(params))
+    return group
+
+
+def multi_process() -> bool:
+    """Whether this process is one of several in a ``torch.distributed`` run."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 @dataclasses.dataclass
@@ -407,7 +427,8 @@ def sweep_model(
     at ``params``, a flat ``{qualified name: tensor}`` dict as ``dict(model.named_parameters())`` gives
     (a parameter it lacks is used as the module holds it, and not differentiated); ``grads`` has the
     names of ``params`` and ``buffers`` every buffer's, updated (BatchNorm's running statistics), the
-    module's own never written."""
+    module's own never written. With ``data_parallel=`` the replicas agree on the model before its
+    forward and ``grads`` are their average (``data_parallel.average_model_grads``)."""
     own_params = list(model.named_parameters(remove_duplicate=False))
     own_buffers = list(model.named_buffers(remove_duplicate=False))
     first = canonical_names([*own_params, *own_buffers])  # a tied tensor's names -> its first name
@@ -421,6 +442,7 @@ def sweep_model(
     wrong = sorted(set(buffers or {}) - set(kept))
     if wrong:
         raise ValueError(f"buffers: {wrong[:5]} are not buffers of {type(model).__name__} (named_buffers' names)")
+    replicas = replicas_of(opts.data_parallel, params)
     leaves = {n: p.detach().requires_grad_(p.requires_grad) for n, p in params.items()}
     fresh = {n: b.detach().clone() for n, b in {**kept, **(buffers or {})}.items()}
     given = {**leaves, **fresh}
@@ -467,4 +489,10 @@ def sweep_model(
             grads[n] = through_hooks(hooked[n], grads[n])
     stats = dict(run.stats)
     stats["boundaries"] = {a.index: dict(a.meta) for a in run.trace}
+    if replicas is not None:
+        # each replica's stages are the calls it made (a MoE replica calls other experts): the
+        # model's final gradients are averaged over the fixed layout of its trained parameters
+        from .distributed.data_parallel import average_model_grads
+
+        grads, stats["data_parallel"] = average_model_grads(replicas, params, grads)
     return value.detach(), grads, tuple(run.trace), fresh, run.pass_state, Measurements(stats)

@@ -81,8 +81,9 @@ class Options:
     seconds; ``grad`` and ``value_and_grad``'s default)."""
     data_parallel: Any = None
     """A process group (or 1-D ``DeviceMesh``) of replicas: each stage's gradients are averaged
-    over it by an asynchronous all-reduce as soon as the fold has them (a DDP model means its own
-    group); ``False``: this rank's gradients, on purpose. The replicas must be one model: the first
+    over it by an asynchronous all-reduce as soon as the fold has them (run-time cuts: the final
+    gradients, once), over a fixed layout of the trained parameters: one no replica used stays
+    ``None``, as under DDP (a DDP model means its own group); ``False``: this rank's gradients, on purpose. The replicas must be one model: the first
     step with a layout checks it (one all_gather of a digest) and every rank raises ``PeerError``
     naming any difference. After ``__post_init__``, the group."""
     compile: Any = None

@@ -12,14 +12,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
-import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -211,13 +209,10 @@ def reducer_of(group: Any, chain: Chain, params: tuple, groups: list) -> Any:
     """The ``Reducer`` of ``data_parallel=group`` (``None``: none), once the replicas agree on the chain
     (``data_parallel.agree``); a multi-process run without ``data_parallel=`` is warned that its
     gradients are this rank's alone (``False`` says so on purpose)."""
-    if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        warnings.warn(
-            "sweep: in a multi-process run without data_parallel=, the gradients are this rank's batch "
-            "alone (not averaged over replicas); give data_parallel=group (or the DDP model itself), or "
-            "data_parallel=False for local gradients on purpose",
-            stacklevel=4,
-        )
+    if group is None and cuts.multi_process():
+        from .distributed.data_parallel import warn_local_gradients
+
+        warn_local_gradients("sweep")
     if group is None or group is False:
         return None
     from .distributed.data_parallel import Reducer, agree, replica_layout
@@ -316,6 +311,10 @@ def _on_model(
             model, params, x, loss_args, loss, split_at, pass_state, buffers, opts
         )
         return SweepResult(value, grads, trace, updated, state, stats, params)
+    if split_at is not None and opts.data_parallel is not None and isinstance(params, Mapping):
+        # the replicas agree on the model before each captures it: one whose model differs (and whose
+        # capture may fail on it) names the difference, as every other replica does
+        cuts.replicas_of(opts.data_parallel, params)
     example = x if split_at is None else _piece_of(x, opts, "a model cut with split_at")
     chain, qualified, parameters = chain_of(model, loss, split_at, example)
     flat = isinstance(params, Mapping)

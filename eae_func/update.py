@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .boundary import is_differentiable
 from .chain import check_same_tensor, through_hooks
 from .ties import InFold
 
@@ -111,6 +112,8 @@ class Updater:
               its reverse step ran (their gradients ``held``), so every charge against the budget comes
               before the first update and a step over budget updates nothing.
     targets:  ``(stage, name) -> the optimizer's own parameter`` of a torch.optim update.
+    trained:  the ``(stage, name)`` of every trained parameter (a float, not ``requires_grad=False``):
+              with a ``reducer``, the fixed layout each stage's reduction pairs across replicas.
 
     Side effects are only those that are so by nature: the reductions in flight, and a ``torch.optim``
     optimizer stepping each stage in place with its step function itself; its step hooks (an EMA, a
@@ -126,6 +129,7 @@ class Updater:
     hold: int | None
     reducer: Any
     targets: Mapping
+    trained: frozenset = frozenset()
 
     @classmethod
     def prepare(
@@ -156,7 +160,14 @@ class Updater:
         if spec.fn is not None and len(state) != len(chain):
             raise ValueError(f"fused: state has {len(state)} entries, the chain has {len(chain)} stages")
         targets = cls._targets(spec.optimizers, chain, params, ties) if spec.optimizers else {}
-        updater = cls(spec, chain, keeping, ties, hooks or {}, hold, reducer, targets)
+        trained = frozenset(
+            (i, n)
+            for i, (s, p) in enumerate(zip(chain.stages, params) if reducer is not None else ())
+            for frozen in [s.frozen()]
+            for n, t in p.items()
+            if is_differentiable(t) and n not in frozen
+        )
+        updater = cls(spec, chain, keeping, ties, hooks or {}, hold, reducer, targets, trained)
         return updater, Pending(tuple(dict(p) for p in params), state)
 
     @staticmethod
@@ -206,19 +217,20 @@ class Updater:
             for j, stage_grads in released:
                 due, tied = self.ties.due(j, stage_grads, pending.tied)
                 pending = dataclasses.replace(pending, tied=tied)
+                # the trained parameters due here: every replica's same layout, whatever each one used
+                like = {n: pending.params[j][n] for n in due if (j, n) in self.trained}
                 due = {  # None: frozen or unused, never stepped
                     n: through_hooks(self.hooks[j, n], g) if (j, n) in self.hooks else g
                     for n, g in due.items()
                     if g is not None
                 }
-                if not due:
-                    continue
                 if self.reducer is None:
-                    pending = self._use(pending, j, due)
+                    pending = self._use(pending, j, due) if due else pending
                     continue
-                self.reducer.start(j, due)
+                if like:
+                    self.reducer.start(j, due, like)
                 for k, averaged in self.reducer.ready(wait=False):  # those already off the wire
-                    pending = self._use(pending, k, averaged)
+                    pending = self._use(pending, k, averaged) if averaged else pending
         except BaseException as e:
             self.note(pending, e)
             raise
@@ -297,7 +309,7 @@ class Updater:
         count one step."""
         try:
             for j, averaged in self.reducer.ready(wait=True) if self.reducer is not None else ():
-                pending = self._use(pending, j, averaged)
+                pending = self._use(pending, j, averaged) if averaged else pending
             for optimizer in self.spec.optimizers:
                 optimizer.step()
         except BaseException as e:

@@ -535,3 +535,34 @@ def test_replicas_that_differ_are_named_and_the_same_ones_agree(widths, change, 
     assert differences and all(f"rank {ranks - 1}" in d for d in differences), differences
     stage = {"extra layer": len(widths) + 2, "tie": len(widths)}.get(change, pick % len(widths))
     assert any(f"stage {stage} " in d for d in differences), differences
+
+
+@given(
+    shapes=st.lists(st.lists(st.integers(1, 3), max_size=2), min_size=1, max_size=5),
+    dtypes=st.lists(st.sampled_from([torch.float32, torch.float64]), min_size=5, max_size=5),
+    used=st.lists(st.lists(st.booleans(), min_size=5, max_size=5), min_size=2, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_replicas_with_different_used_parameters_pair_the_same_tensors(shapes, dtypes, used, seed):
+    """Replicas that used different parameters (MoE routing, a branch) send buckets of one layout (the
+    same members, sizes and dtypes on every replica, whatever each used), and their sum gives DDP's
+    (find_unused_parameters) average: (1/R) sum_r g_r with zeros where unused, none where no replica
+    used the parameter."""
+    from eae_func.distributed import data_parallel as DP
+
+    torch.manual_seed(seed)
+    like = {f"p{k}": torch.zeros(shape, dtype=dtypes[k]) for k, shape in enumerate(shapes)}
+    R = len(used)
+    grads = [{n: torch.randn_like(t) for k, (n, t) in enumerate(like.items()) if used[r][k]} for r in range(R)]
+    sent = [DP.buckets(g, like, R) for g in grads]
+    layouts = [[(members, b.shape, b.dtype) for members, b in buckets] for buckets in sent]
+    assert all(layout == layouts[0] for layout in layouts)
+    summed = [(members, sum(buckets[j][1] for buckets in sent)) for j, (members, _) in enumerate(sent[0])]
+    counts = {n: sum(n in g for g in grads) for n in like}
+    got = DP.averaged(summed, like, counts)
+    for n, t in like.items():
+        if counts[n] == 0:
+            assert n not in got, n
+            continue
+        want = sum(g[n] / R if n in g else torch.zeros_like(t) for g in grads)
+        torch.testing.assert_close(got[n], want, rtol=0, atol=1e-6 if t.dtype == torch.float32 else 1e-12)

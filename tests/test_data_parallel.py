@@ -88,7 +88,9 @@ def _equivalence():
         warnings.simplefilter("always")
         ef.grad(plain, dict(plain.named_parameters()), x, y, loss=F.mse_loss)
         ef.grad(plain, dict(plain.named_parameters()), x, y, loss=F.mse_loss, data_parallel=False)
-    out["warnings"] = [str(w.message) for w in caught]
+        ef.grad(plain, dict(plain.named_parameters()), x, y, loss=F.mse_loss, split_at=["0", "2"])  # run-time cuts
+        ef.grad(plain, dict(plain.named_parameters()), x, y, loss=F.mse_loss, split_at=["0", "2"], data_parallel=False)
+    out["warnings"] = [(str(w.message), w.filename) for w in caught]
     return out
 
 
@@ -99,8 +101,12 @@ def test_data_parallel_is_bitwise_ddp_and_a_ddp_model_trains_on():
         assert out["stepped"] == 0.0 and out["ddp_after"] == 0.0
         assert out["fused"] < 1e-12 and out["replicas_agree"]
         n_params = sum(p.numel() for p in _model().parameters())
-        assert out["bytes"] == n_params * 8  # 2 (R-1)/R of every float64 gradient, once
-        assert len(out["warnings"]) == 1 and "gradients are this rank's batch alone" in out["warnings"][0]
+        flags = len(list(_model().parameters()))  # one int32 flag per parameter: used on this rank or not
+        assert out["bytes"] == n_params * 8 + flags * 4  # 2 (R-1)/R of every float64 gradient, once
+        # the chain path and run-time cuts warn once each, at the caller's line (not inside torch)
+        assert len(out["warnings"]) == 2, out["warnings"]
+        for message, filename in out["warnings"]:
+            assert "gradients are this rank's batch alone" in message and filename == __file__, (message, filename)
 
 
 def test_data_parallel_takes_a_group_or_a_1d_mesh():
@@ -143,6 +149,35 @@ def test_replicas_that_differ_make_every_rank_raise_naming_the_difference(case, 
         assert out.startswith("PeerError: sweep: data_parallel= replicas differ"), out
         assert re.search(named, out), out
         assert "give every replica the same model" in out
+
+
+def _a_replica_its_forward_fails_on(capture):
+    """Rank 1's first layer is wider, so its forward (and a capture of it) fails on its own model."""
+    model = _model()
+    if dist.get_rank() == 1:
+        model[0] = nn.Linear(8, 20).double()
+    x, y = _batch(dist.get_rank())
+    try:
+        ef.grad(
+            model,
+            dict(model.named_parameters()),
+            x,
+            y,
+            loss=F.mse_loss,
+            split_at=["0", "2"],
+            capture=capture,
+            data_parallel=dist.group.WORLD,
+        )
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "returned gradients"
+
+
+@pytest.mark.parametrize("capture", ["run", "graph"])
+def test_a_replica_whose_model_differs_is_named_on_every_rank_before_its_forward_or_capture(capture):
+    for out in D.run(_a_replica_its_forward_fails_on, 2, capture, timeout=120, pg_timeout=30):
+        assert out.startswith("PeerError: sweep: data_parallel= replicas differ"), out
+        assert re.search(r"'0.weight': shape \(16, 8\), torch.float64 on rank 0, shape \(20, 8\)", out), out
 
 
 def _agreement_collectives():
@@ -189,3 +224,81 @@ def test_a_replica_that_changes_after_the_first_step_makes_every_rank_raise():
     for out in D.run(_one_replica_changes, 2, timeout=120, pg_timeout=30):
         assert out.startswith("PeerError: sweep: data_parallel= replicas differ"), out
         assert "rank 1" in out and "frozen" in out, out
+
+
+class Routed(nn.Module):
+    """A branch (MoE routing): a batch whose sum is positive takes expert ``a``, any other ``b``; ``c``
+    is never taken. ``unequal``: ``b`` is wider than ``a``, so the ranks' used parameters differ in size."""
+
+    def __init__(self, unequal):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 8)) if unequal else nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, h):
+        return self.a(h) if h.sum() > 0 else self.b(h)
+
+
+def _routed(unequal):
+    torch.manual_seed(0)
+    return nn.Sequential(Routed(unequal), nn.Tanh(), nn.Linear(8, 4)).double()
+
+
+def _routed_grads(unequal):
+    """Rank 0's batch takes expert a, rank 1's expert b: DDP(find_unused_parameters=True)'s averaged
+    gradients, and ``data_parallel=``'s on the chain path, at run-time cuts, and of the DDP model itself."""
+    rank = dist.get_rank()
+    x, y = _batch(rank)
+    x = x + (3.0 if rank == 0 else -3.0)
+    reference = DDP(_routed(unequal), find_unused_parameters=True)
+    F.mse_loss(reference(x), y).backward()
+    want = {n[len("module.") :]: p.grad for n, p in reference.named_parameters()}
+    out: dict = {"want": want}
+    model = _routed(unequal)
+    params = dict(model.named_parameters())
+    world = dist.group.WORLD
+    runs = {
+        "chain": lambda: ef.grad(model, params, x, y, loss=F.mse_loss, data_parallel=world),
+        "run-time cuts": lambda: ef.grad(
+            model, params, x, y, loss=F.mse_loss, split_at=["0.a", "0.b", "0.c", "2"], data_parallel=world
+        ),
+        "ddp run-time cuts": lambda: ef.grad(
+            ddp, dict(ddp.module.named_parameters()), x, y, loss=F.mse_loss, split_at=["0.a", "0.b", "2"]
+        ),
+    }
+    ddp = DDP(_routed(unequal), find_unused_parameters=True)
+    for name, fn in runs.items():
+        try:
+            out[name] = fn()
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out[name] = f"{type(e).__name__}: {e}"
+    fused = _routed(unequal)  # a fused SGD step on the average: the weights of DDP's step
+    ef.sweep(fused, dict(fused.named_parameters()), x, y, loss=F.mse_loss, update=_sgd(fused), data_parallel=world)
+    _sgd(reference).step()
+    stepped = {n[len("module.") :]: p for n, p in reference.named_parameters()}
+    out["fused"] = max((p - stepped[n]).abs().max().item() for n, p in fused.named_parameters())
+    return out
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("unequal", [False, True], ids=["equal experts", "unequal experts"])
+def test_replicas_that_use_different_parameters_average_as_ddp_does(unequal):
+    for out in D.run(_routed_grads, 2, unequal, timeout=120, pg_timeout=20):
+        want = out.pop("want")
+        assert out.pop("fused") < 1e-12
+        assert (
+            want["0.c.weight"] is None
+            and want["0.a.weight"] is not None
+            and want["0.b.0.weight" if unequal else "0.b.weight"] is not None
+        )
+        for how, got in out.items():
+            assert isinstance(got, dict), f"{how}: {got}"
+            assert got.keys() == want.keys(), how
+            for n, g in want.items():
+                assert (got[n] is None) == (g is None), (how, n)
+                if g is not None:
+                    torch.testing.assert_close(got[n], g, rtol=1e-12, atol=1e-12, msg=f"{how} {n}")

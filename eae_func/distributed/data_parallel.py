@@ -13,8 +13,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
+import os
+import sys
 import time
+import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import optree
@@ -133,48 +137,113 @@ def _wait(work, timeout: datetime.timedelta, what: str) -> None:
 class Reducer:
     """The fold's gradients averaged over the replicas of ``group`` as soon as each stage has them.
 
-    ``start(i, grads)`` divides stage i's gradients by R, flattens them into one bucket per dtype
-    and launches an asynchronous ``all_reduce`` (sum) of each: DDP's arithmetic, so the result is
-    bitwise DDP's average; the fold goes on to the next stage's recompute while the bucket is on the
-    wire. ``ready(wait)`` hands back ``(i, averaged grads)`` of the launched stages in launch order,
-    those already finished (all of them with ``wait``). ``stats``: bytes sent per rank (as a ring
-    moves them) and the seconds spent waiting.
+    ``start(i, grads, like)`` reduces stage i's gradients over a fixed layout, ``like`` (every trained
+    parameter due at the stage, the same on every replica, as ``agree`` checks): ``buckets`` of every
+    member's gradient, zeros where this replica has none (unused, as DDP's ``find_unused_parameters``
+    fills them), divided by R, each summed by one asynchronous ``all_reduce``: DDP's arithmetic, so
+    the result is bitwise DDP's average (1/R) sum_r g_r, and the replicas always pair the same
+    tensors, whatever each one used. Beside them, one flag per member (used here or not) is summed
+    over ``host_group`` in host memory: a member no replica used has no gradient (absent, ``None`` to
+    the caller), as DDP leaves its ``.grad``. The fold goes on to the next stage's recompute while the
+    buckets are on the wire. ``ready(wait)`` hands back ``(i, averaged grads)`` of the launched stages
+    in launch order, those already finished (all of them with ``wait``). ``stats``: bytes sent per rank
+    (as a ring moves them, the flags included) and the seconds spent waiting.
     """
 
     def __init__(self, group: Any):
-        self.group, self.size = group, dist.get_world_size(group)
+        self.group, self.size, self.host = group, dist.get_world_size(group), host_group(group)
         self.launched: list = []
         self.stats = {"bytes_sent": 0, "wait_s": 0.0, "buckets": 0}
 
-    def start(self, i: int, grads: dict) -> None:
-        names, buckets = list(grads), []
-        for dtype in dict.fromkeys(g.dtype for g in grads.values()):
-            members = [n for n in names if grads[n].dtype == dtype]
-            bucket = torch.cat([grads[n].reshape(-1) for n in members]).div_(self.size)
-            work = dist.all_reduce(bucket, group=self.group, async_op=True)
-            buckets.append((members, bucket, work))
-            self.stats["bytes_sent"] += 2 * (self.size - 1) * bucket.numel() * bucket.element_size() // self.size
-            self.stats["buckets"] += 1
-        self.launched.append((i, {n: grads[n].shape for n in names}, buckets))
+    def start(self, i: int, grads: Mapping[str, torch.Tensor | None], like: Mapping[str, torch.Tensor]) -> None:
+        flags = torch.tensor([grads.get(n) is not None for n in like], dtype=torch.int32)
+        works = [dist.all_reduce(flags, group=self.host, async_op=True)]
+        made = buckets(grads, like, self.size)
+        works += [dist.all_reduce(bucket, group=self.group, async_op=True) for _, bucket in made]
+        for t in (flags, *(bucket for _, bucket in made)):
+            self.stats["bytes_sent"] += 2 * (self.size - 1) * t.numel() * t.element_size() // self.size
+        self.stats["buckets"] += len(made)
+        self.launched.append((i, like, flags, made, works))
 
     def ready(self, wait: bool) -> list[tuple[int, dict]]:
         done = []
-        while self.launched and (wait or all(work.is_completed() for _, _, work in self.launched[0][2])):
-            i, shapes, buckets = self.launched.pop(0)
+        while self.launched and (wait or all(work.is_completed() for work in self.launched[0][-1])):
+            i, like, flags, made, works = self.launched.pop(0)
             start = time.perf_counter()
-            averaged = {}
-            for members, bucket, work in buckets:
+            for work in works:
                 try:
                     work.wait()
                 except RuntimeError as e:
                     raise PeerError(
                         f"rank {dist.get_rank()}: the all_reduce of stage {i}'s gradients failed or timed out: {e}"
                     ) from e
-                pieces = bucket.split([shapes[n].numel() for n in members])
-                averaged.update({n: piece.view(shapes[n]) for n, piece in zip(members, pieces)})
             self.stats["wait_s"] += time.perf_counter() - start
-            done.append((i, {n: averaged[n] for n in shapes}))
+            done.append((i, averaged(made, like, dict(zip(like, flags.tolist())))))
         return done
+
+
+def buckets(
+    grads: Mapping[str, torch.Tensor | None], like: Mapping[str, torch.Tensor], size: int
+) -> list[tuple[list[str], torch.Tensor]]:
+    """``(members, bucket)`` per dtype of ``like``: the members' gradients flattened and concatenated
+    (zeros of a member's size where ``grads`` has none), divided by ``size``; the same members, sizes
+    and dtypes on every replica with the same ``like``, whatever each one used."""
+    out = []
+    for dtype in dict.fromkeys(t.dtype for t in like.values()):
+        members = [n for n, t in like.items() if t.dtype == dtype]
+        pieces = [like[n].new_zeros(like[n].numel()) if (g := grads.get(n)) is None else g.reshape(-1) for n in members]
+        out.append((members, torch.cat(pieces).to(dtype).div_(size)))
+    return out
+
+
+def averaged(summed: list, like: Mapping[str, torch.Tensor], used: Mapping[str, int]) -> dict:
+    """The gradients of the summed ``buckets``, each member in ``like``'s shape, where some replica
+    used it (``used[name] > 0``: the number that did); the members none used are left out."""
+    out = {}
+    for members, bucket in summed:
+        for n, piece in zip(members, bucket.split([like[n].numel() for n in members])):
+            if used[n] > 0:
+                out[n] = piece.view(like[n].shape)
+    return {n: out[n] for n in like if n in out}
+
+
+def model_layout(params: Mapping[str, torch.Tensor]) -> dict:
+    """``replica_layout`` of a model swept whole (run-time cuts): its parameters by name, one entry."""
+    entries = [("the model", n, tuple(t.shape), str(t.dtype), trained(t)) for n, t in params.items()]
+    return {"stages": ["the model"], "params": entries, "ties": []}
+
+
+def trained(t: torch.Tensor) -> bool:
+    return t.requires_grad and is_differentiable(t)
+
+
+def average_model_grads(group: Any, params: Mapping[str, torch.Tensor], grads: dict) -> tuple[dict, dict]:
+    """``(grads averaged over the replicas of group, the Reducer's stats)`` for a model swept whole
+    (run-time cuts, whose stages are the calls each replica made: a MoE replica may call other
+    experts; the replicas ``agree`` on ``model_layout`` before its forward): one ``Reducer`` step over
+    the fixed layout of every trained parameter, so a parameter some replica used gets
+    (1/R) sum_r g_r (zero where unused) and one no replica used stays ``None``."""
+    like = {n: t for n, t in params.items() if trained(t)}
+    reducer = Reducer(group)
+    if like:
+        reducer.start(0, grads, like)
+    averaged = dict(reducer.ready(wait=True)).get(0, {})
+    return {n: averaged.get(n) if n in like else g for n, g in grads.items()}, dict(reducer.stats)
+
+
+def warn_local_gradients(where: str) -> None:
+    """Warn (at the caller's own line: the first frame outside eae_func and torch) that a multi-process
+    run without ``data_parallel=`` gives this rank's gradients alone."""
+    inside = (os.path.dirname(os.path.dirname(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"{where}: in a multi-process run without data_parallel=, the gradients are this rank's batch "
+        "alone (not averaged over replicas); give data_parallel=group (or the DDP model itself), or "
+        "data_parallel=False for local gradients on purpose",
+        stacklevel=level,
+    )
 
 
 def replica_layout(chain: Chain, params: tuple, groups: list) -> dict:

@@ -16,6 +16,9 @@
 ``optimizer.step(closure=...)``, so Lightning counts the step (``global_step``, ``max_steps``) and
 runs its hooks around it.
 
+Under ``strategy="ddp"`` (the module wrapped in DDP, or ``model`` a DDP model) the sweep averages its
+gradients over DDP's process group itself (``data_parallel=``), as ``manual_backward`` through DDP does.
+
 The passes' state (error feedback's residuals) is threaded from step to step in
 ``module.eae_pass_state``; ``PassState()`` among the Trainer's callbacks saves it in each checkpoint
 and restores it on resume (with checkpointing on, a stateful pass without it is refused).
@@ -34,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import missing
+from . import missing, replicas_of
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -109,6 +112,10 @@ def manual_step(
             f"manual_step(..., optimizer=self.optimizers()[k])"
         )
     log = chosen(log, options, "manual_step(log=...)")
+    strategy = getattr(getattr(module, "trainer", None), "strategy", None)
+    group = replicas_of(model) or replicas_of(getattr(strategy, "model", None))
+    if group is not None:  # DDP: the sweep of the model, which DDP's reducer never sees, averages itself
+        options.setdefault("data_parallel", group)
     params = dict(model.named_parameters())
     state = getattr(module, "eae_pass_state", None)
     if state is None:

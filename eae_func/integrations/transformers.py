@@ -11,7 +11,9 @@ the loss is divided by the gradient accumulation steps where Trainer divides it,
 multiplied by the fp16 loss scaler's scale where ``accelerator.backward`` multiplies it, and the
 gradients are added into ``.grad`` (``ef.write_grads(accumulate=True)``), so gradient accumulation,
 clipping, the scaler's unscale and the optimizer step run as Trainer runs them. bf16 runs the stages
-under ``torch.autocast``. The passes' state (error feedback's residuals) is threaded from step to
+under ``torch.autocast``. Under DDP (the model Trainer hands ``training_step`` wraps it) the sweep of
+the unwrapped model, which DDP's reducer never sees, averages its gradients over DDP's process group
+itself (``data_parallel=``), at every micro-step: the mean DDP makes of their sum on the last. The passes' state (error feedback's residuals) is threaded from step to
 step in ``trainer.eae_state``, saved in each checkpoint (``eae_state.pt``, one per process) and
 restored by ``train(resume_from_checkpoint=...)``.
 
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import missing
+from . import missing, replicas_of
 
 try:
     from transformers import Trainer
@@ -151,6 +153,8 @@ class EAETrainer(Trainer):
             return value / steps * scale  # as accelerator.backward scales it
 
         options = dict(self.eae)
+        if (group := replicas_of(model)) is not None:  # DDP: the sweep of the unwrapped model averages itself
+            options.setdefault("data_parallel", group)
         if self.args.bf16 or self.args.fp16:
             options.setdefault("autocast", torch.bfloat16 if self.args.bf16 else torch.float16)
         res = sweep(
