@@ -506,3 +506,49 @@ def test_a_float64_causal_lm_called_with_labels_is_captured(kind):
     )
     model(input_ids=ids, labels=ids).loss.backward()
     assert_exact(res.grads, {n: p.grad for n, p in params.items()})
+
+
+class Extras(nn.Module):
+    """A block that returns beside its output what layers return beside theirs: a non-tensor the
+    caller uses (Swin's height and width), a tag, its output twice, an integer tensor, a view, the
+    mask it was given (which requires no grad) and the input it was given."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, h, mask, scale):
+        out = torch.tanh(self.lin(h)) * scale * mask
+        return out, scale + 1, "tag", out, torch.arange(h.shape[-1]), out[..., :1], mask, h
+
+
+class ExtrasStack(nn.Module):
+    def __init__(self, width=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(Extras(width) for _ in range(3))
+
+    def forward(self, x, mask):
+        h, scale = x, 2
+        for block in self.blocks:
+            out, scale, tag, twice, ids, view, given, before = block(h, mask, scale)
+            assert tag == "tag" and isinstance(scale, int) and not ids.requires_grad and ids.dtype == torch.int64
+            assert given is mask or not given.requires_grad
+            h = out + 0.5 * twice**2 + view * ids.double().mean() + torch.sin(before)
+        return h * scale
+
+
+def test_a_cut_layers_other_outputs_reach_its_caller_as_computed():
+    """A cut block's non-tensor outputs (an int the next block uses, a tag), an integer tensor, its
+    output returned twice, a view of it, the mask and the input it was given reach the caller as the
+    forward returned them: gradients equal autograd's; one costate per distinct differentiable output."""
+    torch.manual_seed(0)
+    model = ExtrasStack().double()
+    x, mask = torch.randn(3, 4, dtype=F64), (torch.rand(3, 4) > 0.3).double()
+    loss = lambda out: (out**2).sum()
+    model.zero_grad(set_to_none=True)
+    loss(model(x, mask)).backward()
+    reference = {n: p.grad for n, p in model.named_parameters()}
+    res = ef.sweep(model, dict(model.named_parameters()), (x, mask), loss=loss, split_at=["blocks.*"])
+    assert_exact(res.grads, reference)
+    # out, its view and the input h it returned, which in the first block (x) requires no grad
+    assert [len(a.value) for a in res.adjoints] == [3, 3, 2]
