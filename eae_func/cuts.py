@@ -102,7 +102,7 @@ class Sweep:
 
     def __init__(self, model: nn.Module, split_at: Sequence[str], opts: Options, pass_state: Any, device: Any):
         self.opts, self.pass_state, self.device = opts, pass_state, device
-        self.names = cut_modules(model, split_at)
+        self.names, self.split_at = cut_modules(model, split_at), list(split_at)
         self.calls: dict[str, int] = {}
         self.ungraded: set[str] = set()
         self.count = 0
@@ -146,6 +146,7 @@ class Sweep:
         k = self.calls[name] = self.calls.get(name, 0) + 1
         self.count += 1
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        refuse_caches(name, leaves, self.split_at)
         call = Call(
             self.count,
             name if k == 1 else f"{name}#{k}",
@@ -163,9 +164,7 @@ class Sweep:
         call.host = HOST.before(module)
         tensors = StageCall.apply(self, call, self.anchor, *[leaves[i] for i in call.inputs])
         out, call.constants = call.constants or [], None  # the call keeps no output of its own
-        return pytree.tree_unflatten(
-            [c if k is None else tensors[k] for c, k in zip(out, call.routes)], call.out_spec
-        )
+        return pytree.tree_unflatten([c if k is None else tensors[k] for c, k in zip(out, call.routes)], call.out_spec)
 
     def run_forward(self, call: Call) -> list:
         """The call without a graph: its output's tensor leaves."""
@@ -337,6 +336,25 @@ def routes(leaves: list, call: Call) -> tuple[tuple, tuple]:
         route.append(first.setdefault(id(t), len(first)) if own else None)
     through = tuple(route.index(k) for k in range(len(first)))
     return tuple(route), through
+
+
+def refuse_caches(name: str, leaves: list, split_at: list[str]) -> None:
+    """Refuse a call passed a key/value cache (what has ``update`` and ``get_seq_length``, as Hugging Face's
+    ``Cache`` does): its forward fills it, so its rebuild would read its own keys and values back (twice as
+    many, or silently another attention)."""
+    cache = next(
+        (t for t in leaves if callable(getattr(t, "update", None)) and callable(getattr(t, "get_seq_length", None))),
+        None,
+    )
+    if cache is None:
+        return
+    others = [p for p in split_at if not matches(name, p)]
+    instead = f"split_at={others}" if others else "a module that is not passed one"
+    raise ValueError(
+        f"cut {name!r} is passed a key/value cache ({type(cache).__name__}) that its forward fills: its rebuild "
+        f"would attend to its own keys and values again. Call the model with use_cache=False; where it makes a "
+        f"cache even then (XLM's and Flaubert's attentions), cut modules it is not passed to: {instead}"
+    )
 
 
 def sums(out: Any) -> list:

@@ -552,3 +552,63 @@ def test_a_cut_layers_other_outputs_reach_its_caller_as_computed():
     assert_exact(res.grads, reference)
     # out, its view and the input h it returned, which in the first block (x) requires no grad
     assert [len(a.value) for a in res.adjoints] == [3, 3, 2]
+
+
+class KeyValues:
+    """What a key/value cache offers (Hugging Face's ``Cache``): ``update`` appends and returns all so far."""
+
+    def __init__(self):
+        self.keys: dict[int, torch.Tensor] = {}
+
+    def update(self, key, value, layer):
+        self.keys[layer] = torch.cat([self.keys[layer], key], 1) if layer in self.keys else key
+        return self.keys[layer], value
+
+    def get_seq_length(self, layer=0):
+        return self.keys[layer].shape[1] if layer in self.keys else 0
+
+
+class Attention(nn.Module):
+    def __init__(self, width, layer):
+        super().__init__()
+        self.q, self.layer = nn.Linear(width, width), layer
+
+    def forward(self, h, cache):
+        keys, _ = cache.update(h, h, self.layer)
+        return torch.softmax(self.q(h) @ keys.transpose(1, 2), -1) @ keys
+
+
+class CachedStack(nn.Module):
+    """Parallel lists as XLM's: attentions passed a cache the model makes always, feed-forwards not."""
+
+    def __init__(self, width=4):
+        super().__init__()
+        self.attentions = nn.ModuleList(Attention(width, i) for i in range(2))
+        self.ffns = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+
+    def forward(self, x):
+        cache, h = KeyValues(), x
+        for attention, ffn in zip(self.attentions, self.ffns):
+            h = h + attention(h, cache)
+            h = h + torch.tanh(ffn(h))
+        return h
+
+
+def test_a_cut_passed_a_key_value_cache_is_refused_naming_the_split_to_use():
+    """A cut module passed a cache that its forward fills would rebuild attending to its own keys again
+    (a shape error, or silently another attention): refused, naming the cut and the split_at without it,
+    which is exact."""
+    torch.manual_seed(0)
+    model = CachedStack().double()
+    x = torch.randn(2, 3, 4, dtype=F64)
+    loss = lambda out: (out**2).sum()
+    with pytest.raises(
+        ValueError, match=r"cut 'attentions.0' is passed a key/value cache \(KeyValues\).*split_at=\['ffns.\*'\]"
+    ):
+        ef.sweep(model, dict(model.named_parameters()), x, loss=loss, split_at=["attentions.*", "ffns.*"])
+    model.zero_grad(set_to_none=True)
+    loss(model(x)).backward()
+    reference = {n: p.grad for n, p in model.named_parameters()}
+    res = ef.sweep(model, dict(model.named_parameters()), x, loss=loss, split_at=["ffns.*"])
+    assert_exact(res.grads, reference)
+    assert len(res.adjoints) == 2
