@@ -4,7 +4,8 @@
     call of a matched module m on inputs a (stage l, in call order):
         keep a (detached; RNG and autocast state; m's buffers as they were), run m under no_grad
         and return its outputs x_l through one autograd node whose inputs are a's leaves that
-        require grad
+        require grad (its floating tensors, each once; its other outputs, integer tensors and the
+        inputs it hands back that require no grad reach the caller as the forward returned them)
     loss.backward-like driver: ``torch.autograd.grad(loss, params)`` differentiates the glue
         (embeddings, masks, rotary tables, head, loss) and, at each node, runs stage l's reverse step:
         p_l through the passes; m rebuilt at the params it ran with (RNG, autocast and modes replayed,
@@ -329,13 +330,14 @@ def routes(leaves: list, call: Call) -> tuple[tuple, tuple]:
     tensor of the node, with one costate (the sum of both uses')."""
     given = {id(call.leaves[i]) for i in call.inputs}
     constant = {id(t) for t in call.leaves if isinstance(t, torch.Tensor)} - given
-    first: dict[int, int] = {}
-    route = []
-    for i, t in enumerate(leaves):
-        own = isinstance(t, torch.Tensor) and B.is_differentiable(t) and id(t) not in constant
-        route.append(first.setdefault(id(t), len(first)) if own else None)
-    through = tuple(route.index(k) for k in range(len(first)))
-    return tuple(route), through
+    first: dict[int, int] = {}  # a node tensor's id -> its index among the node's outputs
+    route = tuple(
+        first.setdefault(id(t), len(first))
+        if isinstance(t, torch.Tensor) and B.is_differentiable(t) and id(t) not in constant
+        else None
+        for t in leaves
+    )
+    return route, tuple(route.index(k) for k in range(len(first)))
 
 
 def refuse_caches(name: str, leaves: list, split_at: list[str]) -> None:

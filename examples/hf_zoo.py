@@ -1,16 +1,27 @@
 """The Hugging Face zoo: every causal, masked and sequence-to-sequence LM type that transformers
-builds from a tiny config, cut at run time at its repeated layers, against plain autograd.
+builds from a tiny config, and (``--families``) the other families with repeated layers, cut at
+run time at those layers, against plain autograd.
 
 For each model type of transformers' auto mappings (``MODEL_FOR_CAUSAL_LM``, ``MODEL_FOR_MASKED_LM``,
 ``MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM``): its config with common size fields shrunk (2 layers, width 32,
 4 heads, vocab 99), float64, train mode (dropout on), random ids (2 x 8) as ``input_ids`` and
 ``labels``. Plain autograd runs ``model(**inputs).loss.backward()``; eae_func runs
 ``ef.sweep(model, dict(model.named_parameters()), inputs, loss=lambda out: out.loss,
-split_at=layers_of(model))``, both after ``torch.manual_seed(1)``. Each type lands in one row:
+split_at=layers_of(model))``, both after ``torch.manual_seed(1)``.
+
+``--families`` (``FAMILIES``): vision (ViT, DeiT, BEiT, DINOv2, Swin, Swin-v2, PVT, PVT-v2, SegFormer,
+FocalNet, ConvNeXt), audio (Whisper, Wav2Vec2, HuBERT, WavLM, Data2Vec-audio, AST), multimodal (CLIP,
+SigLIP), MoE LMs (Mixtral, Qwen2-MoE, OLMoE) and XLM at its feed-forwards, each from a tiny config
+(width <= 32, 2 layers or stages, 32 x 32 images, 400 audio samples), float64, train mode, on
+pixel_values / input_values / input_features and decoder ids / pixel_values and ids / ids; the loss
+sums the mean square of every floating tensor of the output; ``split_at`` is the family's repeated
+layers (and, as rows ``... stages``, the stages whose layers return the feature map's height and
+width beside it). Each row lands in one of:
 
     exact     every gradient within 1e-12 of autograd's, relative to its largest entry
     close     within 1e-6 (the note says why)
     refused   eae_func raised an error naming what it cannot run
+    failing   an error raised inside the model (or torch) while eae_func ran it
     wrong     further off: a silent wrong answer
     no cut    no stage ran (nothing cut: no memory saved)
     skipped   the model itself does not build or run a training step in plain PyTorch at this size
@@ -18,6 +29,7 @@ split_at=layers_of(model))``, both after ``torch.manual_seed(1)``. Each type lan
     python examples/hf_zoo.py                  # every type, the table and the counts
     python examples/hf_zoo.py --types gpt2 t5  # some of them
     python examples/hf_zoo.py --stop-every-tail
+    python examples/hf_zoo.py --families       # the other families' table
 
 ``--stop-every-tail`` counts every layer's tail worth an early stop (``early_stop.WORTH = 0``;
 these layers are far below it) and runs each sweep twice after the same seed: the first learns
