@@ -508,41 +508,70 @@ def test_a_float64_causal_lm_called_with_labels_is_captured(kind):
     assert_exact(res.grads, {n: p.grad for n, p in params.items()})
 
 
-class Extras(nn.Module):
-    """A block that returns beside its output what layers return beside theirs: a non-tensor the
-    caller uses (Swin's height and width), a tag, its output twice, an integer tensor, a view, the
-    mask it was given (which requires no grad) and the input it was given."""
+EXTRAS = ("scale", "tag", "twice", "ids", "view", "mask", "input", "none")
 
-    def __init__(self, width):
+
+class Extras(nn.Module):
+    """A block that returns beside its output what layers return beside theirs, in the order of
+    ``kinds``: an int the next block uses (Swin's height and width), a tag, its output again, an
+    integer tensor, a view of its output, the mask it was given (which requires no grad), the input
+    it was given, ``None``."""
+
+    def __init__(self, width, kinds):
         super().__init__()
-        self.lin = nn.Linear(width, width)
+        self.lin, self.kinds = nn.Linear(width, width), kinds
 
     def forward(self, h, mask, scale):
         out = torch.tanh(self.lin(h)) * scale * mask
-        return out, scale + 1, "tag", out, torch.arange(h.shape[-1]), out[..., :1], mask, h
+        made = {
+            "scale": scale + 1,
+            "tag": "tag",
+            "twice": out,
+            "ids": torch.arange(h.shape[-1]),
+            "view": out[..., :1],
+            "mask": mask,
+            "input": h,
+            "none": None,
+        }
+        return (out, *(made[k] for k in self.kinds))
 
 
 class ExtrasStack(nn.Module):
-    def __init__(self, width=4):
+    def __init__(self, kinds, width=4):
         super().__init__()
-        self.blocks = nn.ModuleList(Extras(width) for _ in range(3))
+        self.blocks = nn.ModuleList(Extras(width, kinds) for _ in range(3))
 
     def forward(self, x, mask):
         h, scale = x, 2
         for block in self.blocks:
-            out, scale, tag, twice, ids, view, given, before = block(h, mask, scale)
-            assert tag == "tag" and isinstance(scale, int) and not ids.requires_grad and ids.dtype == torch.int64
-            assert given is mask or not given.requires_grad
-            h = out + 0.5 * twice**2 + view * ids.double().mean() + torch.sin(before)
+            out, *extras = block(h, mask, scale)
+            h = out
+            for kind, value in zip(block.kinds, extras):
+                if kind == "scale":
+                    assert isinstance(value, int)
+                    scale = value
+                elif kind in ("tag", "none"):
+                    assert value == {"tag": "tag", "none": None}[kind]
+                elif kind == "ids":
+                    assert not value.requires_grad and value.dtype == torch.int64
+                    h = h * value.double().mean()
+                elif kind == "mask":
+                    assert value is mask or not value.requires_grad
+                    mask = value
+                else:
+                    h = h + {"twice": lambda v: 0.5 * v**2, "view": lambda v: v, "input": torch.sin}[kind](value)
         return h * scale
 
 
-def test_a_cut_layers_other_outputs_reach_its_caller_as_computed():
-    """A cut block's non-tensor outputs (an int the next block uses, a tag), an integer tensor, its
-    output returned twice, a view of it, the mask and the input it was given reach the caller as the
-    forward returned them: gradients equal autograd's; one costate per distinct differentiable output."""
-    torch.manual_seed(0)
-    model = ExtrasStack().double()
+@settings(max_examples=20, deadline=None)
+@given(kinds=st.lists(st.sampled_from(EXTRAS), max_size=6), seed=st.integers(0, 2**16))
+def test_a_cut_layers_other_outputs_reach_its_caller_as_computed(kinds, seed):
+    """Whatever a cut block returns beside its output (an int the next block uses, a tag, ``None``, an
+    integer tensor, its output again, a view of it, the mask and the input it was given, in any order)
+    reaches the caller as the forward returned it: gradients equal autograd's, with one costate per
+    distinct floating output of its own (an input that requires grad, handed back, is one)."""
+    torch.manual_seed(seed)
+    model = ExtrasStack(tuple(kinds)).double()
     x, mask = torch.randn(3, 4, dtype=F64), (torch.rand(3, 4) > 0.3).double()
     loss = lambda out: (out**2).sum()
     model.zero_grad(set_to_none=True)
@@ -550,8 +579,9 @@ def test_a_cut_layers_other_outputs_reach_its_caller_as_computed():
     reference = {n: p.grad for n, p in model.named_parameters()}
     res = ef.sweep(model, dict(model.named_parameters()), (x, mask), loss=loss, split_at=["blocks.*"])
     assert_exact(res.grads, reference)
-    # out, its view and the input h it returned, which in the first block (x) requires no grad
-    assert [len(a.value) for a in res.adjoints] == [3, 3, 2]
+    costates = [1 if isinstance(a.value, torch.Tensor) else len(a.value) for a in res.adjoints]
+    own = 1 + ("view" in kinds)
+    assert costates == [own + ("input" in kinds)] * 2 + [own]  # the first block's input, x, requires no grad
 
 
 class KeyValues:
