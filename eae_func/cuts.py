@@ -4,7 +4,8 @@
     call of a matched module m on inputs a (stage l, in call order):
         keep a (detached; RNG and autocast state; m's buffers as they were), run m under no_grad
         and return its outputs x_l through one autograd node whose inputs are a's leaves that
-        require grad
+        require grad (its floating tensors, each once; its other outputs, integer tensors and the
+        inputs it hands back that require no grad reach the caller as the forward returned them)
     loss.backward-like driver: ``torch.autograd.grad(loss, params)`` differentiates the glue
         (embeddings, masks, rotary tables, head, loss) and, at each node, runs stage l's reverse step:
         p_l through the passes; m rebuilt at the params it ran with (RNG, autocast and modes replayed,
@@ -90,7 +91,10 @@ class Call:
     parameters' places (the sweep's leaves, by the module's own names, aliases included), its buffers
     as they were before the call, torch's RNG and the autocast state, the modes of its modules
     (``fold.modes_of``), Python's and numpy's generator states where the module draws from them
-    (``HostRandom``); after the forward, which output leaves are tensors and the output's spec."""
+    (``HostRandom``); after the forward, the output's spec, the position of each of its floating
+    tensors of its own (``through``: one position per distinct tensor, the ones autograd's node
+    returns), each leaf's tensor of the node (``routes``, ``None``: a leaf the caller gets as the
+    forward returned it) and, until the caller has them, those leaves (``constants``)."""
 
     index: int
     name: str
@@ -107,7 +111,9 @@ class Call:
     host: tuple | None = None
     sums: list | None = None
     out_spec: Any = None
-    out_tensors: tuple = ()
+    through: tuple = ()
+    routes: tuple = ()
+    constants: list | None = None
 
 
 class Sweep:
@@ -117,7 +123,7 @@ class Sweep:
 
     def __init__(self, model: nn.Module, split_at: Sequence[str], opts: Options, pass_state: Any, device: Any):
         self.opts, self.pass_state, self.device = opts, pass_state, device
-        self.names = cut_modules(model, split_at)
+        self.names, self.split_at = cut_modules(model, split_at), list(split_at)
         self.calls: dict[str, int] = {}
         self.ungraded: set[str] = set()
         self.count = 0
@@ -161,6 +167,7 @@ class Sweep:
         k = self.calls[name] = self.calls.get(name, 0) + 1
         self.count += 1
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        refuse_caches(name, leaves, self.split_at)
         call = Call(
             self.count,
             name if k == 1 else f"{name}#{k}",
@@ -177,8 +184,8 @@ class Sweep:
         )
         call.host = HOST.before(module)
         tensors = StageCall.apply(self, call, self.anchor, *[leaves[i] for i in call.inputs])
-        it = iter(tensors)
-        return pytree.tree_unflatten([next(it) if t else None for t in call.out_tensors], call.out_spec)
+        out, call.constants = call.constants or [], None  # the call keeps no output of its own
+        return pytree.tree_unflatten([c if k is None else tensors[k] for c, k in zip(out, call.routes)], call.out_spec)
 
     def run_forward(self, call: Call) -> list:
         """The call without a graph: its output's tensor leaves."""
@@ -200,10 +207,15 @@ class Sweep:
             call.rng = None
         call.host = HOST.after(call.module, call.host)
         leaves, call.out_spec = pytree.tree_flatten(out)
-        call.out_tensors = tuple(isinstance(t, torch.Tensor) for t in leaves)
-        if not any(call.out_tensors):
-            raise TypeError(f"cut {call.name!r}: its output has no tensor ({type(out).__name__}); cut another module")
-        return [t for t in leaves if isinstance(t, torch.Tensor)]
+        call.routes, call.through = routes(leaves, call)
+        if not call.through:
+            raise TypeError(
+                f"cut {call.name!r}: its output ({type(out).__name__}) has no floating tensor of its own, so no "
+                f"costate; cut another module"
+            )
+        call.constants = [None if k is not None else t for t, k in zip(leaves, call.routes)]
+        # an input the module returns as it is: the node's output must be a tensor of its own
+        return [leaves[i].clone() if any(leaves[i] is t for t in call.leaves) else leaves[i] for i in call.through]
 
     def kind(self, call: Call) -> Hashable | None:
         """The kind of the call's rebuild for ``early_stop`` (``None``: it runs in full: the option is
@@ -295,8 +307,14 @@ class Sweep:
                 f"their dropout) and its rebuild came to other outputs than its forward: its gradients would "
                 f"belong to other random numbers. Cut a module that does not reseed, or turn its randomness off"
             )
-        edges = V.places([t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)])
-        del out  # an output the graph does not save is freed now
+        rebuilt, spec = pytree.tree_flatten(out)
+        if spec != call.out_spec:
+            raise ValueError(
+                f"cut {call.name!r}: its rebuild returned another structure than its forward ({spec} vs "
+                f"{call.out_spec}): cut a module whose output has one structure for its inputs"
+            )
+        edges = V.places([rebuilt[i] for i in call.through])
+        del out, rebuilt  # an output the graph does not save is freed now
         wanted = [own[i] for i in trainable] + inputs
         with F.timer(self.opts, stats, "vjp_s", f"eae/{call.name}/vjp"):
             grads = V.pull_back(edges, costates, wanted)
@@ -317,13 +335,48 @@ class StageCall(torch.autograd.Function):
     def forward(ctx: Any, sweep: Sweep, call: Call, anchor: torch.Tensor, *inputs: torch.Tensor) -> Any:  # type: ignore[override]
         tensors = sweep.run_forward(call)
         ctx.sweep, ctx.call = sweep, call
-        ctx.mark_non_differentiable(*[t for t in tensors if not B.is_differentiable(t)])
         return tuple(tensors)
 
     @staticmethod
     def backward(ctx: Any, *costates: torch.Tensor) -> Any:  # type: ignore[override]
         call, ctx.call = ctx.call, None  # the call's boundary is let go with its step
         return (None, None, None, *ctx.sweep.reverse(call, list(costates)))
+
+
+def routes(leaves: list, call: Call) -> tuple[tuple, tuple]:
+    """For each output leaf, its tensor of the node or ``None`` (the leaf reaches the caller as the
+    forward returned it: a non-tensor, an integer tensor, an input that requires no grad returned as
+    it was given); and each node tensor's first position. A floating tensor returned twice is one
+    tensor of the node, with one costate (the sum of both uses')."""
+    given = {id(call.leaves[i]) for i in call.inputs}
+    constant = {id(t) for t in call.leaves if isinstance(t, torch.Tensor)} - given
+    first: dict[int, int] = {}  # a node tensor's id -> its index among the node's outputs
+    route = tuple(
+        first.setdefault(id(t), len(first))
+        if isinstance(t, torch.Tensor) and B.is_differentiable(t) and id(t) not in constant
+        else None
+        for t in leaves
+    )
+    return route, tuple(route.index(k) for k in range(len(first)))
+
+
+def refuse_caches(name: str, leaves: list, split_at: list[str]) -> None:
+    """Refuse a call passed a key/value cache (what has ``update`` and ``get_seq_length``, as Hugging Face's
+    ``Cache`` does): its forward fills it, so its rebuild would read its own keys and values back (twice as
+    many, or silently another attention)."""
+    cache = next(
+        (t for t in leaves if callable(getattr(t, "update", None)) and callable(getattr(t, "get_seq_length", None))),
+        None,
+    )
+    if cache is None:
+        return
+    others = [p for p in split_at if not matches(name, p)]
+    instead = f"split_at={others}" if others else "a module that is not passed one"
+    raise ValueError(
+        f"cut {name!r} is passed a key/value cache ({type(cache).__name__}) that its forward fills: its rebuild "
+        f"would attend to its own keys and values again. Call the model with use_cache=False; where it makes a "
+        f"cache even then (XLM's and Flaubert's attentions), cut modules it is not passed to: {instead}"
+    )
 
 
 def sums(out: Any) -> list:

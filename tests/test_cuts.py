@@ -506,3 +506,139 @@ def test_a_float64_causal_lm_called_with_labels_is_captured(kind):
     )
     model(input_ids=ids, labels=ids).loss.backward()
     assert_exact(res.grads, {n: p.grad for n, p in params.items()})
+
+
+EXTRAS = ("scale", "tag", "twice", "ids", "view", "mask", "input", "none")
+
+
+class Extras(nn.Module):
+    """A block that returns beside its output what layers return beside theirs, in the order of
+    ``kinds``: an int the next block uses (Swin's height and width), a tag, its output again, an
+    integer tensor, a view of its output, the mask it was given (which requires no grad), the input
+    it was given, ``None``."""
+
+    def __init__(self, width, kinds):
+        super().__init__()
+        self.lin, self.kinds = nn.Linear(width, width), kinds
+
+    def forward(self, h, mask, scale):
+        out = torch.tanh(self.lin(h)) * scale * mask
+        made = {
+            "scale": scale + 1,
+            "tag": "tag",
+            "twice": out,
+            "ids": torch.arange(h.shape[-1]),
+            "view": out[..., :1],
+            "mask": mask,
+            "input": h,
+            "none": None,
+        }
+        return (out, *(made[k] for k in self.kinds))
+
+
+class ExtrasStack(nn.Module):
+    def __init__(self, kinds, width=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(Extras(width, kinds) for _ in range(3))
+
+    def forward(self, x, mask):
+        h, scale = x, 2
+        for block in self.blocks:
+            out, *extras = block(h, mask, scale)
+            h = out
+            for kind, value in zip(block.kinds, extras):
+                if kind == "scale":
+                    assert isinstance(value, int)
+                    scale = value
+                elif kind in ("tag", "none"):
+                    assert value == {"tag": "tag", "none": None}[kind]
+                elif kind == "ids":
+                    assert not value.requires_grad and value.dtype == torch.int64
+                    h = h * value.double().mean()
+                elif kind == "mask":
+                    assert value is mask or not value.requires_grad
+                    mask = value
+                else:
+                    h = h + {"twice": lambda v: 0.5 * v**2, "view": lambda v: v, "input": torch.sin}[kind](value)
+        return h * scale
+
+
+@settings(max_examples=20, deadline=None)
+@given(kinds=st.lists(st.sampled_from(EXTRAS), max_size=6), seed=st.integers(0, 2**16))
+def test_a_cut_layers_other_outputs_reach_its_caller_as_computed(kinds, seed):
+    """Whatever a cut block returns beside its output (an int the next block uses, a tag, ``None``, an
+    integer tensor, its output again, a view of it, the mask and the input it was given, in any order)
+    reaches the caller as the forward returned it: gradients equal autograd's, with one costate per
+    distinct floating output of its own (an input that requires grad, handed back, is one)."""
+    torch.manual_seed(seed)
+    model = ExtrasStack(tuple(kinds)).double()
+    x, mask = torch.randn(3, 4, dtype=F64), (torch.rand(3, 4) > 0.3).double()
+    loss = lambda out: (out**2).sum()
+    model.zero_grad(set_to_none=True)
+    loss(model(x, mask)).backward()
+    reference = {n: p.grad for n, p in model.named_parameters()}
+    res = ef.sweep(model, dict(model.named_parameters()), (x, mask), loss=loss, split_at=["blocks.*"])
+    assert_exact(res.grads, reference)
+    costates = [1 if isinstance(a.value, torch.Tensor) else len(a.value) for a in res.adjoints]
+    own = 1 + ("view" in kinds)
+    assert costates == [own + ("input" in kinds)] * 2 + [own]  # the first block's input, x, requires no grad
+
+
+class KeyValues:
+    """What a key/value cache offers (Hugging Face's ``Cache``): ``update`` appends and returns all so far."""
+
+    def __init__(self):
+        self.keys: dict[int, torch.Tensor] = {}
+
+    def update(self, key, value, layer):
+        self.keys[layer] = torch.cat([self.keys[layer], key], 1) if layer in self.keys else key
+        return self.keys[layer], value
+
+    def get_seq_length(self, layer=0):
+        return self.keys[layer].shape[1] if layer in self.keys else 0
+
+
+class Attention(nn.Module):
+    def __init__(self, width, layer):
+        super().__init__()
+        self.q, self.layer = nn.Linear(width, width), layer
+
+    def forward(self, h, cache):
+        keys, _ = cache.update(h, h, self.layer)
+        return torch.softmax(self.q(h) @ keys.transpose(1, 2), -1) @ keys
+
+
+class CachedStack(nn.Module):
+    """Parallel lists as XLM's: attentions passed a cache the model makes always, feed-forwards not."""
+
+    def __init__(self, width=4):
+        super().__init__()
+        self.attentions = nn.ModuleList(Attention(width, i) for i in range(2))
+        self.ffns = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+
+    def forward(self, x):
+        cache, h = KeyValues(), x
+        for attention, ffn in zip(self.attentions, self.ffns):
+            h = h + attention(h, cache)
+            h = h + torch.tanh(ffn(h))
+        return h
+
+
+def test_a_cut_passed_a_key_value_cache_is_refused_naming_the_split_to_use():
+    """A cut module passed a cache that its forward fills would rebuild attending to its own keys again
+    (a shape error, or silently another attention): refused, naming the cut and the split_at without it,
+    which is exact."""
+    torch.manual_seed(0)
+    model = CachedStack().double()
+    x = torch.randn(2, 3, 4, dtype=F64)
+    loss = lambda out: (out**2).sum()
+    with pytest.raises(
+        ValueError, match=r"cut 'attentions.0' is passed a key/value cache \(KeyValues\).*split_at=\['ffns.\*'\]"
+    ):
+        ef.sweep(model, dict(model.named_parameters()), x, loss=loss, split_at=["attentions.*", "ffns.*"])
+    model.zero_grad(set_to_none=True)
+    loss(model(x)).backward()
+    reference = {n: p.grad for n, p in model.named_parameters()}
+    res = ef.sweep(model, dict(model.named_parameters()), x, loss=loss, split_at=["ffns.*"])
+    assert_exact(res.grads, reference)
+    assert len(res.adjoints) == 2
