@@ -250,7 +250,8 @@ def test_python_and_numpy_draws_inside_a_stage_are_replayed(source):
 
     torch.manual_seed(0)
     quiet = lambda: nn.Sequential(nn.Linear(6, 6), nn.Tanh())  # noqa: E731
-    model = nn.Sequential(quiet(), nn.Sequential(nn.Tanh(), HostNoise(source)), quiet(), HostNoise(source)).double()
+    noise = type(f"HostNoise_{source}", (HostNoise,), {})  # a class per case: each kind watched afresh
+    model = nn.Sequential(quiet(), nn.Sequential(nn.Tanh(), noise(source)), quiet(), noise(source)).double()
     x, y = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
     chain, params = ef.from_module(model, loss=F.mse_loss)
     for _ in range(2):  # the first call of a stage is watched, later ones saved and replayed
