@@ -22,19 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import random
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
 from . import boundary as B
-from . import capture
 from . import early_stop as ES
 from . import fold as F
 from . import microbatch as M
@@ -91,7 +88,7 @@ class Call:
     parameters' places (the sweep's leaves, by the module's own names, aliases included), its buffers
     as they were before the call, torch's RNG and the autocast state, the modes of its modules
     (``fold.modes_of``), Python's and numpy's generator states where the module draws from them
-    (``HostRandom``); after the forward, the output's spec, the position of each of its floating
+    (``fold.HostRandom``); after the forward, the output's spec, the position of each of its floating
     tensors of its own (``through``: one position per distinct tensor, the ones autograd's node
     returns), each leaf's tensor of the node (``routes``, ``None``: a leaf the caller gets as the
     forward returned it) and, until the caller has them, those leaves (``constants``)."""
@@ -182,7 +179,7 @@ class Sweep:
             autocast_state(self.device),
             F.modes_of(module),
         )
-        call.host = HOST.before(module)
+        call.host = F.HOST.before((type(module), module.training))
         tensors = StageCall.apply(self, call, self.anchor, *[leaves[i] for i in call.inputs])
         out, call.constants = call.constants or [], None  # the call keeps no output of its own
         return pytree.tree_unflatten([c if k is None else tensors[k] for c, k in zip(out, call.routes)], call.out_spec)
@@ -205,7 +202,7 @@ class Sweep:
             _ACTIVE.depth -= 1
         if call.rng is not None and not F.drew(call.rng, self.device):
             call.rng = None
-        call.host = HOST.after(call.module, call.host)
+        call.host = F.HOST.after((type(call.module), call.module.training), call.host)
         leaves, call.out_spec = pytree.tree_flatten(out)
         call.routes, call.through = routes(leaves, call)
         if not call.through:
@@ -281,7 +278,7 @@ class Sweep:
                 F.timer(self.opts, stats, "recompute_s", f"eae/{call.name}/recompute"),
                 F.replay_rng(call.rng, self.device),
                 F.in_modes(call.modes),
-                HOST.replay(call.host),
+                F.HOST.replay(call.host),
                 replay_autocast(call.autocast),
                 module_lock(call.module),
                 holding(call.module, {**local, **{n: b.clone() for n, b in call.buffers.items()}}),
@@ -382,54 +379,6 @@ def refuse_caches(name: str, leaves: list, split_at: list[str]) -> None:
 def sums(out: Any) -> list:
     """One number per floating output leaf, to tell whether a rebuild repeated its forward."""
     return [t.detach().sum() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and B.is_differentiable(t)]
-
-
-class HostRandom:
-    """Python's ``random`` and numpy's global generator, which a module's forward may draw from
-    (BigBird's random attention blocks): their states cost tens of microseconds to read, so each kind
-    of module (class and training flag) is watched on its first call in the process, and only the
-    kinds that drew then have their states saved at every call and replayed by the rebuild. A module
-    that draws only on later calls, or only sometimes, is not seen."""
-
-    def __init__(self):
-        self.watched: set[tuple] = set()
-        self.drawing: set[tuple] = set()
-
-    @staticmethod
-    def state() -> tuple:
-        return random.getstate(), np.random.get_state(legacy=False)
-
-    def before(self, module: nn.Module) -> tuple | None:
-        """The states before a call, where its kind draws or has not been watched yet."""
-        kind = type(module), module.training
-        return self.state() if kind in self.drawing or kind not in self.watched else None
-
-    def after(self, module: nn.Module, before: tuple | None) -> tuple | None:
-        """The states to replay for this call (``None``: it draws nothing)."""
-        kind = type(module), module.training
-        if kind not in self.watched:
-            self.watched.add(kind)
-            assert before is not None
-            if random.getstate() != before[0] or capture.numpy_drew(before[1]):
-                self.drawing.add(kind)
-        return before if kind in self.drawing else None
-
-    @contextlib.contextmanager
-    def replay(self, states: tuple | None):
-        if states is None:
-            yield
-            return
-        now = self.state()
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        try:
-            yield
-        finally:
-            random.setstate(now[0])
-            np.random.set_state(now[1])
-
-
-HOST = HostRandom()
 
 
 def cut_modules(model: nn.Module, split_at: Sequence[str]) -> dict[str, nn.Module]:

@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, cast
 
+import numpy as np
 import optree
 import torch
 from torch.profiler import record_function
 
 from . import boundary as B
-from . import compiled, fsdp, remat
+from . import capture, compiled, fsdp, remat
 from . import early_stop as ES
 from . import vjp as V
 from .adjoint import AdjointState, fold_in
@@ -49,7 +51,8 @@ class Entry:
     boundary:   its input x_{index} (as stored on the tape; in the compute dtype and
                 device once handed out by ``Tape.pop``).
     layout:     shape, dtype and device of the input as computed; ``out_layout`` of its output.
-    rng:        the global RNG state the stage saw (replayed by the recompute), ``None`` if it drew nothing.
+    rng:        the global RNG states the stage saw (replayed by the recompute, ``replay_rng``): torch's,
+                and Python's and numpy's where it drew from them; ``None`` if it drew nothing.
     buffers:    the buffers it ran with (the recompute runs on throwaway clones).
     closure:    its vjp closure from the forward (``recompute=False``), else ``None``.
     frozen:     the names of its parameters that are not trained (``requires_grad=False``).
@@ -180,17 +183,76 @@ NULL = contextlib.nullcontext()
 
 def replay_rng(state: tuple | None, device: torch.device):
     """A context that runs with the global RNG as it was when ``state`` was taken (dropout masks
-    repeat); ``None``: the stage drew nothing, nothing to replay."""
-    return NULL if state is None else _replayed(state[0], state[1], device)
+    repeat): ``(cpu, cuda)`` as ``rng_state`` gives them (``(None, None)``: torch's generator is not
+    replayed), plus Python's and numpy's states where the stage drew from those (``HostRandom``);
+    ``None``: the stage drew nothing, nothing to replay."""
+    return NULL if state is None else _replayed(state, device)
 
 
 @contextlib.contextmanager
-def _replayed(cpu: torch.Tensor, cuda: torch.Tensor | None, device: torch.device):
-    with torch.random.fork_rng(devices=[device] if cuda is not None else []):
-        torch.set_rng_state(cpu)
+def _replayed(state: tuple, device: torch.device):
+    cpu, cuda = state[0], state[1]
+    forked = NULL if cpu is None else torch.random.fork_rng(devices=[device] if cuda is not None else [])
+    with forked, HOST.replay(state[2:] or None):
+        if cpu is not None:
+            torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, device)
         yield
+
+
+class HostRandom:
+    """Python's ``random`` and numpy's global generator, which a stage's forward may draw from
+    (BigBird's random attention blocks, a noise layer): their states cost tens of microseconds to
+    read, so each kind of stage (the caller's hashable ``kind``) is watched on its first call in the
+    process, and only the kinds that drew then have their states saved at every call and replayed by
+    the rebuild. A kind that draws only on later calls, or only sometimes, is not seen."""
+
+    def __init__(self):
+        self.watched: set = set()
+        self.drawing: set = set()
+
+    @staticmethod
+    def state() -> tuple:
+        return random.getstate(), np.random.get_state(legacy=False)
+
+    def before(self, kind: Any) -> tuple | None:
+        """The states before a call, where its kind draws or has not been watched yet."""
+        return self.state() if kind in self.drawing or kind not in self.watched else None
+
+    def after(self, kind: Any, before: tuple | None) -> tuple | None:
+        """The states to replay for this call (``None``: it draws nothing)."""
+        if kind not in self.watched:
+            self.watched.add(kind)
+            assert before is not None
+            if random.getstate() != before[0] or capture.numpy_drew(before[1]):
+                self.drawing.add(kind)
+        return before if kind in self.drawing else None
+
+    @contextlib.contextmanager
+    def replay(self, states: tuple | None):
+        if states is None:
+            yield
+            return
+        now = self.state()
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        try:
+            yield
+        finally:
+            random.setstate(now[0])
+            np.random.set_state(now[1])
+
+
+HOST = HostRandom()
+
+
+def host_kind(s: Any, modes: tuple) -> Hashable:
+    """A stage's kind for ``HostRandom``: the classes of its modules and its training flag (two
+    groupings of other layers are two kinds), or its function's code."""
+    if s.module is None:
+        return getattr(s.fn, "__code__", type(s.fn))
+    return tuple(type(m) for m, _ in modes), modes[0][1]
 
 
 def modes_of(module: torch.nn.Module | None) -> tuple:
@@ -466,9 +528,14 @@ def forward(
         if meter is not None and i in opts.physical:
             meter.charge(i, rows_of(h))
         frozen, modes = chain.stages[i].frozen(), modes_of(chain.stages[i].module)
+        kind = host_kind(chain.stages[i], modes)
+        host = HOST.before(kind)
         out, (outputs, out_spec), closure, rng, cached, tape.buffers[i] = run_stage(
             chain, i, params[i], buffers[i], h, opts, device, plan, stats, frozen
         )
+        host = HOST.after(kind, host)
+        if host is not None:
+            rng = (*(rng or (None, None)), *host)
         upstream_params = upstream_params or bool(optree.tree_leaves(params[i], namespace=NAMESPACE))
         if upstream_params and not any(B.is_differentiable(t) for t in outputs):
             raise TypeError(

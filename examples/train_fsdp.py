@@ -15,6 +15,7 @@ FSDP2's own ``loss.backward()`` on a second copy of the model (--check).
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -75,6 +76,15 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     device = D.init(timeout=args.timeout)
+    train(args, device)
+    # FSDP's modules sit in reference cycles that hold the process group: free them now, while both
+    # ranks are here, not in the interpreter's teardown after the group is gone
+    gc.collect()
+    dist.barrier()  # neither rank tears gloo down while another still runs
+    dist.destroy_process_group()
+
+
+def train(args, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = sharded_lm(args, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
@@ -110,8 +120,6 @@ def main(argv=None):
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {loss.item():.4f}  {time.perf_counter() - start:.1f} s", flush=True)
-    dist.barrier()  # neither rank tears gloo down while another still runs
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

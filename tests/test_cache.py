@@ -116,6 +116,31 @@ def test_a_watch_does_not_keep_the_model_alive():
     assert alive() is None and watch.current() is watch
 
 
+class _Buffered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("scale", torch.ones(3))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_a_watch_sees_a_buffers_dtype_changed_in_place_or_replaced():
+    """A capture bakes its buffers' dtypes: ``buf.data = buf.data.double()`` (the same tensor object)
+    or a new buffer of another dtype makes the watch stale, with another fingerprint."""
+    for change in (
+        lambda m: setattr(m.scale, "data", m.scale.data.double()),
+        lambda m: setattr(m, "scale", torch.ones(3, dtype=torch.float64)),
+    ):
+        model = _Buffered()
+        watch = capture.Watch(model)
+        change(model)
+        now = watch.current()
+        assert now is not watch and now != watch
+        assert now.fingerprint == capture.fingerprint(model)
+
+
 # ----------------------------------------------------------------------------- a module's chain, kept
 
 

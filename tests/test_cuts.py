@@ -642,3 +642,100 @@ def test_a_cut_passed_a_key_value_cache_is_refused_naming_the_split_to_use():
     res = ef.sweep(model, dict(model.named_parameters()), x, loss=loss, split_at=["ffns.*"])
     assert_exact(res.grads, reference)
     assert len(res.adjoints) == 2
+
+
+class PythonDraws(nn.Module):
+    """A layer whose only randomness is a scale from Python's ``random`` (numpy's generator untouched)."""
+
+    def __init__(self, width=6):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, h):
+        import random
+
+        return self.linear(h) * random.uniform(0.5, 2.0)
+
+
+def test_a_cut_drawing_from_pythons_random_alone_is_replayed():
+    import random
+
+    torch.manual_seed(0)
+    model = Stack(inner=PythonDraws).double()
+    x, y = torch.randn(5, 4, dtype=F64), torch.randn(5, 3, dtype=F64)
+    params = dict(model.named_parameters())
+    for _ in range(2):  # the first call of a kind is watched, later ones saved and replayed
+        random.seed(3)
+        res = ef.sweep(model, params, x, y, loss=F.mse_loss, split_at=["blocks.*"])
+        random.seed(3)
+        _, reference = autograd_grads(model, x, y)
+        assert_exact(res.grads, reference)
+
+
+class TiedInside(nn.Module):
+    """Two layers sharing one weight inside one cut module: its gradient sums both uses."""
+
+    def __init__(self, width=6):
+        super().__init__()
+        self.first, self.second = nn.Linear(width, width), nn.Linear(width, width)
+        self.second.weight = self.first.weight
+
+    def forward(self, h):
+        return self.second(torch.tanh(self.first(h)))
+
+
+def test_a_weight_tied_inside_a_cut_module_gets_both_uses_gradients():
+    torch.manual_seed(0)
+    model = Stack(inner=TiedInside).double()
+    x, y = torch.randn(5, 4, dtype=F64), torch.randn(5, 3, dtype=F64)
+    res, _, reference = sweep_and_autograd(model, x, y)
+    assert "blocks.0.first.weight" in reference and "blocks.0.second.weight" not in reference
+    assert_exact(res.grads, reference)
+
+
+class Chained(nn.Module):
+    """``head(b2(b1(b0(embed(x)))))``, each ``b`` a ``tanh(linear)``: a chain of three cuts, no residual."""
+
+    def __init__(self, width=5):
+        super().__init__()
+        self.embed = nn.Linear(4, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_a_costate_changing_pass_at_the_cuts_gives_the_gradients_computed_by_hand():
+    """``scale(2)`` at every cut of a chain: the costate at the output of cut k (of 3) is doubled once
+    per cut at or after it, so block k's gradients are 2^(3-k) autograd's, the embedding's (before
+    every cut) 2^3, the head's (after them) autograd's. ``clip_by_global_norm(c)`` at every cut is
+    autograd with each cut output's gradient clipped as it arrives (a tensor hook)."""
+    torch.manual_seed(0)
+    model = Chained().double()
+    x, y = torch.randn(7, 4, dtype=F64), torch.randn(7, 3, dtype=F64)
+    params = dict(model.named_parameters())
+    scaled = ef.sweep(model, params, x, y, loss=F.mse_loss, split_at=["blocks.*"], passes=P.scale(2.0))
+    _, reference = autograd_grads(model, x, y)
+    factor = {"embed": 8.0, "blocks.0": 8.0, "blocks.1": 4.0, "blocks.2": 2.0, "head": 1.0}
+    assert_exact(
+        scaled.grads,
+        {n: factor[n.rsplit(".", 2)[0] if "blocks" in n else n.split(".")[0]] * g for n, g in reference.items()},
+    )
+
+    limit = 0.1  # clips at blocks.2 (|p| = 0.26), whose smaller costate then passes blocks.1 and .0 unclipped
+    clipped = ef.sweep(model, params, x, y, loss=F.mse_loss, split_at=["blocks.*"], passes=P.clip_by_global_norm(limit))
+
+    def clip(g):
+        norm = torch.linalg.vector_norm(g.float()).double()
+        return g * (limit / (norm + 1e-6)) if norm > limit else g
+
+    hooks = [b.register_forward_hook(lambda m, args, out: out.register_hook(clip) and None) for b in model.blocks]
+    _, reference = autograd_grads(model, x, y)
+    for h in hooks:
+        h.remove()
+    assert [bool(a.meta["clipped"]) for a in clipped.adjoints] == [True, False, False]
+    assert_exact(clipped.grads, reference, rel=1e-6)

@@ -278,3 +278,39 @@ def test_the_zero_bubble_halves_stopped_early_give_the_full_backward(depth, dim,
             assert_bitwise(full, backward(True, True))
         assert len(ES._KINDS) == 2 and all(k is not None for k in ES._KINDS.values())
         assert skipped
+
+
+class ExpOfInput(nn.Module):
+    """``b(tanh(a(x))) + exp(x)``: ``exp`` saves its output only where ``x`` requires grad."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))) + torch.exp(x)
+
+
+def test_a_stopped_rebuild_that_saves_more_than_the_learned_one_runs_again_in_full():
+    """The tail (b's product, ``exp``, the add) learned while the cut's input needed no gradient (the
+    embedding frozen); unfrozen, the rebuild saves more tensors (a's weight, and ``exp``'s output in
+    the tail): a miss, run again in full, never a NaN from a skipped kernel."""
+    torch.manual_seed(0)
+    model = Stack(4, 1).double()
+    model.layers[0] = ExpOfInput(4).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    params = dict(model.named_parameters())
+
+    def run(**options):
+        return ef.grad(model, params, x, loss=lambda y: y.pow(2).mean(), split_at=["layers.*"], **options)
+
+    with stopping():
+        model.embed.requires_grad_(False)
+        run()  # learned with an input that requires no grad
+        (kind,) = ES._KINDS.values()
+        assert kind is not None and [str(op.func) for op in kind.tail][-2:] == ["aten.exp.default", "aten.add.Tensor"]
+        model.embed.requires_grad_(True)
+        full = run(early_stop=False)
+        got = run()
+        assert all(not g.isnan().any() for g in got.values())
+        assert all(torch.equal(full[n], got[n]) for n in full)

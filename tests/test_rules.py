@@ -3,6 +3,7 @@
 import copy
 
 import optree
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
@@ -217,3 +218,48 @@ def test_parameter_hooks_act_as_under_autograd():
     assert len(seen) == 1
     for p, old in before.items():
         torch.testing.assert_close(p.detach(), old - 0.1 * reference[p], rtol=1e-10, atol=1e-12)
+
+
+class HostNoise(nn.Module):
+    """A linear layer whose noise comes from Python's ``random`` and/or numpy's global generator."""
+
+    def __init__(self, source, width=6):
+        super().__init__()
+        self.source, self.linear = source, nn.Linear(width, width)
+
+    def forward(self, h):
+        import random
+
+        import numpy as np
+
+        out = self.linear(h)
+        if "python" in self.source:
+            out = out * random.uniform(0.5, 2.0)
+        if "numpy" in self.source:
+            out = out * torch.from_numpy(np.random.rand(h.shape[-1]) > 0.5).to(h.dtype)
+        return out
+
+
+@pytest.mark.parametrize("source", ["python", "numpy", "python+numpy"])
+def test_python_and_numpy_draws_inside_a_stage_are_replayed(source):
+    """A stage drawing from Python's or numpy's generator sees the same numbers in its rebuild; a
+    stage of the same class before it that draws nothing does not hide it."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    quiet = lambda: nn.Sequential(nn.Linear(6, 6), nn.Tanh())  # noqa: E731
+    noise = type(f"HostNoise_{source}", (HostNoise,), {})  # a class per case: each kind watched afresh
+    model = nn.Sequential(quiet(), nn.Sequential(nn.Tanh(), noise(source)), quiet(), noise(source)).double()
+    x, y = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    for _ in range(2):  # the first call of a stage is watched, later ones saved and replayed
+        random.seed(3), np.random.seed(3)
+        res = ef.sweep(chain, params, x, y)
+        after_eae = random.random(), np.random.rand()
+        random.seed(3), np.random.seed(3)
+        loss, reference = autograd_grads(model, F.mse_loss, x, y)
+        assert (random.random(), np.random.rand()) == after_eae, "the sweep must draw as one forward does"
+        torch.testing.assert_close(res.loss, loss)
+        assert_grads_match(chain, res.grads, reference, rtol=1e-10, atol=1e-12)

@@ -295,3 +295,46 @@ def test_a_pure_update_is_a_value_the_fold_threads(depth, tied, microbatches, se
         assert state == ({"steps": 1} if stage else {})  # a stage with params has some due
     if tied:
         assert res.params[0]["weight"] is res.params[-2]["weight"]
+
+
+def test_a_row_budget_holds_the_updates_until_a_physical_first_stage_is_charged():
+    """The physical stage first (index 0, with a parameter probed by fd): a fused step over its row
+    budget updates no stage (every charge comes before the first update), and one within it updates
+    every stage exactly as the unfused sweep's gradients would."""
+    import torch.nn.functional as F
+
+    from eae_func import estimators as E
+
+    g = torch.Generator().manual_seed(0)
+    f64 = torch.float64
+    chain = ef.Chain(
+        [
+            ef.stage(lambda p, h: torch.sin(h * p["a"]), name="box", physical=True),
+            ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="in"),
+            ef.stage(lambda p, h: h @ p["w"], name="out"),
+        ],
+        loss=F.mse_loss,
+    )
+    params = (
+        {"a": torch.randn(5, generator=g, dtype=f64)},
+        {"w": torch.randn(5, 6, generator=g, dtype=f64)},
+        {"w": torch.randn(6, 3, generator=g, dtype=f64)},
+    )
+    x, y = torch.randn(8, 5, generator=g, dtype=f64), torch.randn(8, 3, generator=g, dtype=f64)
+    estimator = E.zbp(E.Probes(4), method="fd")
+    plain = ef.sweep(chain, params, x, y, estimator=estimator, key=2)
+    needed = plain.stats["box"]["rows"]
+    updated = []
+
+    def sgd(p, grads, state):
+        updated.append(state)
+        return {n: t - 0.1 * grads[n] for n, t in p.items()}, state
+
+    with pytest.raises(RuntimeError, match="over the budget"):
+        ef.sweep(chain, params, x, y, estimator=estimator, key=2, budget=needed - 1, update=ef.fused(sgd, [0, 1, 2]))
+    assert updated == []
+    res = ef.sweep(chain, params, x, y, estimator=estimator, key=2, budget=needed, update=ef.fused(sgd, [0, 1, 2]))
+    assert sorted(updated) == [0, 1, 2]
+    for new, old, grads in zip(res.params, params, plain.grads):
+        for n in old:
+            torch.testing.assert_close(new[n], old[n] - 0.1 * grads[n], rtol=1e-12, atol=1e-14)
