@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import random
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -70,7 +71,9 @@ class Call:
     parameters' places (the sweep's leaves, by the module's own names, aliases included), its buffers
     as they were before the call, torch's RNG and the autocast state, the modes of its modules
     (``fold.modes_of``), Python's and numpy's generator states where the module draws from them
-    (``HostRandom``); after the forward, which output leaves are tensors and the output's spec."""
+    (``HostRandom``); after the forward, which output leaves are tensors and the output's spec, the
+    leaves its forward wrote into (``InputWrites``: kept as copies from before the call) and the
+    others' versions (-1: not a tensor, or written), which must still be theirs when it is rebuilt."""
 
     index: int
     name: str
@@ -88,6 +91,8 @@ class Call:
     sums: list | None = None
     out_spec: Any = None
     out_tensors: tuple = ()
+    versions: list | None = None
+    written: tuple = ()
 
 
 class Sweep:
@@ -156,6 +161,7 @@ class Sweep:
             F.modes_of(module),
         )
         call.host = HOST.before(module)
+        call.versions = [t._version if isinstance(t, torch.Tensor) else -1 for t in call.leaves]
         tensors = StageCall.apply(self, call, self.anchor, *[leaves[i] for i in call.inputs])
         it = iter(tensors)
         return pytree.tree_unflatten([next(it) if t else None for t in call.out_tensors], call.out_spec)
@@ -164,11 +170,21 @@ class Sweep:
         """The call without a graph: its output's tensor leaves."""
         args, kwargs = pytree.tree_unflatten(call.leaves, call.spec)
         stats = self.stats.setdefault(call.name, {})
+        copies = WRITES.before(call)
         _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
         seed = torch.initial_seed()
         try:
             with F.timer(self.opts, stats, "forward_s", f"eae/{call.name}/forward"), torch.no_grad():
                 out = call.forward(*args, **kwargs)
+            WRITES.after(call, copies)
+            switched = next(((m, t) for m, t in call.modes if m.training != t), None)
+            if switched is not None:  # the modes were read before the call: a switch since is not in them
+                raise ValueError(
+                    f"cut {call.name!r}: a {type(switched[0]).__name__} in it switched to "
+                    f"{'eval' if switched[1] else 'train'} mode while its forward ran (model.train() / eval() from "
+                    f"another thread, or a hook or forward that switches modes), so its rebuild could not run "
+                    f"in the modes its forward ran in: switch modes between steps, not during one"
+                )
             if torch.initial_seed() != seed:  # it seeds torch's generator itself (torch.seed(): Reformer)
                 call.sums = sums(out)  # which the rebuild cannot replay: it must come to the same outputs
         except Exception as e:
@@ -235,7 +251,16 @@ class Sweep:
     def reverse(self, call: Call, costates: list) -> list:
         """The call's reverse step: the passes on its output costate, the module rebuilt at the
         params it ran with, one local vjp; the parameter gradients added up, the input costates returned."""
-        costates = self.passes(call, costates)
+        stale = [i for i, (t, v) in enumerate(zip(call.leaves, call.versions or ())) if v >= 0 and t._version != v]
+        if stale:
+            raise ValueError(
+                f"cut {call.name!r}: its input {leaf_name(call, stale[0])} was written in place after the call "
+                f"(version {call.versions[stale[0]]}, now {call.leaves[stale[0]]._version}), and its rebuild needs "
+                f"the values the call was given (plain autograd refuses it too where the module saves that "
+                f"input): write out of place (h = h + 1, not h.add_(1)), or clone the tensor before writing it"
+            )
+        dirty = [i for i in call.written if i in call.inputs]  # the outputs after the module's own
+        costates = self.passes(call, costates[: len(costates) - len(dirty)]) + costates[len(costates) - len(dirty) :]
         stats = self.stats.setdefault(call.name, {})
         leaves, own = list(call.leaves), {}
         local = {n: own.setdefault(id(p), p.detach().requires_grad_(p.requires_grad)) for n, p in call.params.items()}
@@ -254,11 +279,17 @@ class Sweep:
                 module_lock(call.module),
                 holding(call.module, {**local, **{n: b.clone() for n, b in call.buffers.items()}}),
             ):
-                return run(call.forward, *args, **kwargs)
+                if not call.written:
+                    return run(call.forward, *args, **kwargs), ()
+                fed = list(leaves)  # the leaves it writes into copied again: an attempt may be made twice
+                for i in call.written:
+                    fed[i] = leaves[i].clone()
+                fed_args, fed_kwargs = pytree.tree_unflatten(fed, call.spec)
+                return run(call.forward, *fed_args, **fed_kwargs), tuple(fed[i] for i in call.written)
 
         _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
         try:
-            out = ES.rebuilt(self.kind(call), rebuild)
+            out, written = ES.rebuilt(self.kind(call), rebuild)
         except Exception as e:
             F.note(e, f"the rebuild of cut {call.name!r}")
             e.add_note(
@@ -275,8 +306,16 @@ class Sweep:
                 f"their dropout) and its rebuild came to other outputs than its forward: its gradients would "
                 f"belong to other random numbers. Cut a module that does not reseed, or turn its randomness off"
             )
-        edges = V.places([t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)])
-        del out  # an output the graph does not save is freed now
+        for i, t in zip(call.written, written):
+            if t.requires_grad and i not in call.inputs:
+                raise ValueError(
+                    f"cut {call.name!r} writes into its input {leaf_name(call, i)}, which requires no grad, a value "
+                    f"that depends on its parameters: the caller's tensor cannot take that gradient. Write out "
+                    f"of place in the module, or pass it a tensor that requires grad"
+                )
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        edges = V.places(outputs + [t for i, t in zip(call.written, written) if i in call.inputs])
+        del out, outputs, written  # an output the graph does not save is freed now
         wanted = [own[i] for i in trainable] + inputs
         with F.timer(self.opts, stats, "vjp_s", f"eae/{call.name}/vjp"):
             grads = V.pull_back(edges, costates, wanted)
@@ -291,14 +330,18 @@ class Sweep:
 
 class StageCall(torch.autograd.Function):
     """One cut call in the model's graph: its forward runs the module without a graph, its backward
-    is the sweep's reverse step for the call."""
+    is the sweep's reverse step for the call. Inputs its forward wrote into are outputs too."""
 
     @staticmethod
     def forward(ctx: Any, sweep: Sweep, call: Call, anchor: torch.Tensor, *inputs: torch.Tensor) -> Any:  # type: ignore[override]
         tensors = sweep.run_forward(call)
         ctx.sweep, ctx.call = sweep, call
         ctx.mark_non_differentiable(*[t for t in tensors if not B.is_differentiable(t)])
-        return tuple(tensors)
+        if not call.written:
+            return tuple(tensors)
+        dirty = [t for i, t in zip(call.inputs, inputs) if i in call.written]  # as autograd records x.mul_(2)
+        ctx.mark_dirty(*dirty)
+        return (*tensors, *dirty)
 
     @staticmethod
     def backward(ctx: Any, *costates: torch.Tensor) -> Any:  # type: ignore[override]
@@ -357,6 +400,58 @@ class HostRandom:
 
 
 HOST = HostRandom()
+
+
+class InputWrites:
+    """Which cut modules write into their inputs during their forward (``x.mul_(2)``,
+    ``nn.ReLU(inplace=True)``), as eager PyTorch lets a module do. A module's first call in each mode
+    (training flag) is watched, its tensor inputs copied before it (a version read tells the writes);
+    one that wrote then has the leaves it wrote copied before each call, so its rebuild starts from
+    the values its forward was given. The caller's tensors are written as in eager PyTorch and
+    autograd is told so (``mark_dirty``): a written input is an output of the call too. A write the
+    module did not make on its first call is refused: the values the rebuild needs are gone."""
+
+    def __init__(self):
+        self.seen: weakref.WeakKeyDictionary[nn.Module, dict[bool, frozenset[int]]] = weakref.WeakKeyDictionary()
+
+    def before(self, call: Call) -> dict[int, torch.Tensor] | None:
+        """Copies of the call's leaves its module may write into (``None``: it writes none)."""
+        seen = self.seen.get(call.module)
+        written = None if seen is None else seen.get(call.module.training)
+        if written is not None and not written:
+            return None
+        picks = range(len(call.leaves)) if written is None else written
+        return {i: call.leaves[i].clone() for i in picks if i < len(call.leaves) and call.versions[i] >= 0}
+
+    def after(self, call: Call, copies: dict[int, torch.Tensor] | None) -> None:
+        """The leaves the forward wrote into replaced by their copies from before the call."""
+        versions, leaves = call.versions or [], call.leaves
+        written = tuple(i for i, v in enumerate(versions) if v >= 0 and leaves[i]._version != v)
+        seen = self.seen.setdefault(call.module, {})
+        if written or call.module.training not in seen:
+            seen[call.module.training] = seen.get(call.module.training, frozenset()) | frozenset(written)
+        if not written:
+            return
+        lost = [i for i in written if copies is None or i not in copies]
+        if lost:
+            raise ValueError(
+                f"cut {call.name!r} wrote into its input {leaf_name(call, lost[0])} in place during its forward, "
+                f"which its first call did not: the values its rebuild needs are gone. Run the step again "
+                f"(that input is now copied before each call), or write out of place in the module"
+            )
+        for i in written:
+            leaves[i] = copies[i]  # type: ignore[index]
+            versions[i] = -1
+        call.written = written
+
+
+WRITES = InputWrites()
+
+
+def leaf_name(call: Call, i: int) -> str:
+    """Leaf i of a call's ``(args, kwargs)``, as ``args[0]`` or ``kwargs['mask']``."""
+    path = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(len(call.leaves))), call.spec))[0][i][0]
+    return ("args" if path[0] == pytree.SequenceKey(0) else "kwargs") + pytree.keystr(path[1:])
 
 
 def cut_modules(model: nn.Module, split_at: Sequence[str]) -> dict[str, nn.Module]:
