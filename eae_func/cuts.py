@@ -91,7 +91,7 @@ class Call:
     sums: list | None = None
     out_spec: Any = None
     out_tensors: tuple = ()
-    versions: list | None = None
+    versions: list = dataclasses.field(default_factory=list)
     written: tuple = ()
 
 
@@ -177,14 +177,7 @@ class Sweep:
             with F.timer(self.opts, stats, "forward_s", f"eae/{call.name}/forward"), torch.no_grad():
                 out = call.forward(*args, **kwargs)
             WRITES.after(call, copies)
-            switched = next(((m, t) for m, t in call.modes if m.training != t), None)
-            if switched is not None:  # the modes were read before the call: a switch since is not in them
-                raise ValueError(
-                    f"cut {call.name!r}: a {type(switched[0]).__name__} in it switched to "
-                    f"{'eval' if switched[1] else 'train'} mode while its forward ran (model.train() / eval() from "
-                    f"another thread, or a hook or forward that switches modes), so its rebuild could not run "
-                    f"in the modes its forward ran in: switch modes between steps, not during one"
-                )
+            F.check_modes(call.modes, f"cut {call.name!r}")  # the modes were read before the call
             if torch.initial_seed() != seed:  # it seeds torch's generator itself (torch.seed(): Reformer)
                 call.sums = sums(out)  # which the rebuild cannot replay: it must come to the same outputs
         except Exception as e:
@@ -203,9 +196,11 @@ class Sweep:
 
     def kind(self, call: Call) -> Hashable | None:
         """The kind of the call's rebuild for ``early_stop`` (``None``: it runs in full: the option is
-        off, the call is too small to pay, or it reseeds torch's generator and must be checked
-        against its forward)."""
+        off, the call is too small to pay, it reseeds torch's generator and must be checked against
+        its forward, or a forward hook would see its tail: the module's own do not run in it)."""
         if not self.opts.early_stop or call.sums is not None or not ES.may_pay(call.leaves):
+            return None
+        if ES.observed(m for m, _ in call.modes[1:]):
             return None
         return (
             id(call.module),
@@ -251,7 +246,7 @@ class Sweep:
     def reverse(self, call: Call, costates: list) -> list:
         """The call's reverse step: the passes on its output costate, the module rebuilt at the
         params it ran with, one local vjp; the parameter gradients added up, the input costates returned."""
-        stale = [i for i, (t, v) in enumerate(zip(call.leaves, call.versions or ())) if v >= 0 and t._version != v]
+        stale = [i for i, (t, v) in enumerate(zip(call.leaves, call.versions)) if v >= 0 and t._version != v]
         if stale:
             raise ValueError(
                 f"cut {call.name!r}: its input {leaf_name(call, stale[0])} was written in place after the call "
@@ -425,7 +420,7 @@ class InputWrites:
 
     def after(self, call: Call, copies: dict[int, torch.Tensor] | None) -> None:
         """The leaves the forward wrote into replaced by their copies from before the call."""
-        versions, leaves = call.versions or [], call.leaves
+        versions, leaves = call.versions, call.leaves
         written = tuple(i for i, v in enumerate(versions) if v >= 0 and leaves[i]._version != v)
         seen = self.seen.setdefault(call.module, {})
         if written or call.module.training not in seen:
