@@ -2,15 +2,15 @@
 ``split_at`` is one stage, as ``torch.utils.checkpoint`` cuts a model.
 
     call of a matched module m on inputs a (stage l, in call order):
-        keep a (detached; RNG and autocast state; m's buffers as they were), run m under no_grad
-        and return its outputs x_l through one autograd node whose inputs are a's leaves that
-        require grad
+        keep a (detached; RNG and autocast state; m's buffers as they were; a copy of the leaves m
+        writes into, ``InputWrites``), run m under no_grad and return its outputs x_l (and the
+        leaves it wrote into) through one autograd node whose inputs are a's leaves that require grad
     loss.backward-like driver: ``torch.autograd.grad(loss, params)`` differentiates the glue
         (embeddings, masks, rotary tables, head, loss) and, at each node, runs stage l's reverse step:
         p_l through the passes; m rebuilt at the params it ran with (RNG, autocast and modes replayed,
         buffers on throwaway clones); (J_W^T p_l, J_a^T p_l) by one ``torch.autograd.grad``
         (``vjp.pull_back``); J_W^T p_l added to the parameters' gradients (frozen ones excluded),
-        J_a^T p_l handed back to autograd
+        J_a^T p_l handed back to autograd; a leaf of a written in place since the call is refused
 
 Nothing is traced or cached: hooks, custom ``autograd.Function`` backwards, data-dependent control
 flow (MoE routing) and Python state behave as in eager PyTorch; a module called twice is two stages
