@@ -2,16 +2,17 @@
 ``split_at`` is one stage, as ``torch.utils.checkpoint`` cuts a model.
 
     call of a matched module m on inputs a (stage l, in call order):
-        keep a (detached; RNG and autocast state; m's buffers as they were), run m under no_grad
-        and return its outputs x_l through one autograd node whose inputs are a's leaves that
-        require grad (its floating tensors, each once; its other outputs, integer tensors and the
-        inputs it hands back that require no grad reach the caller as the forward returned them)
+        keep a (detached; RNG and autocast state; m's buffers as they were; a copy of the leaves m
+        writes into, ``InputWrites``), run m under no_grad and return its outputs x_l (and the
+        leaves it wrote into) through one autograd node whose inputs are a's leaves that require grad
+        (its floating tensors, each once; its other outputs, integer tensors and the inputs it hands
+        back that require no grad reach the caller as the forward returned them)
     loss.backward-like driver: ``torch.autograd.grad(loss, params)`` differentiates the glue
         (embeddings, masks, rotary tables, head, loss) and, at each node, runs stage l's reverse step:
         p_l through the passes; m rebuilt at the params it ran with (RNG, autocast and modes replayed,
         buffers on throwaway clones); (J_W^T p_l, J_a^T p_l) by one ``torch.autograd.grad``
         (``vjp.pull_back``); J_W^T p_l added to the parameters' gradients (frozen ones excluded),
-        J_a^T p_l handed back to autograd
+        J_a^T p_l handed back to autograd; a leaf of a written in place since the call is refused
 
 Nothing is traced or cached: hooks, custom ``autograd.Function`` backwards, data-dependent control
 flow (MoE routing) and Python state behave as in eager PyTorch; a module called twice is two stages
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -91,7 +93,9 @@ class Call:
     (``fold.HostRandom``); after the forward, the output's spec, the position of each of its floating
     tensors of its own (``through``: one position per distinct tensor, the ones autograd's node
     returns), each leaf's tensor of the node (``routes``, ``None``: a leaf the caller gets as the
-    forward returned it) and, until the caller has them, those leaves (``constants``)."""
+    forward returned it), until the caller has them, those leaves (``constants``), the leaves its
+    forward wrote into (``InputWrites``: kept as copies from before the call) and the others'
+    versions (-1: not a tensor, or written), which must still be theirs when it is rebuilt."""
 
     index: int
     name: str
@@ -111,6 +115,8 @@ class Call:
     through: tuple = ()
     routes: tuple = ()
     constants: list | None = None
+    versions: list = dataclasses.field(default_factory=list)
+    written: tuple = ()
 
 
 class Sweep:
@@ -180,6 +186,7 @@ class Sweep:
             F.modes_of(module),
         )
         call.host = F.HOST.before((type(module), module.training))
+        call.versions = [t._version if isinstance(t, torch.Tensor) else -1 for t in call.leaves]
         tensors = StageCall.apply(self, call, self.anchor, *[leaves[i] for i in call.inputs])
         out, call.constants = call.constants or [], None  # the call keeps no output of its own
         return pytree.tree_unflatten([c if k is None else tensors[k] for c, k in zip(out, call.routes)], call.out_spec)
@@ -188,11 +195,14 @@ class Sweep:
         """The call without a graph: its output's tensor leaves."""
         args, kwargs = pytree.tree_unflatten(call.leaves, call.spec)
         stats = self.stats.setdefault(call.name, {})
+        copies = WRITES.before(call)
         _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
         seed = torch.initial_seed()
         try:
             with F.timer(self.opts, stats, "forward_s", f"eae/{call.name}/forward"), torch.no_grad():
                 out = call.forward(*args, **kwargs)
+            WRITES.after(call, copies)
+            F.check_modes(call.modes, f"cut {call.name!r}")  # the modes were read before the call
             if torch.initial_seed() != seed:  # it seeds torch's generator itself (torch.seed(): Reformer)
                 call.sums = sums(out)  # which the rebuild cannot replay: it must come to the same outputs
         except Exception as e:
@@ -216,9 +226,11 @@ class Sweep:
 
     def kind(self, call: Call) -> Hashable | None:
         """The kind of the call's rebuild for ``early_stop`` (``None``: it runs in full: the option is
-        off, the call is too small to pay, or it reseeds torch's generator and must be checked
-        against its forward)."""
+        off, the call is too small to pay, it reseeds torch's generator and must be checked against
+        its forward, or a forward hook would see its tail: the module's own do not run in it)."""
         if not self.opts.early_stop or call.sums is not None or not ES.may_pay(call.leaves):
+            return None
+        if ES.observed(m for m, _ in call.modes[1:]):
             return None
         return (
             id(call.module),
@@ -264,7 +276,16 @@ class Sweep:
     def reverse(self, call: Call, costates: list) -> list:
         """The call's reverse step: the passes on its output costate, the module rebuilt at the
         params it ran with, one local vjp; the parameter gradients added up, the input costates returned."""
-        costates = self.passes(call, costates)
+        stale = [i for i, (t, v) in enumerate(zip(call.leaves, call.versions)) if v >= 0 and t._version != v]
+        if stale:
+            raise ValueError(
+                f"cut {call.name!r}: its input {leaf_name(call, stale[0])} was written in place after the call "
+                f"(version {call.versions[stale[0]]}, now {call.leaves[stale[0]]._version}), and its rebuild needs "
+                f"the values the call was given (plain autograd refuses it too where the module saves that "
+                f"input): write out of place (h = h + 1, not h.add_(1)), or clone the tensor before writing it"
+            )
+        dirty = [i for i in call.written if i in call.inputs]  # the outputs after the module's own
+        costates = self.passes(call, costates[: len(costates) - len(dirty)]) + costates[len(costates) - len(dirty) :]
         stats = self.stats.setdefault(call.name, {})
         leaves, own = list(call.leaves), {}
         local = {n: own.setdefault(id(p), p.detach().requires_grad_(p.requires_grad)) for n, p in call.params.items()}
@@ -283,11 +304,17 @@ class Sweep:
                 module_lock(call.module),
                 holding(call.module, {**local, **{n: b.clone() for n, b in call.buffers.items()}}),
             ):
-                return run(call.forward, *args, **kwargs)
+                if not call.written:
+                    return run(call.forward, *args, **kwargs), ()
+                fed = list(leaves)  # the leaves it writes into copied again: an attempt may be made twice
+                for i in call.written:
+                    fed[i] = leaves[i].clone()
+                fed_args, fed_kwargs = pytree.tree_unflatten(fed, call.spec)
+                return run(call.forward, *fed_args, **fed_kwargs), tuple(fed[i] for i in call.written)
 
         _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
         try:
-            out = ES.rebuilt(self.kind(call), rebuild)
+            out, written = ES.rebuilt(self.kind(call), rebuild)
         except Exception as e:
             F.note(e, f"the rebuild of cut {call.name!r}")
             e.add_note(
@@ -310,8 +337,17 @@ class Sweep:
                 f"cut {call.name!r}: its rebuild returned another structure than its forward ({spec} vs "
                 f"{call.out_spec}): cut a module whose output has one structure for its inputs"
             )
-        edges = V.places([rebuilt[i] for i in call.through])
-        del out, rebuilt  # an output the graph does not save is freed now
+        for i, t in zip(call.written, written):
+            if t.requires_grad and i not in call.inputs:
+                raise ValueError(
+                    f"cut {call.name!r} writes into its input {leaf_name(call, i)}, which requires no grad, a value "
+                    f"that depends on its parameters: the caller's tensor cannot take that gradient. Write out "
+                    f"of place in the module, or pass it a tensor that requires grad"
+                )
+        edges = V.places(
+            [rebuilt[i] for i in call.through] + [t for i, t in zip(call.written, written) if i in call.inputs]
+        )
+        del out, rebuilt, written  # an output the graph does not save is freed now
         wanted = [own[i] for i in trainable] + inputs
         with F.timer(self.opts, stats, "vjp_s", f"eae/{call.name}/vjp"):
             grads = V.pull_back(edges, costates, wanted)
@@ -326,13 +362,17 @@ class Sweep:
 
 class StageCall(torch.autograd.Function):
     """One cut call in the model's graph: its forward runs the module without a graph, its backward
-    is the sweep's reverse step for the call."""
+    is the sweep's reverse step for the call. Inputs its forward wrote into are outputs too."""
 
     @staticmethod
     def forward(ctx: Any, sweep: Sweep, call: Call, anchor: torch.Tensor, *inputs: torch.Tensor) -> Any:  # type: ignore[override]
         tensors = sweep.run_forward(call)
         ctx.sweep, ctx.call = sweep, call
-        return tuple(tensors)
+        if not call.written:
+            return tuple(tensors)
+        dirty = [t for i, t in zip(call.inputs, inputs) if i in call.written]  # as autograd records x.mul_(2)
+        ctx.mark_dirty(*dirty)
+        return (*tensors, *dirty)
 
     @staticmethod
     def backward(ctx: Any, *costates: torch.Tensor) -> Any:  # type: ignore[override]
@@ -379,6 +419,58 @@ def refuse_caches(name: str, leaves: list, split_at: list[str]) -> None:
 def sums(out: Any) -> list:
     """One number per floating output leaf, to tell whether a rebuild repeated its forward."""
     return [t.detach().sum() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and B.is_differentiable(t)]
+
+
+class InputWrites:
+    """Which cut modules write into their inputs during their forward (``x.mul_(2)``,
+    ``nn.ReLU(inplace=True)``), as eager PyTorch lets a module do. A module's first call in each mode
+    (training flag) is watched, its tensor inputs copied before it (a version read tells the writes);
+    one that wrote then has the leaves it wrote copied before each call, so its rebuild starts from
+    the values its forward was given. The caller's tensors are written as in eager PyTorch and
+    autograd is told so (``mark_dirty``): a written input is an output of the call too. A write the
+    module did not make on its first call is refused: the values the rebuild needs are gone."""
+
+    def __init__(self):
+        self.seen: weakref.WeakKeyDictionary[nn.Module, dict[bool, frozenset[int]]] = weakref.WeakKeyDictionary()
+
+    def before(self, call: Call) -> dict[int, torch.Tensor] | None:
+        """Copies of the call's leaves its module may write into (``None``: it writes none)."""
+        seen = self.seen.get(call.module)
+        written = None if seen is None else seen.get(call.module.training)
+        if written is not None and not written:
+            return None
+        picks = range(len(call.leaves)) if written is None else written
+        return {i: call.leaves[i].clone() for i in picks if i < len(call.leaves) and call.versions[i] >= 0}
+
+    def after(self, call: Call, copies: dict[int, torch.Tensor] | None) -> None:
+        """The leaves the forward wrote into replaced by their copies from before the call."""
+        versions, leaves = call.versions, call.leaves
+        written = tuple(i for i, v in enumerate(versions) if v >= 0 and leaves[i]._version != v)
+        seen = self.seen.setdefault(call.module, {})
+        if written or call.module.training not in seen:
+            seen[call.module.training] = seen.get(call.module.training, frozenset()) | frozenset(written)
+        if not written:
+            return
+        lost = [i for i in written if copies is None or i not in copies]
+        if lost:
+            raise ValueError(
+                f"cut {call.name!r} wrote into its input {leaf_name(call, lost[0])} in place during its forward, "
+                f"which its first call did not: the values its rebuild needs are gone. Run the step again "
+                f"(that input is now copied before each call), or write out of place in the module"
+            )
+        for i in written:
+            leaves[i] = copies[i]  # type: ignore[index]
+            versions[i] = -1
+        call.written = written
+
+
+WRITES = InputWrites()
+
+
+def leaf_name(call: Call, i: int) -> str:
+    """Leaf i of a call's ``(args, kwargs)``, as ``args[0]`` or ``kwargs['mask']``."""
+    path = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(len(call.leaves))), call.spec))[0][i][0]
+    return ("args" if path[0] == pytree.SequenceKey(0) else "kwargs") + pytree.keystr(path[1:])
 
 
 def cut_modules(model: nn.Module, split_at: Sequence[str]) -> dict[str, nn.Module]:

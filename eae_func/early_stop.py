@@ -25,7 +25,10 @@ always those of the full rebuild, bit for bit.
 
 The tail's values are NaN in a stopped rebuild: a module that keeps one in Python state
 (``self.out = out``) or reads one with ``.tolist()`` / ``.numpy()``, which no dispatch sees, sees
-NaN there (``early_stop=False`` rebuilds in full).
+NaN there (``early_stop=False`` rebuilds in full). A rebuild runs the forward hooks of the modules
+inside the stage, as ``torch.utils.checkpoint``'s recompute does; a kind is not stopped while
+such a hook or a global one (``register_module_forward_hook``) is registered (``observed``), so no
+hook sees NaN.
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, TypeVar, cast
 
 import torch
 import torch.utils._pytree as pytree
+from torch import nn
 from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
@@ -128,6 +132,15 @@ def may_pay(tensors: Any) -> bool:
     ``REACH`` multiply-adds per input element: smaller stages are not even looked up (the lookup
     costs a few microseconds in the fold, 1-2% of a tiny stage's step)."""
     return sum(t.numel() for t in tensors if isinstance(t, torch.Tensor)) * REACH >= WORTH
+
+
+def observed(modules: Iterable[nn.Module]) -> bool:
+    """Whether a forward hook or pre-hook could see a rebuild's tail: one of ``modules`` (those the
+    rebuild calls) has one, or a global one is registered."""
+    hooks = nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 def whole(f: Callable, *args: Any, **kwargs: Any) -> Any:

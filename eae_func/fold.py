@@ -261,6 +261,19 @@ def modes_of(module: torch.nn.Module | None) -> tuple:
     return () if module is None else tuple((m, m.training) for m in module.modules())
 
 
+def check_modes(modes: tuple, where: str) -> None:
+    """Refuse a stage whose modes (``modes_of``, read before its forward) changed while it ran: its
+    recompute could not run in the modes it ran in."""
+    m = next((m for m, training in modes if m.training != training), None)
+    if m is not None:
+        raise ValueError(
+            f"{where}: a {type(m).__name__} in it switched to {'train' if m.training else 'eval'} mode while its "
+            f"forward ran (model.train() / eval() from another thread, or a hook or forward that switches "
+            f"modes), so its rebuild could not run in the modes its forward ran in: switch modes between "
+            f"steps, not during one"
+        )
+
+
 def in_modes(modes: tuple):
     """A context in which every module of ``modes`` (``modes_of``) is in its recorded mode: one
     switched since (``model.eval()`` from another thread) is switched back for the block, then
@@ -533,6 +546,7 @@ def forward(
         out, (outputs, out_spec), closure, rng, cached, tape.buffers[i] = run_stage(
             chain, i, params[i], buffers[i], h, opts, device, plan, stats, frozen
         )
+        check_modes(modes, chain.where(i))
         host = HOST.after(kind, host)
         if host is not None:
             rng = (*(rng or (None, None)), *host)
@@ -830,7 +844,13 @@ def rebuilt_closure(
             return rebuilt_vjp(s, params, entry.buffers, floats, rebuild, entry.frozen, params_too, inputs_too, run)
 
     kind = None  # the rebuild's kind for early_stop (None: in full)
-    if opts.early_stop and s.sharded is None and entry.cached is None and ES.may_pay(floats):
+    if (
+        opts.early_stop
+        and s.sharded is None
+        and entry.cached is None
+        and ES.may_pay(floats)
+        and not ES.observed(m for m, _ in entry.modes)
+    ):
         kind = (  # what a rebuild's ops depend on, cheaply (the rest, layouts and dtypes, is checked op for op)
             id(s.module if s.module is not None else s.fn),
             tuple(f.shape for f in floats),

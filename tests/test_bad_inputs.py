@@ -3,6 +3,7 @@
 result. Nothing is silent, and a failing call leaves the caller's tensors as they were."""
 
 import re
+from unittest import mock
 
 import numpy as np
 import optree
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import eae_func as ef
+from eae_func import early_stop as ES
 from eae_func import estimators as E
 from eae_func import passes as P
 from eae_func import remat
@@ -566,3 +568,132 @@ def test_replicas_with_different_used_parameters_pair_the_same_tensors(shapes, d
             continue
         want = sum(g[n] / R if n in g else torch.zeros_like(t) for g in grads)
         torch.testing.assert_close(got[n], want, rtol=0, atol=1e-6 if t.dtype == torch.float32 else 1e-12)
+
+
+# ----------------------------------------------------------------------------- in-place writes into a cut's inputs
+
+WRITES = {  # what a cut module does to its input during its forward, as eager PyTorch lets it
+    "none": lambda x: x,
+    "x.mul_(2)": lambda x: x.mul_(2),
+    "x.add_(1)": lambda x: x.add_(1),
+    "x[0].zero_()": lambda x: x[0].zero_(),  # through a view
+}
+OUT_OF_PLACE = {  # the same, written out of place
+    "none": lambda x: x,
+    "x.mul_(2)": lambda x: x * 2,
+    "x.add_(1)": lambda x: x + 1,
+    "x[0].zero_()": lambda x: torch.cat([torch.zeros_like(x[:1]), x[1:]]),
+}
+
+
+class Writer(nn.Module):
+    def __init__(self, width, write):
+        super().__init__()
+        self.lin, self.write = nn.Linear(width, width), write
+
+    def forward(self, x):
+        WRITES[self.write](x)
+        return torch.tanh(self.lin(x))
+
+
+class Writers(nn.Module):
+    """Blocks cut at run time that may write into their inputs; their input requires grad (an
+    embedding before them) or not; the glue reads a block's (written) input again after its call
+    (``reuse``), or writes into it (``glue_write``)."""
+
+    def __init__(self, width, writes, embed, reuse=False, glue_write=False):
+        super().__init__()
+        self.embed = nn.Linear(width, width) if embed else None
+        self.blocks = nn.ModuleList(Writer(width, w) for w in writes)
+        self.head = nn.Linear(width, 1)
+        self.reuse, self.glue_write = reuse, glue_write
+
+    def forward(self, x):
+        h = self.embed(x) if self.embed is not None else x * 1.0
+        for block in self.blocks:
+            y = block(h)
+            if self.glue_write:
+                h.mul_(3)
+            h = y + h if self.reuse else y
+        return self.head(h)
+
+
+def _out_of_place(model, x):
+    """What eager PyTorch computes, where its graph allows (a later write into a saved tensor does not)."""
+    h = model.embed(x) if model.embed is not None else x * 1.0
+    for block in model.blocks:
+        h = OUT_OF_PLACE[block.write](h)
+        y = torch.tanh(block.lin(h))
+        h = y + h if model.reuse else y
+    return model.head(h)
+
+
+def _cut_grads(model, x, early_stop):
+    params = dict(model.named_parameters())
+    return ef.grad(model, params, x, loss=lambda y: y.pow(2).mean(), split_at=["blocks.*"], early_stop=early_stop)
+
+
+@given(
+    writes=st.lists(st.sampled_from(sorted(WRITES)), min_size=1, max_size=3),
+    width=st.integers(2, 4),
+    embed=st.booleans(),
+    reuse=st.booleans(),
+    early_stop=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_cut_that_writes_into_its_input_gives_autograds_gradients(writes, width, embed, reuse, early_stop, seed):
+    """Each cut rebuilt from the values its forward was given, the written input seen by the glue
+    after the call as in eager PyTorch (its gradient through the write too), step after step (the
+    second one stopped early where ``early_stop`` is on): the gradients of the same model written out
+    of place (eager PyTorch refuses a block that writes into the previous block's saved output)."""
+    torch.manual_seed(seed)
+    model = Writers(width, writes, embed, reuse).double()
+    x = torch.randn(3, width, dtype=torch.float64)
+    own = list(model.parameters())
+    reference = torch.autograd.grad(_out_of_place(model, x).pow(2).mean(), own)
+    with mock.patch.object(ES, "WORTH", 0), mock.patch.object(ES, "_KINDS", {}):
+        for _ in range(2):
+            grads = _cut_grads(model, x.clone(), early_stop)
+            for (name, _), r in zip(model.named_parameters(), reference):
+                torch.testing.assert_close(grads[name], r, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@given(write=st.sampled_from(sorted(WRITES)), embed=st.booleans(), seed=st.integers(0, 2**16))
+def test_a_cut_input_written_after_the_call_is_named(write, embed, seed):
+    """The glue writes into a cut's input after the call: the rebuild would see the new values.
+    Plain autograd refuses it (the block's product saved that input); the sweep gives autograd's
+    gradients where the block wrote the input itself (it keeps a copy), else names the cut."""
+    torch.manual_seed(seed)
+    model = Writers(3, [write], embed, reuse=True, glue_write=True).double()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x.clone()).sum().backward()
+    if write != "none":
+        return  # its rebuild starts from its own copy
+    with pytest.raises(ValueError, match=r"cut 'blocks.0': its input args\[0\] was written in place after the call"):
+        _cut_grads(model, x.clone(), early_stop=False)
+
+
+def test_a_write_its_first_call_did_not_make_is_refused_then_copied():
+    torch.manual_seed(0)
+    model = Writers(3, ["none"], embed=True).double()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    _cut_grads(model, x, early_stop=False)
+    model.blocks[0].write = "x.mul_(2)"
+    with pytest.raises(ValueError, match=r"cut 'blocks.0' wrote into its input args\[0\] in place .* Run the step"):
+        _cut_grads(model, x, early_stop=False)
+    reference = torch.autograd.grad(model(x).pow(2).mean(), list(model.parameters()))
+    grads = _cut_grads(model, x, early_stop=False)
+    for (name, _), r in zip(model.named_parameters(), reference):
+        torch.testing.assert_close(grads[name], r, rtol=1e-12, atol=1e-12)
+
+
+def test_an_in_place_relu_cut_gives_autograds_gradients():
+    """``nn.ReLU(inplace=True)`` as the cut: its output is its written input, which the glue reads again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 1)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    reference = torch.autograd.grad(model(x).pow(2).mean(), list(model.parameters()))
+    grads = ef.grad(model, dict(model.named_parameters()), x, loss=lambda y: y.pow(2).mean(), split_at=["1"])
+    for (name, _), r in zip(model.named_parameters(), reference):
+        torch.testing.assert_close(grads[name], r, rtol=1e-12, atol=1e-12)

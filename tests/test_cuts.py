@@ -419,6 +419,35 @@ def test_the_rebuild_runs_in_the_modes_the_forward_saw():
     assert_exact(res.grads, reference)
 
 
+def test_a_mode_switched_while_a_cut_runs_is_named():
+    """Another thread's ``model.eval()`` landing while a cut's forward runs, made deterministic: a
+    one-shot forward pre-hook switches the BatchNorm to eval mode mid-call. The forward ran it in eval
+    mode, the modes read before the call say train: the sweep names the cut rather than rebuild it in
+    train mode; the next step, switched between steps, is autograd's."""
+    torch.manual_seed(0)
+    model = Stack(inner=lambda: nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6))).double().train()
+    x, y = torch.randn(5, 4, dtype=F64), torch.randn(5, 3, dtype=F64)
+    norm = model.blocks[1][1]
+
+    def once(module, args):
+        handle.remove()
+        module.eval()
+
+    handle = norm.register_forward_pre_hook(once)
+    with pytest.raises(ValueError, match=r"cut 'blocks.1': a BatchNorm1d in it switched to eval mode while its"):
+        ef.sweep(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, split_at=["blocks.*"])
+    assert not norm.training
+    res, _, reference = sweep_and_autograd(model, x, y)
+    assert_exact(res.grads, reference)
+    chain, params = ef.from_module(nn.Sequential(*model.blocks), loss=F.mse_loss)  # the fold's forward alike
+    handle = norm.register_forward_pre_hook(once)
+    norm.train()
+    with pytest.raises(
+        ValueError, match=r"stage 1 \('Sequential_1'\): a BatchNorm1d in it switched to eval mode while"
+    ):
+        ef.sweep(chain, params, torch.randn(5, 6, dtype=F64), torch.randn(5, 6, dtype=F64))
+
+
 def test_parameter_hooks_act_as_under_autograd():
     """``p.register_hook(fn)`` on a cut module's parameter, on the glue's and on a module called twice
     (a non-linear hook: once, on the summed gradient), at run-time cuts and where an option falls back

@@ -5,6 +5,7 @@ than the learned tail runs again in full; a tail that is not safe to skip is nev
 import contextlib
 import gc
 import weakref
+from typing import cast
 from unittest import mock
 
 import pytest
@@ -314,3 +315,55 @@ def test_a_stopped_rebuild_that_saves_more_than_the_learned_one_runs_again_in_fu
         got = run()
         assert all(not g.isnan().any() for g in got.values())
         assert all(torch.equal(full[n], got[n]) for n in full)
+
+
+@pytest.mark.parametrize("where", ["submodule", "global"])
+@pytest.mark.parametrize("driver", ["fold", "cuts"])
+def test_no_forward_hook_sees_a_skipped_tail(where, driver):
+    """A forward hook that keeps what it sees (feature extraction, logging) runs in the rebuilds too,
+    as in ``torch.utils.checkpoint``'s recompute: while one is registered on a module the rebuild calls,
+    or globally, the kind is not stopped, so it never sees NaN and the gradients are the full rebuild's;
+    once removed, the kind stops again. A cut module's own hook runs around its call, not in its
+    rebuild, and does not keep it from stopping."""
+    torch.manual_seed(0)
+    if driver == "cuts":
+        model = Stack(4, 2).double()
+        layers = [cast(Tail, m) for m in model.layers]
+    else:
+        layers = [Tail(4, "residual").double() for _ in range(2)]
+        model = nn.Sequential(*layers)
+    x = torch.randn(4, 3 if driver == "cuts" else 4, dtype=torch.float64)
+
+    def run(**options):
+        if driver == "fold":
+            return grads(model, x, **options)
+        params = dict(model.named_parameters())
+        return [ef.grad(model, params, x, loss=lambda y: y.pow(2).mean(), split_at=["layers.*"], **options)]
+
+    seen: list = []
+
+    def keep(module, args, out):
+        if isinstance(out, torch.Tensor):
+            seen.append(out.detach())
+
+    full = run(early_stop=False)
+    with stopping() as skipped:
+        run()  # learns
+        hooks = [
+            layers[0].b.register_forward_hook(keep)
+            if where == "submodule"
+            else nn.modules.module.register_module_forward_hook(keep)
+        ]
+        if driver == "cuts":
+            hooks.append(layers[1].register_forward_hook(keep))  # the cut's own
+        try:
+            for _ in range(2):
+                assert_bitwise(full, run())
+        finally:
+            for h in hooks:
+                h.remove()
+        assert seen and not any(t.isnan().any() for t in seen)
+        stopped = 4 if where == "submodule" else 0  # the second layer's, two steps, addmm and add
+        assert len(skipped) == stopped
+        assert_bitwise(full, run())
+        assert len(skipped) == stopped + 4
