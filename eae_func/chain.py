@@ -416,11 +416,14 @@ def _base_name(s: Stage) -> str:
     return type(target).__name__ if isinstance(target, nn.Module) else getattr(target, "__name__", "stage")
 
 
-def _children(model: nn.Module | Sequence) -> list:
+def ordered_children(model: nn.Module | Sequence) -> list[tuple[str | None, Any]]:
+    """``(name, child)`` for every position of a sequence of stages, in the order its forward runs
+    them: an ``nn.Sequential`` / ``nn.ModuleList`` as it iterates (a module placed twice is at both
+    positions, where ``named_children()`` would list it once), a list's entries (name ``None``)."""
     if isinstance(model, (nn.Sequential, nn.ModuleList)):
-        return list(model.children())
+        return list(model._modules.items())  # what __iter__ runs, each position kept
     if isinstance(model, (list, tuple)):
-        return list(model)
+        return [(None, child) for child in model]
     if isinstance(model, nn.Module):
         raise TypeError(
             f"from_module: a {type(model).__name__} is not a sequence of stages; cut it at module paths "
@@ -472,9 +475,7 @@ def from_module(
             stages, names = capture.cut_model(model, example, split_at)
         named_children = list(zip(names, stages))
     else:
-        named_children = (
-            list(model.named_children()) if isinstance(model, nn.Sequential) else [(None, c) for c in _children(model)]
-        )
+        named_children = [(n if isinstance(model, nn.Sequential) else None, c) for n, c in ordered_children(model)]
         if isinstance(model, nn.Module):
             fsdp.lazy_init(model)  # the root's, before its FSDP children run one by one
     detached: dict[int, torch.Tensor] = {}
@@ -536,7 +537,7 @@ def _entries(model: nn.Module | Sequence, tree: Any, what: str):
             for name, value in stage.items():
                 yield f"stage {i}'s {name!r}", model, name, value
     else:
-        children = _children(model)
+        children = [child for _, child in ordered_children(model)]
         if len(children) != len(tree):
             raise ValueError(f"{what}: the model has {len(children)} stages but got {len(tree)} entries")
         for i, (child, stage) in enumerate(zip(children, tree)):

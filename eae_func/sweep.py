@@ -30,7 +30,7 @@ from .adjoint import Measurements
 from .cache import kept
 from .capture import canonical_names
 from .capture import layout as capture_layout
-from .chain import Chain, from_module, hooked_grads
+from .chain import Chain, from_module, hooked_grads, ordered_children
 from .options import Options, make
 from .passes import compose
 from .physical import Meter
@@ -251,7 +251,7 @@ def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Seque
 
         def made() -> tuple:
             chain, _ = from_module(model, loss)
-            prefixes = [n for n, _ in model.named_children()] if isinstance(model, nn.Module) else [None] * len(chain)
+            prefixes = [n for n, _ in ordered_children(model)] if isinstance(model, nn.Module) else [None] * len(chain)
             return (chain, *_names(model, chain, prefixes))
 
         if not isinstance(model, nn.Module) or fsdp.holds_shards(model):

@@ -535,3 +535,102 @@ def test_replicas_that_differ_are_named_and_the_same_ones_agree(widths, change, 
     assert differences and all(f"rank {ranks - 1}" in d for d in differences), differences
     stage = {"extra layer": len(widths) + 2, "tie": len(widths)}.get(change, pick % len(widths))
     assert any(f"stage {stage} " in d for d in differences), differences
+
+
+# ----------------------------------------------------------------------------- repeated children
+
+POOL = {  # a small pool of modules, float64; a pick that repeats puts one module at several positions
+    "lin": lambda: nn.Linear(3, 3),
+    "tanh": nn.Tanh,
+    "block": lambda: nn.Sequential(nn.Linear(3, 3), nn.Tanh()),
+    "norm": lambda: nn.LayerNorm(3),
+}
+
+
+def repeated(picks, container, seed):
+    """A container of ``picks`` (indices into a pool of up to 4 modules, each made once, so a repeated
+    index is one module at several positions) and a head, float64, and autograd's gradients of it."""
+    torch.manual_seed(seed)
+    kinds = sorted(POOL)
+    pool = [POOL[kinds[k % len(kinds)]]().double() for k in range(4)]
+    modules = [pool[k] for k in picks] + [nn.Linear(3, 2).double()]
+    model = (
+        nn.Sequential(*modules)
+        if container == "sequential"
+        else nn.ModuleList(modules)
+        if container == "modulelist"
+        else modules
+    )
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    h = x
+    for m in modules:  # as Sequential.forward runs them: every position
+        h = m(h)
+    own = list(dict.fromkeys(p for m in modules for p in m.parameters()))
+    reference = dict(zip(own, torch.autograd.grad(F.mse_loss(h, y), own)))
+    return model, modules, x, y, reference
+
+
+@given(
+    picks=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+    container=st.sampled_from(["sequential", "modulelist", "list"]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_module_repeated_in_a_container_is_one_stage_per_position(picks, container, seed):
+    """One stage per position, as the container's forward iterates; a repeated module's parameters are
+    tied across its stages: autograd's summed gradient on the chain path and the flat-dict path."""
+    model, modules, x, y, reference = repeated(picks, container, seed)
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    assert len(chain) == len(modules)
+    res = ef.sweep(chain, params, x, y)
+    for m, stage in zip(modules, res.grads):
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(stage[name], reference[p], rtol=0, atol=1e-12)
+    if container == "list":
+        return
+    flat = ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss)
+    assert set(flat) == {n for n, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(flat[name], reference[p], rtol=0, atol=1e-12)
+    ef.write_grads(model, res.grads)
+    for p, g in reference.items():
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=1e-12)
+
+
+def test_a_repeated_module_is_stepped_once_with_its_summed_gradient():
+    """``Sequential(shared, act, shared, act, head)``: five stages, and a fused SGD step (torch.optim or
+    a pure ``ef.fused``) and ``write_grads`` + ``optimizer.step()`` step ``shared`` once, by autograd's
+    summed gradient."""
+    model, modules, x, y, reference = repeated([0, 1, 0, 1], "sequential", 3)
+    shared = modules[0]
+    assert len(ef.from_module(model, loss=F.mse_loss)[0]) == 5 and sum(1 for _ in shared.parameters()) == 2
+    before = {p: p.detach().clone() for p in reference}
+    stepped = {p: before[p] - 0.5 * g for p, g in reference.items()}
+
+    def restore():
+        with torch.no_grad():
+            for p, b in before.items():
+                p.copy_(b)
+                p.grad = None
+
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    ef.sweep(chain, params, x, y, update=torch.optim.SGD(model.parameters(), lr=0.5))
+    for p in reference:
+        torch.testing.assert_close(p.detach(), stepped[p], rtol=0, atol=1e-12)
+    restore()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ef.write_grads(model, ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss))
+    optimizer.step()
+    for p in reference:
+        torch.testing.assert_close(p.detach(), stepped[p], rtol=0, atol=1e-12)
+    restore()
+    calls = []
+
+    def sgd(p, g, s):
+        calls.extend(id(p[n]) for n in g if g[n] is not None)
+        return {n: t - 0.5 * g[n] if g.get(n) is not None else t for n, t in p.items()}, s
+
+    res = ef.sweep(chain, params, x, y, update=ef.fused(sgd, (None,) * len(chain)))
+    assert len(calls) == len(set(calls)) == len(reference)  # every tensor stepped once
+    for m, stage in zip(modules, res.params):
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(stage[name], stepped[p], rtol=0, atol=1e-12)
