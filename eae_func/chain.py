@@ -451,7 +451,8 @@ def from_module(
     split_at: Sequence[str] | None = None,
     example: Any = None,
 ):
-    """``(chain, params)`` with one stage per child of ``model``, or, with ``split_at``, one per
+    """``(chain, params)`` with one stage per position of ``model`` (a child placed twice is two stages
+    whose parameters are tied), or, with ``split_at``, one per
     piece of ``model``'s own forward cut at those module paths (glob patterns, e.g.
     ``["transformer.h.*"]``) by graph capture on ``example`` (``eae_func.capture``).
 
@@ -559,6 +560,31 @@ def _target(owner: nn.Module, name: str, label: str, value: Any, what: str, kind
             f"the {kind} has {tuple(target.shape)}"
         )
     return target
+
+
+def trainable_names(model: nn.Module, params: Mapping[str, Any]) -> frozenset[str]:
+    """The names of ``params`` (a flat dict as ``dict(model.named_parameters())`` gives) to
+    differentiate: those whose module parameter has ``requires_grad=True``, read from the module,
+    never from the given tensor (a detached or computed value is differentiated, as
+    ``torch.func.grad`` differentiates what it is given). Refuses a name that is not a parameter of
+    ``model`` and a trainable parameter left out (a frozen one may be: the module's own is used)."""
+    own = dict(model.named_parameters())
+    unknown = sorted(set(params) - set(own))
+    missing = [n for n, p in own.items() if p.requires_grad and n not in params]
+    if unknown or missing:
+        kind = type(model).__name__
+        lacks = f"lacks the trainable parameters {_shown(missing)}" if missing else ""
+        extra = f"names {_shown(unknown)}, which are not parameters of {kind}" if unknown else ""
+        raise ValueError(
+            f"params: the flat dict {' and '.join(w for w in (lacks, extra) if w)} (expected the names of "
+            f"dict(model.named_parameters()): {_shown(list(own))}; a frozen parameter, requires_grad=False, "
+            f"may be left out)"
+        )
+    return frozenset(n for n, p in own.items() if p.requires_grad)
+
+
+def _shown(names: list[str]) -> str:
+    return f"{names[:8]}{f' and {len(names) - 8} more' if len(names) > 8 else ''}"
 
 
 def write_grads(model: nn.Module | Sequence, grads: Any, accumulate: bool = False) -> None:

@@ -3,6 +3,7 @@
 result. Nothing is silent, and a failing call leaves the caller's tensors as they were."""
 
 import re
+from collections import OrderedDict
 
 import numpy as np
 import optree
@@ -634,3 +635,106 @@ def test_a_repeated_module_is_stepped_once_with_its_summed_gradient():
     for m, stage in zip(modules, res.params):
         for name, p in m.named_parameters():
             torch.testing.assert_close(stage[name], stepped[p], rtol=0, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- given values
+
+
+def pair(seed):
+    """``b(tanh(a(x)))`` in float64, as an ``nn.Sequential`` with named children ``a``, ``act``, ``b``."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(OrderedDict(a=nn.Linear(3, 4), act=nn.Tanh(), b=nn.Linear(4, 2))).double()
+    return model, torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+
+
+def grads_by_path(path, model, given, x, y):
+    """``ef.grad`` of ``model`` at the flat dict ``given`` on one path, as a flat dict of the model's names."""
+    if path == "chain":  # one dict per stage: the frozen ones it lacks are the module's own
+        full = {**{n: p.detach() for n, p in model.named_parameters()}, **given}
+        chain, _ = ef.from_module(model, loss=F.mse_loss)
+        per_stage = tuple({n: full[f"{c}.{n}"] for n, _ in m.named_parameters()} for c, m in model.named_children())
+        grads = ef.grad(chain, per_stage, x, y)
+        named = {f"{c}.{n}": g for c, stage in zip(["a", "act", "b"], grads) for n, g in stage.items()}
+        return {n: g for n, g in named.items() if n in given}
+    options = {
+        "flat": {},
+        "cuts": {"split_at": ["a", "b"]},
+        "graph": {"split_at": ["a", "b"], "capture": "graph"},
+    }[path]
+    return ef.grad(model, given, x, y, loss=F.mse_loss, **options)
+
+
+PATHS = ["chain", "flat", "cuts", "graph"]
+
+
+@given(
+    seed=st.integers(0, 2**16),
+    path=st.sampled_from(PATHS),
+    scale=st.floats(0.5, 2.0),
+    how=st.sampled_from(["detached", "requires grad", "computed from the module's"]),
+    frozen=st.sets(st.sampled_from(["a.weight", "a.bias", "b.weight", "b.bias"]), max_size=3),
+    leave_out=st.booleans(),
+)
+def test_given_values_are_differentiated_and_the_modules_flags_say_what_is_frozen(
+    seed, path, scale, how, frozen, leave_out
+):
+    """Parameters given as other tensors (detached copies, scaled, requiring grad or not) are
+    differentiated, as ``torch.func.grad`` differentiates what it is given; a parameter is frozen (its
+    gradient ``None``) where the module's own has ``requires_grad=False``, whatever the given tensor's
+    flag, and a frozen one may be left out (the module's own is used), on every path."""
+    model, x, y = pair(seed)
+    for n in frozen:
+        model.get_parameter(n).requires_grad_(False)
+    values = {
+        "detached": lambda p: p.detach() * scale,
+        "requires grad": lambda p: (p.detach() * scale).requires_grad_(),
+        "computed from the module's": lambda p: p * scale,  # in the caller's graph
+    }[how]
+    given = {n: values(p) for n, p in model.named_parameters() if not (leave_out and n in frozen)}
+    full = {**{n: p.detach() for n, p in model.named_parameters()}, **{n: t.detach() for n, t in given.items()}}
+    reference = torch.func.grad(lambda p: F.mse_loss(torch.func.functional_call(model, p, (x,)), y))(full)
+    grads = grads_by_path(path, model, given, x, y)
+    assert set(grads) == set(given)
+    for n in given:
+        if n in frozen:
+            assert grads[n] is None, n
+        else:
+            torch.testing.assert_close(grads[n], reference[n], rtol=0, atol=1e-12)
+
+
+@given(seed=st.integers(0, 2**16), scale=st.floats(0.5, 2.0), requires_grad=st.booleans())
+def test_a_functions_leaves_are_all_differentiated(seed, scale, requires_grad):
+    """A function ``model_fn(params, x)`` cut with ``ef.cut``: every leaf of its params is differentiated,
+    whether it requires grad or not, as ``torch.func.grad`` does."""
+    model, x, y = pair(seed)
+    given = {n: (p.detach() * scale).requires_grad_(requires_grad) for n, p in model.named_parameters()}
+
+    def model_fn(p, h):
+        h = ef.cut(torch.tanh(F.linear(h, p["a.weight"], p["a.bias"])), "a")
+        return F.linear(h, p["b.weight"], p["b.bias"])
+
+    reference = torch.func.grad(lambda p: F.mse_loss(model_fn(p, x), y))({n: t.detach() for n, t in given.items()})
+    grads = ef.grad(model_fn, given, x, y, loss=F.mse_loss)
+    for n in given:
+        torch.testing.assert_close(grads[n], reference[n], rtol=0, atol=1e-12)
+
+
+@given(
+    seed=st.integers(0, 2**16),
+    path=st.sampled_from(["flat", "cuts", "graph"]),
+    drop=st.sets(st.sampled_from(["a.weight", "a.bias", "b.weight", "b.bias"]), min_size=1),
+    extra=st.booleans(),
+)
+def test_a_flat_dict_that_lacks_a_trainable_parameter_is_refused_naming_it(seed, path, drop, extra):
+    """A flat dict that leaves out a trainable parameter (or names one the model lacks) is refused on
+    every path, naming the key and the names expected, never a gradient for the rest."""
+    model, x, y = pair(seed)
+    given = {n: p for n, p in model.named_parameters() if n not in drop}
+    if extra:
+        given["a.wieght"] = torch.zeros(4, 3, dtype=torch.float64)
+    with pytest.raises(ValueError) as info:
+        grads_by_path(path, model, given, x, y)
+    message = str(info.value)
+    assert f"lacks the trainable parameters {sorted(drop, key=list(dict(model.named_parameters())).index)}" in message
+    assert "['a.weight', 'a.bias', 'b.weight', 'b.bias']" in message
+    assert ("'a.wieght'" in message) == extra
