@@ -320,7 +320,20 @@ def _on_model(
         value, grads, trace, updated, state, stats = cuts.sweep_model(
             model, params, x, loss_args, loss, split_at, pass_state, buffers, opts
         )
+        opts.passes.check_stages(dict.fromkeys(a.stage for a in trace))  # the cuts' names, known once they ran
         return SweepResult(value, grads, trace, updated, state, stats, params)
+    if not isinstance(params, Mapping) and not (
+        isinstance(params, (tuple, list)) and all(p is None or isinstance(p, Mapping) for p in params)
+    ):
+        got = (
+            f"a {type(params).__name__} of {len(params)} tensors"
+            if isinstance(params, (tuple, list)) and all(isinstance(p, torch.Tensor) for p in params)
+            else f"a {type(params).__name__}"
+        )
+        raise TypeError(
+            f"params: a model ({type(model).__name__}) takes a flat {{name: tensor}} dict, "
+            f"dict(model.named_parameters()), or one dict per stage as ef.from_module(model) gives; got {got}"
+        )
     example = x if split_at is None else _piece_of(x, opts, "a model cut with split_at")
     chain, qualified = chain_of(model, loss, split_at, example)
     flat = isinstance(params, Mapping)

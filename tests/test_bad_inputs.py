@@ -738,3 +738,58 @@ def test_a_flat_dict_that_lacks_a_trainable_parameter_is_refused_naming_it(seed,
     assert f"lacks the trainable parameters {sorted(drop, key=list(dict(model.named_parameters())).index)}" in message
     assert "['a.weight', 'a.bias', 'b.weight', 'b.bias']" in message
     assert ("'a.wieght'" in message) == extra
+
+
+# ----------------------------------------------------------------------------- passes restricted to stages
+
+
+@given(
+    seed=st.integers(0, 2**16),
+    path=st.sampled_from(["chain", "flat", "cuts", "function"]),
+    stage=st.sampled_from(["Linear_*", "a*", "lin", "b#2", None]),
+    wrap=st.sampled_from(["alone", "composed", "error feedback"]),
+)
+def test_a_stage_name_only_never_meets_is_refused_naming_it(seed, path, stage, wrap):
+    """``P.only(p, stages=name)`` with a name that is none of the sweep's stages (a pattern, a misspelt
+    name, a second call that never happens) is refused, naming it and the stage names; with a real
+    stage name it applies there alone (``scale(0)`` zeroes what flows below that stage)."""
+    model, x, y = pair(seed)
+    restricted = P.only(P.scale(0.0), stages="b" if stage is None else stage)  # b: the last stage on every path
+    passes = {
+        "alone": restricted,
+        "composed": ef.compose(P.clip_by_value(1e6), restricted),
+        "error feedback": P.error_feedback(restricted),
+    }[wrap]
+
+    def model_fn(p, h):
+        h = ef.cut(torch.tanh(F.linear(h, p["a.weight"], p["a.bias"])), "a")
+        return ef.cut(F.linear(h, p["b.weight"], p["b.bias"]), "b")
+
+    def run():
+        if path == "chain":
+            chain, params = ef.from_module(model, loss=F.mse_loss)
+            res = ef.sweep(chain, params, x, y, passes=passes, pass_state=None)
+            return {f"{c}.{n}": g for c, s in zip(["a", "act", "b"], res.grads) for n, g in s.items()}
+        given = dict(model.named_parameters())
+        if path == "function":
+            return ef.sweep(model_fn, given, x, y, loss=F.mse_loss, passes=passes).grads
+        split_at = {"flat": None, "cuts": ["a", "b"]}[path]
+        return ef.sweep(model, given, x, y, loss=F.mse_loss, split_at=split_at, passes=passes).grads
+
+    if stage is not None:
+        with pytest.raises(
+            ValueError, match=rf"only: no stage is named \[{re.escape(repr(stage))}\].* stage names are"
+        ):
+            run()
+        return
+    grads = run()
+    assert all(not g.any() for g in grads.values())  # the costate at b's output zeroed: nothing flows
+
+
+@given(cut=st.booleans(), kind=st.sampled_from(["list", "tuple", "generator"]))
+def test_a_list_of_parameters_given_to_a_model_says_what_a_model_takes(cut, kind):
+    model, x, y = pair(0)
+    options = {"split_at": ["a", "b"]} if cut else {}
+    params = {"list": list, "tuple": tuple, "generator": iter}[kind](model.parameters())
+    with pytest.raises(TypeError, match=r"params: a model \(Sequential\) takes a flat \{name: tensor\} dict, dict\("):
+        ef.grad(model, params, x, y, loss=F.mse_loss, **options)
