@@ -1,9 +1,9 @@
 """Stages and chains: a network as a list of pure functions ``fn(params_l, h) -> h'``.
 
-``from_module`` turns each child of an ``nn.Sequential`` / ``nn.ModuleList`` (or
-each module of a list) into one stage, run on the given parameters as
-``torch.func.functional_call`` runs it; ``stage`` wraps a plain function. A ``Chain`` is the stages plus the loss
-``loss(x_L, *loss_args) -> scalar``.
+``from_module`` turns each child of an ``nn.Sequential`` / ``nn.ModuleList`` at each position (a module
+placed twice is two stages with tied parameters), or each module of a list, into one stage, run on the
+given parameters as ``torch.func.functional_call`` runs it; ``stage`` wraps a plain function. A ``Chain``
+is the stages plus the loss ``loss(x_L, *loss_args) -> scalar``.
 """
 
 from __future__ import annotations

@@ -87,8 +87,9 @@ def sweep(
     """Loss, parameter gradients and the costate trace of ``chain`` at ``params`` on ``x``.
 
     chain:          a ``Chain``, or a model (``nn.Module``) with ``loss=``: an ``nn.Sequential`` /
-                    ``nn.ModuleList`` runs one stage per child, any other model is cut at run time
-                    at the module paths ``split_at``, each call of a matched module one stage
+                    ``nn.ModuleList`` runs one stage per child at each position (a module placed
+                    twice is two stages, tied), any other model is cut at run time at the module
+                    paths ``split_at``, each call of a matched module one stage
                     (``capture=``);
                     or a function ``model_fn(params, x)`` with ``loss=`` (``model_fn(params, x,
                     *loss_args)`` returning the loss without it), cut at its ``ef.cut`` marks
@@ -238,8 +239,9 @@ _CAPTURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Sequence[str] | None, x: Any) -> tuple:
     """``(chain, qualified)`` for a model: ``qualified[i]`` maps stage i's parameter and buffer names
-    to the model's own (canonical: a tied tensor has one name). A module's chain (one stage per child, or captured: per cut and
-    input layout) and its names are kept per model with a ``capture.Watch`` of it (its fingerprint:
+    to the model's own (canonical: a tied tensor has one name). A module's chain (one stage per
+    position, or captured: per cut and input layout) and its names are kept per model with a
+    ``capture.Watch`` of it (its fingerprint:
     modules, tensors, hooks, modes and plain attributes at any depth): a training loop builds them
     once, and a model changed since (a module replaced, a flag toggled, ``.double()``, a hook added)
     is built again. A list of stages, and a model with FSDP modules (the build runs FSDP's lazy
