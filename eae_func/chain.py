@@ -1,9 +1,9 @@
 """Stages and chains: a network as a list of pure functions ``fn(params_l, h) -> h'``.
 
-``from_module`` turns each child of an ``nn.Sequential`` / ``nn.ModuleList`` (or
-each module of a list) into one stage, run on the given parameters as
-``torch.func.functional_call`` runs it; ``stage`` wraps a plain function. A ``Chain`` is the stages plus the loss
-``loss(x_L, *loss_args) -> scalar``.
+``from_module`` turns each child of an ``nn.Sequential`` / ``nn.ModuleList`` at each position (a module
+placed twice is two stages with tied parameters), or each module of a list, into one stage, run on the
+given parameters as ``torch.func.functional_call`` runs it; ``stage`` wraps a plain function. A ``Chain``
+is the stages plus the loss ``loss(x_L, *loss_args) -> scalar``.
 """
 
 from __future__ import annotations
@@ -453,11 +453,14 @@ def _base_name(s: Stage) -> str:
     return type(target).__name__ if isinstance(target, nn.Module) else getattr(target, "__name__", "stage")
 
 
-def _children(model: nn.Module | Sequence) -> list:
+def ordered_children(model: nn.Module | Sequence) -> list[tuple[str | None, Any]]:
+    """``(name, child)`` for every position of a sequence of stages, in the order its forward runs
+    them: an ``nn.Sequential`` / ``nn.ModuleList`` as it iterates (a module placed twice is at both
+    positions, where ``named_children()`` would list it once), a list's entries (name ``None``)."""
     if isinstance(model, (nn.Sequential, nn.ModuleList)):
-        return list(model.children())
+        return list(model._modules.items())  # what __iter__ runs, each position kept
     if isinstance(model, (list, tuple)):
-        return list(model)
+        return [(None, child) for child in model]
     if isinstance(model, nn.Module):
         raise TypeError(
             f"from_module: a {type(model).__name__} is not a sequence of stages; cut it at module paths "
@@ -485,7 +488,8 @@ def from_module(
     split_at: Sequence[str] | None = None,
     example: Any = None,
 ):
-    """``(chain, params)`` with one stage per child of ``model``, or, with ``split_at``, one per
+    """``(chain, params)`` with one stage per position of ``model`` (a child placed twice is two stages
+    whose parameters are tied), or, with ``split_at``, one per
     piece of ``model``'s own forward cut at those module paths (glob patterns, e.g.
     ``["transformer.h.*"]``) by graph capture on ``example`` (``eae_func.capture``).
 
@@ -510,9 +514,7 @@ def from_module(
         named_children = list(zip(names, stages))
         shown = {l: Shown(*call) for l, call in calls.items()}
     else:
-        named_children = (
-            list(model.named_children()) if isinstance(model, nn.Sequential) else [(None, c) for c in _children(model)]
-        )
+        named_children = [(n if isinstance(model, nn.Sequential) else None, c) for n, c in ordered_children(model)]
         shown = None
         if isinstance(model, nn.Module):
             fsdp.lazy_init(model)  # the root's, before its FSDP children run one by one
@@ -576,7 +578,7 @@ def _entries(model: nn.Module | Sequence, tree: Any, what: str):
             for name, value in stage.items():
                 yield f"stage {i}'s {name!r}", model, name, value
     else:
-        children = _children(model)
+        children = [child for _, child in ordered_children(model)]
         if len(children) != len(tree):
             raise ValueError(f"{what}: the model has {len(children)} stages but got {len(tree)} entries")
         for i, (child, stage) in enumerate(zip(children, tree)):
@@ -598,6 +600,31 @@ def _target(owner: nn.Module, name: str, label: str, value: Any, what: str, kind
             f"the {kind} has {tuple(target.shape)}"
         )
     return target
+
+
+def trainable_names(model: nn.Module, params: Mapping[str, Any]) -> frozenset[str]:
+    """The names of ``params`` (a flat dict as ``dict(model.named_parameters())`` gives) to
+    differentiate: those whose module parameter has ``requires_grad=True``, read from the module,
+    never from the given tensor (a detached or computed value is differentiated, as
+    ``torch.func.grad`` differentiates what it is given). Refuses a name that is not a parameter of
+    ``model`` and a trainable parameter left out (a frozen one may be: the module's own is used)."""
+    own = dict(model.named_parameters())
+    unknown = sorted(set(params) - set(own))
+    missing = [n for n, p in own.items() if p.requires_grad and n not in params]
+    if unknown or missing:
+        kind = type(model).__name__
+        lacks = f"lacks the trainable parameters {_shown(missing)}" if missing else ""
+        extra = f"names {_shown(unknown)}, which are not parameters of {kind}" if unknown else ""
+        raise ValueError(
+            f"params: the flat dict {' and '.join(w for w in (lacks, extra) if w)} (expected the names of "
+            f"dict(model.named_parameters()): {_shown(list(own))}; a frozen parameter, requires_grad=False, "
+            f"may be left out)"
+        )
+    return frozenset(n for n, p in own.items() if p.requires_grad)
+
+
+def _shown(names: list[str]) -> str:
+    return f"{names[:8]}{f' and {len(names) - 8} more' if len(names) > 8 else ''}"
 
 
 def write_grads(model: nn.Module | Sequence, grads: Any, accumulate: bool = False) -> None:

@@ -40,7 +40,7 @@ from . import microbatch as M
 from . import vjp as V
 from .adjoint import AdjointState, Measurements, fold_in
 from .capture import as_call, canonical_names, matches
-from .chain import Slots, module_lock, through_hooks
+from .chain import Slots, module_lock, through_hooks, trainable_names
 from .options import Options
 from .passes import Context
 
@@ -519,25 +519,21 @@ def sweep_model(
 ) -> tuple:
     """``(loss, grads, trace, buffers, pass_state, stats)`` of ``model`` cut at run time at ``split_at``,
     at ``params``, a flat ``{qualified name: tensor}`` dict as ``dict(model.named_parameters())`` gives
-    (a parameter it lacks is used as the module holds it, and not differentiated); ``grads`` has the
+    (a frozen parameter it lacks is used as the module holds it; a trainable one is differentiated
+    whatever the given tensor's ``requires_grad``: ``chain.trainable_names``); ``grads`` has the
     names of ``params`` and ``buffers`` every buffer's, updated (BatchNorm's running statistics), the
     module's own never written. With ``data_parallel=`` the replicas agree on the model before its
     forward and ``grads`` are their average (``data_parallel.average_model_grads``)."""
     own_params = list(model.named_parameters(remove_duplicate=False))
     own_buffers = list(model.named_buffers(remove_duplicate=False))
     first = canonical_names([*own_params, *own_buffers])  # a tied tensor's names -> its first name
-    unknown = sorted(set(params) - {first[n] for n, _ in own_params})
-    if unknown:
-        raise ValueError(
-            f"params: {unknown[:5]} are not parameters of {type(model).__name__} "
-            f"(expected the names of dict(model.named_parameters()))"
-        )
+    trainable = trainable_names(model, params)  # the module's flags, not the given tensors'
     kept = {n: b for n, b in own_buffers if first[n] == n}
     wrong = sorted(set(buffers or {}) - set(kept))
     if wrong:
         raise ValueError(f"buffers: {wrong[:5]} are not buffers of {type(model).__name__} (named_buffers' names)")
     replicas = replicas_of(opts.data_parallel, params)
-    leaves = {n: p.detach().requires_grad_(p.requires_grad) for n, p in params.items()}
+    leaves = {n: p.detach().requires_grad_(n in trainable and B.is_differentiable(p)) for n, p in params.items()}
     fresh = {n: b.detach().clone() for n, b in {**kept, **(buffers or {})}.items()}
     given = {**leaves, **fresh}
     run = Sweep(model, split_at, opts, opts.passes.init() if pass_state is None else pass_state, F.device_of(leaves, x))

@@ -161,7 +161,8 @@ class Options:
 
     def bind(self, chain: Chain) -> Options:
         """These options for ``chain``: ``physical`` as sorted stage indices (``None``: the stages
-        marked physical), checked against the estimator (and by its ``check(chain, physical)``, if it has one)."""
+        marked physical), checked against the estimator (and by its ``check(chain, physical)``, if it has
+        one); the stage names the passes apply at (``P.only``) checked against the chain's."""
         given = [i for i, s in enumerate(chain.stages) if s.physical] if self.physical is None else self.physical
         physical = tuple(sorted({chain.index(p) for p in given}))
         digital_boxes = [
@@ -189,6 +190,7 @@ class Options:
                 )
         if physical and callable(getattr(self.estimator, "check", None)):
             self.estimator.check(chain, physical)
+        self.passes.check_stages((*chain.names, "input"))  # the records' stage names, boundaries L..1 and 0
         return self if physical == self.physical else dataclasses.replace(self, physical=physical)
 
 

@@ -28,7 +28,7 @@ from .adjoint import Measurements
 from .cache import kept
 from .capture import canonical_names
 from .capture import layout as capture_layout
-from .chain import Chain, from_module, hooked_grads
+from .chain import Chain, from_module, hooked_grads, ordered_children, trainable_names
 from .options import Options, make
 from .passes import compose
 from .physical import Meter
@@ -85,8 +85,9 @@ def sweep(
     """Loss, parameter gradients and the costate trace of ``chain`` at ``params`` on ``x``.
 
     chain:          a ``Chain``, or a model (``nn.Module``) with ``loss=``: an ``nn.Sequential`` /
-                    ``nn.ModuleList`` runs one stage per child, any other model is cut at run time
-                    at the module paths ``split_at``, each call of a matched module one stage
+                    ``nn.ModuleList`` runs one stage per child at each position (a module placed
+                    twice is two stages, tied), any other model is cut at run time at the module
+                    paths ``split_at``, each call of a matched module one stage
                     (``capture=``);
                     or a function ``model_fn(params, x)`` with ``loss=`` (``model_fn(params, x,
                     *loss_args)`` returning the loss without it), cut at its ``ef.cut`` marks
@@ -232,10 +233,10 @@ _CAPTURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Sequence[str] | None, x: Any) -> tuple:
-    """``(chain, qualified, parameters)`` for a model: ``qualified[i]`` maps stage i's parameter and
-    buffer names to the model's own (canonical: a tied tensor has one name), ``parameters`` is the set
-    of the model's parameter names. A module's chain (one stage per child, or captured: per cut and
-    input layout) and its names are kept per model with a ``capture.Watch`` of it (its fingerprint:
+    """``(chain, qualified)`` for a model: ``qualified[i]`` maps stage i's parameter and buffer names
+    to the model's own (canonical: a tied tensor has one name). A module's chain (one stage per
+    position, or captured: per cut and input layout) and its names are kept per model with a
+    ``capture.Watch`` of it (its fingerprint:
     modules, tensors, hooks, modes and plain attributes at any depth): a training loop builds them
     once, and a model changed since (a module replaced, a flag toggled, ``.double()``, a hook added)
     is built again. A list of stages, and a model with FSDP modules (the build runs FSDP's lazy
@@ -246,8 +247,8 @@ def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Seque
 
         def made() -> tuple:
             chain, _ = from_module(model, loss)
-            prefixes = [n for n, _ in model.named_children()] if isinstance(model, nn.Module) else [None] * len(chain)
-            return (chain, *_names(model, chain, prefixes))
+            prefixes = [n for n, _ in ordered_children(model)] if isinstance(model, nn.Module) else [None] * len(chain)
+            return chain, _names(model, chain, prefixes)
 
         if not isinstance(model, nn.Module) or fsdp.holds_shards(model):
             return made()
@@ -259,20 +260,20 @@ def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Seque
 
         def made() -> tuple:
             chain = from_module(model, loss, split_at=split_at, example=x)[0]
-            return (chain, *_names(model, chain, [None] * len(chain)))
+            return chain, _names(model, chain, [None] * len(chain))
 
     with capture.LOCK:  # a second thread capturing the same model waits and finds this capture
         cache = _CAPTURED.setdefault(model, {})
         hit = cache.get(key)
         watch = hit[0].current() if hit is not None else capture.Watch(model)
-        chain, qualified, parameters = kept(cache, key, watch, made)
-    return chain.ending_in(loss), qualified, parameters
+        chain, qualified = kept(cache, key, watch, made)
+    return chain.ending_in(loss), qualified
 
 
-def _names(model: nn.Module | Sequence, chain: Chain, prefixes: list) -> tuple[list[dict], frozenset]:
-    """``chain_of``'s ``qualified`` and ``parameters``: stage i's names under ``prefixes[i]`` in the model."""
+def _names(model: nn.Module | Sequence, chain: Chain, prefixes: list) -> list[dict]:
+    """``chain_of``'s ``qualified``: stage i's names under ``prefixes[i]`` in the model."""
     if not isinstance(model, nn.Module):
-        return [{} for _ in chain.stages], frozenset()
+        return [{} for _ in chain.stages]
     names = {
         **canonical_names(model.named_parameters(remove_duplicate=False)),
         **canonical_names(model.named_buffers(remove_duplicate=False)),
@@ -285,7 +286,7 @@ def _names(model: nn.Module | Sequence, chain: Chain, prefixes: list) -> tuple[l
             else []
         )
         qualified.append({n: names.get(n if prefix is None else f"{prefix}.{n}") for n in own})
-    return qualified, frozenset(name for name, _ in model.named_parameters())
+    return qualified
 
 
 def _on_model(
@@ -310,13 +311,26 @@ def _on_model(
         value, grads, trace, updated, state, stats = cuts.sweep_model(
             model, params, x, loss_args, loss, split_at, pass_state, buffers, opts
         )
+        opts.passes.check_stages(dict.fromkeys(a.stage for a in trace))  # the cuts' names, known once they ran
         return SweepResult(value, grads, trace, updated, state, stats, params)
+    if not isinstance(params, Mapping) and not (
+        isinstance(params, (tuple, list)) and all(p is None or isinstance(p, Mapping) for p in params)
+    ):
+        got = (
+            f"a {type(params).__name__} of {len(params)} tensors"
+            if isinstance(params, (tuple, list)) and all(isinstance(p, torch.Tensor) for p in params)
+            else f"a {type(params).__name__}"
+        )
+        raise TypeError(
+            f"params: a model ({type(model).__name__}) takes a flat {{name: tensor}} dict, "
+            f"dict(model.named_parameters()), or one dict per stage as ef.from_module(model) gives; got {got}"
+        )
     if split_at is not None and opts.data_parallel is not None and isinstance(params, Mapping):
         # the replicas agree on the model before each captures it: one whose model differs (and whose
         # capture may fail on it) names the difference, as every other replica does
         cuts.replicas_of(opts.data_parallel, params)
     example = x if split_at is None else _piece_of(x, opts, "a model cut with split_at")
-    chain, qualified, parameters = chain_of(model, loss, split_at, example)
+    chain, qualified = chain_of(model, loss, split_at, example)
     flat = isinstance(params, Mapping)
     if flat:
         if not isinstance(model, nn.Module):
@@ -324,13 +338,9 @@ def _on_model(
                 f"params: a flat {{name: tensor}} dict names a model's own parameters; give the model "
                 f"(an nn.Module), got a {type(model).__name__}"
             )
-        missing = sorted({q for names in qualified for q in names.values() if q in parameters and q not in params})
-        if missing:
-            raise ValueError(
-                f"params: the flat dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''} "
-                f"(expected the names of dict(model.named_parameters()))"
-            )
-        given, params = params, tuple({n: params[q] for n, q in names.items() if q in params} for names in qualified)
+        trainable_names(model, params)  # refuses a name that is not a parameter, and a trainable one left out
+        full = {**{q: p.detach() for q, p in model.named_parameters() if q not in params}, **params}  # frozen
+        given, params = params, tuple({n: full[q] for n, q in names.items() if q in full} for names in qualified)
     res = run(chain, params, x, loss_args, None, None, pass_state, buffers, opts)
     if not flat:
         return res

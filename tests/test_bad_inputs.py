@@ -3,6 +3,7 @@
 result. Nothing is silent, and a failing call leaves the caller's tensors as they were."""
 
 import re
+from collections import OrderedDict
 from unittest import mock
 
 import numpy as np
@@ -697,3 +698,260 @@ def test_an_in_place_relu_cut_gives_autograds_gradients():
     grads = ef.grad(model, dict(model.named_parameters()), x, loss=lambda y: y.pow(2).mean(), split_at=["1"])
     for (name, _), r in zip(model.named_parameters(), reference):
         torch.testing.assert_close(grads[name], r, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- repeated children
+
+POOL = {  # a small pool of modules, float64; a pick that repeats puts one module at several positions
+    "lin": lambda: nn.Linear(3, 3),
+    "tanh": nn.Tanh,
+    "block": lambda: nn.Sequential(nn.Linear(3, 3), nn.Tanh()),
+    "norm": lambda: nn.LayerNorm(3),
+}
+
+
+def repeated(picks, container, seed):
+    """A container of ``picks`` (indices into a pool of up to 4 modules, each made once, so a repeated
+    index is one module at several positions) and a head, float64, and autograd's gradients of it."""
+    torch.manual_seed(seed)
+    kinds = sorted(POOL)
+    pool = [POOL[kinds[k % len(kinds)]]().double() for k in range(4)]
+    modules = [pool[k] for k in picks] + [nn.Linear(3, 2).double()]
+    model = (
+        nn.Sequential(*modules)
+        if container == "sequential"
+        else nn.ModuleList(modules)
+        if container == "modulelist"
+        else modules
+    )
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    h = x
+    for m in modules:  # as Sequential.forward runs them: every position
+        h = m(h)
+    own = list(dict.fromkeys(p for m in modules for p in m.parameters()))
+    reference = dict(zip(own, torch.autograd.grad(F.mse_loss(h, y), own)))
+    return model, modules, x, y, reference
+
+
+@given(
+    picks=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+    container=st.sampled_from(["sequential", "modulelist", "list"]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_module_repeated_in_a_container_is_one_stage_per_position(picks, container, seed):
+    """One stage per position, as the container's forward iterates; a repeated module's parameters are
+    tied across its stages: autograd's summed gradient on the chain path and the flat-dict path."""
+    model, modules, x, y, reference = repeated(picks, container, seed)
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    assert len(chain) == len(modules)
+    res = ef.sweep(chain, params, x, y)
+    for m, stage in zip(modules, res.grads):
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(stage[name], reference[p], rtol=0, atol=1e-12)
+    if container == "list":
+        return
+    flat = ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss)
+    assert set(flat) == {n for n, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(flat[name], reference[p], rtol=0, atol=1e-12)
+    ef.write_grads(model, res.grads)
+    for p, g in reference.items():
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=1e-12)
+
+
+def test_a_repeated_module_is_stepped_once_with_its_summed_gradient():
+    """``Sequential(shared, act, shared, act, head)``: five stages, and a fused SGD step (torch.optim or
+    a pure ``ef.fused``) and ``write_grads`` + ``optimizer.step()`` step ``shared`` once, by autograd's
+    summed gradient."""
+    model, modules, x, y, reference = repeated([0, 1, 0, 1], "sequential", 3)
+    shared = modules[0]
+    assert len(ef.from_module(model, loss=F.mse_loss)[0]) == 5 and sum(1 for _ in shared.parameters()) == 2
+    before = {p: p.detach().clone() for p in reference}
+    stepped = {p: before[p] - 0.5 * g for p, g in reference.items()}
+
+    def restore():
+        with torch.no_grad():
+            for p, b in before.items():
+                p.copy_(b)
+                p.grad = None
+
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    ef.sweep(chain, params, x, y, update=torch.optim.SGD(model.parameters(), lr=0.5))
+    for p in reference:
+        torch.testing.assert_close(p.detach(), stepped[p], rtol=0, atol=1e-12)
+    restore()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ef.write_grads(model, ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss))
+    optimizer.step()
+    for p in reference:
+        torch.testing.assert_close(p.detach(), stepped[p], rtol=0, atol=1e-12)
+    restore()
+    calls = []
+
+    def sgd(p, g, s):
+        calls.extend(id(p[n]) for n in g if g[n] is not None)
+        return {n: t - 0.5 * g[n] if g.get(n) is not None else t for n, t in p.items()}, s
+
+    res = ef.sweep(chain, params, x, y, update=ef.fused(sgd, (None,) * len(chain)))
+    assert len(calls) == len(set(calls)) == len(reference)  # every tensor stepped once
+    for m, stage in zip(modules, res.params):
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(stage[name], stepped[p], rtol=0, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- given values
+
+
+def pair(seed):
+    """``b(tanh(a(x)))`` in float64, as an ``nn.Sequential`` with named children ``a``, ``act``, ``b``."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(OrderedDict(a=nn.Linear(3, 4), act=nn.Tanh(), b=nn.Linear(4, 2))).double()
+    return model, torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+
+
+def grads_by_path(path, model, given, x, y):
+    """``ef.grad`` of ``model`` at the flat dict ``given`` on one path, as a flat dict of the model's names."""
+    if path == "chain":  # one dict per stage: the frozen ones it lacks are the module's own
+        full = {**{n: p.detach() for n, p in model.named_parameters()}, **given}
+        chain, _ = ef.from_module(model, loss=F.mse_loss)
+        per_stage = tuple({n: full[f"{c}.{n}"] for n, _ in m.named_parameters()} for c, m in model.named_children())
+        grads = ef.grad(chain, per_stage, x, y)
+        named = {f"{c}.{n}": g for c, stage in zip(["a", "act", "b"], grads) for n, g in stage.items()}
+        return {n: g for n, g in named.items() if n in given}
+    options = {
+        "flat": {},
+        "cuts": {"split_at": ["a", "b"]},
+        "graph": {"split_at": ["a", "b"], "capture": "graph"},
+    }[path]
+    return ef.grad(model, given, x, y, loss=F.mse_loss, **options)
+
+
+PATHS = ["chain", "flat", "cuts", "graph"]
+
+
+@given(
+    seed=st.integers(0, 2**16),
+    path=st.sampled_from(PATHS),
+    scale=st.floats(0.5, 2.0),
+    how=st.sampled_from(["detached", "requires grad", "computed from the module's"]),
+    frozen=st.sets(st.sampled_from(["a.weight", "a.bias", "b.weight", "b.bias"]), max_size=3),
+    leave_out=st.booleans(),
+)
+def test_given_values_are_differentiated_and_the_modules_flags_say_what_is_frozen(
+    seed, path, scale, how, frozen, leave_out
+):
+    """Parameters given as other tensors (detached copies, scaled, requiring grad or not) are
+    differentiated, as ``torch.func.grad`` differentiates what it is given; a parameter is frozen (its
+    gradient ``None``) where the module's own has ``requires_grad=False``, whatever the given tensor's
+    flag, and a frozen one may be left out (the module's own is used), on every path."""
+    model, x, y = pair(seed)
+    for n in frozen:
+        model.get_parameter(n).requires_grad_(False)
+    values = {
+        "detached": lambda p: p.detach() * scale,
+        "requires grad": lambda p: (p.detach() * scale).requires_grad_(),
+        "computed from the module's": lambda p: p * scale,  # in the caller's graph
+    }[how]
+    given = {n: values(p) for n, p in model.named_parameters() if not (leave_out and n in frozen)}
+    full = {**{n: p.detach() for n, p in model.named_parameters()}, **{n: t.detach() for n, t in given.items()}}
+    reference = torch.func.grad(lambda p: F.mse_loss(torch.func.functional_call(model, p, (x,)), y))(full)
+    grads = grads_by_path(path, model, given, x, y)
+    assert set(grads) == set(given)
+    for n in given:
+        if n in frozen:
+            assert grads[n] is None, n
+        else:
+            torch.testing.assert_close(grads[n], reference[n], rtol=0, atol=1e-12)
+
+
+@given(seed=st.integers(0, 2**16), scale=st.floats(0.5, 2.0), requires_grad=st.booleans())
+def test_a_functions_leaves_are_all_differentiated(seed, scale, requires_grad):
+    """A function ``model_fn(params, x)`` cut with ``ef.cut``: every leaf of its params is differentiated,
+    whether it requires grad or not, as ``torch.func.grad`` does."""
+    model, x, y = pair(seed)
+    given = {n: (p.detach() * scale).requires_grad_(requires_grad) for n, p in model.named_parameters()}
+
+    def model_fn(p, h):
+        h = ef.cut(torch.tanh(F.linear(h, p["a.weight"], p["a.bias"])), "a")
+        return F.linear(h, p["b.weight"], p["b.bias"])
+
+    reference = torch.func.grad(lambda p: F.mse_loss(model_fn(p, x), y))({n: t.detach() for n, t in given.items()})
+    grads = ef.grad(model_fn, given, x, y, loss=F.mse_loss)
+    for n in given:
+        torch.testing.assert_close(grads[n], reference[n], rtol=0, atol=1e-12)
+
+
+@given(
+    seed=st.integers(0, 2**16),
+    path=st.sampled_from(["flat", "cuts", "graph"]),
+    drop=st.sets(st.sampled_from(["a.weight", "a.bias", "b.weight", "b.bias"]), min_size=1),
+    extra=st.booleans(),
+)
+def test_a_flat_dict_that_lacks_a_trainable_parameter_is_refused_naming_it(seed, path, drop, extra):
+    """A flat dict that leaves out a trainable parameter (or names one the model lacks) is refused on
+    every path, naming the key and the names expected, never a gradient for the rest."""
+    model, x, y = pair(seed)
+    given = {n: p for n, p in model.named_parameters() if n not in drop}
+    if extra:
+        given["a.wieght"] = torch.zeros(4, 3, dtype=torch.float64)
+    with pytest.raises(ValueError) as info:
+        grads_by_path(path, model, given, x, y)
+    message = str(info.value)
+    assert f"lacks the trainable parameters {sorted(drop, key=list(dict(model.named_parameters())).index)}" in message
+    assert "['a.weight', 'a.bias', 'b.weight', 'b.bias']" in message
+    assert ("'a.wieght'" in message) == extra
+
+
+# ----------------------------------------------------------------------------- passes restricted to stages
+
+
+@given(
+    seed=st.integers(0, 2**16),
+    path=st.sampled_from(["chain", "flat", "cuts", "function"]),
+    stage=st.sampled_from(["Linear_*", "a*", "lin", "b#2", None]),
+    wrap=st.sampled_from(["alone", "composed", "error feedback"]),
+)
+def test_a_stage_name_only_never_meets_is_refused_naming_it(seed, path, stage, wrap):
+    """``P.only(p, stages=name)`` with a name that is none of the sweep's stages (a pattern, a misspelt
+    name, a second call that never happens) is refused, naming it and the stage names; with a real
+    stage name it applies there alone (``scale(0)`` zeroes what flows below that stage)."""
+    model, x, y = pair(seed)
+    restricted = P.only(P.scale(0.0), stages="b" if stage is None else stage)  # b: the last stage on every path
+    passes = {
+        "alone": restricted,
+        "composed": ef.compose(P.clip_by_value(1e6), restricted),
+        "error feedback": P.error_feedback(restricted),
+    }[wrap]
+
+    def model_fn(p, h):
+        h = ef.cut(torch.tanh(F.linear(h, p["a.weight"], p["a.bias"])), "a")
+        return ef.cut(F.linear(h, p["b.weight"], p["b.bias"]), "b")
+
+    def run():
+        if path == "chain":
+            chain, params = ef.from_module(model, loss=F.mse_loss)
+            res = ef.sweep(chain, params, x, y, passes=passes, pass_state=None)
+            return {f"{c}.{n}": g for c, s in zip(["a", "act", "b"], res.grads) for n, g in s.items()}
+        given = dict(model.named_parameters())
+        if path == "function":
+            return ef.sweep(model_fn, given, x, y, loss=F.mse_loss, passes=passes).grads
+        split_at = {"flat": None, "cuts": ["a", "b"]}[path]
+        return ef.sweep(model, given, x, y, loss=F.mse_loss, split_at=split_at, passes=passes).grads
+
+    if stage is not None:
+        with pytest.raises(
+            ValueError, match=rf"only: no stage is named \[{re.escape(repr(stage))}\].* stage names are"
+        ):
+            run()
+        return
+    grads = run()
+    assert all(not g.any() for g in grads.values())  # the costate at b's output zeroed: nothing flows
+
+
+@given(cut=st.booleans(), kind=st.sampled_from(["list", "tuple", "generator"]))
+def test_a_list_of_parameters_given_to_a_model_says_what_a_model_takes(cut, kind):
+    model, x, y = pair(0)
+    options = {"split_at": ["a", "b"]} if cut else {}
+    params = {"list": list, "tuple": tuple, "generator": iter}[kind](model.parameters())
+    with pytest.raises(TypeError, match=r"params: a model \(Sequential\) takes a flat \{name: tensor\} dict, dict\("):
+        ef.grad(model, params, x, y, loss=F.mse_loss, **options)

@@ -14,7 +14,7 @@ it is, and the sweep's key. The state is any pytree, threaded by the caller.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import optree
@@ -43,13 +43,26 @@ class Pass:
     """``init() -> state``; ``update(adj, state, ctx) -> (adj, state)``; pure functions.
 
     ``name`` is what ``repr`` shows; ``members`` lists the passes of a ``compose``
-    (``()`` for ``identity()``, the empty composition; ``None`` for any other pass).
+    (``()`` for ``identity()``, the empty composition; ``None`` for any other pass); ``stages``:
+    the stage names the pass applies at (``only``'s), which a sweep checks against its own.
     """
 
     init: Callable[[], Any]
     update: Callable[[AdjointState, Any, Context], tuple]
     name: str = "pass"
     members: tuple | None = None
+    stages: frozenset[str] = frozenset()
+
+    def check_stages(self, names: Iterable[str]) -> None:
+        """Refuse stage names of ``stages`` that are not among ``names`` (a sweep's boundary records'
+        ``stage``): a pass restricted to them would silently apply nowhere."""
+        names = list(names)
+        unknown = sorted(self.stages - set(names))
+        if unknown:
+            raise ValueError(
+                f"only: no stage is named {unknown} in this sweep (in {self.name}); the stage names are "
+                f"{names} (exact names, as res.adjoints[k].stage shows, not patterns)"
+            )
 
     def apply(self, adj: AdjointState, state: Any = None, ctx: Context | None = None) -> tuple:
         """One application outside a sweep: ``update(adj, init() if state is None else state, ctx)``."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -52,7 +53,7 @@ def compose(*passes: Any) -> Pass:
         return adj, tuple(new_state)
 
     name = f"compose({', '.join(m.name for m in members)})"
-    return Pass(init, update, name, members)
+    return Pass(init, update, name, members, frozenset().union(*(m.stages for m in members)))
 
 
 def _members(p: Pass) -> tuple:
@@ -68,12 +69,13 @@ def when(predicate: Callable[[AdjointState], bool], p: Any) -> Pass:
     def update(adj: AdjointState, state: Any, ctx: Context) -> tuple:
         return p.update(adj, state, ctx) if predicate(adj) else (adj, state)
 
-    return Pass(p.init, update, f"when({p.name})")
+    return Pass(p.init, update, f"when({p.name})", stages=p.stages)
 
 
 def only(p: Any, stages: Any = None, indices: Any = None) -> Pass:
     """``p`` at the boundaries whose ``adj.stage`` is in ``stages`` or whose ``adj.index`` is in
-    ``indices`` (a name / int or a collection of them), the record unchanged elsewhere."""
+    ``indices`` (a name / int or a collection of them), the record unchanged elsewhere. A stage name
+    that is none of the sweep's stages is refused by the sweep (``Pass.check_stages``)."""
     stages = _as_set("stages", stages, str)
     indices = _as_set("indices", indices, int)
     if any(i < 0 for i in indices):
@@ -83,7 +85,9 @@ def only(p: Any, stages: Any = None, indices: Any = None) -> Pass:
         )
     if not stages and not indices:
         raise ValueError("only: give the stages (names) and/or the boundary indices where the pass applies")
-    return when(lambda adj: adj.stage in stages or adj.index in indices, p)
+    inner = lift(p, "only")
+    restricted = when(lambda adj: adj.stage in stages or adj.index in indices, inner)
+    return dataclasses.replace(restricted, name=f"only({inner.name})", stages=inner.stages | stages)
 
 
 def _as_set(arg: str, value: Any, kind: type) -> frozenset:

@@ -46,7 +46,7 @@ def error_feedback(compressor: Any) -> Pass:
         new_state = {"residuals": {**state["residuals"], adj.index: residual}, "compressor": compressor_state}
         return sent.applied("error_feedback", sent.value, ef_residual_norm=norm), new_state
 
-    return Pass(init, update, f"error_feedback({compressor.name})")
+    return Pass(init, update, f"error_feedback({compressor.name})", stages=compressor.stages)
 
 
 def _check_like(adj: AdjointState, residual) -> None:
