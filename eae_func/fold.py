@@ -441,7 +441,11 @@ def processed(
     if shown is None:
         check_costate(chain, l, adj, layout)  # an estimator's or another rank's costate all the same
         return adj, pass_state, None
-    record = AdjointState(part(adj.value, shown.keys), shown.index, shown.name, fold_in(opts.key, shown.index))
+    record = (  # a chain that shows every boundary as itself passes the record it has
+        adj
+        if chain.shown is None
+        else AdjointState(part(adj.value, shown.keys), shown.index, shown.name, fold_in(opts.key, shown.index))
+    )
     ctx = Context(part(boundary, shown.keys), chain.stages[l - 1] if l > 0 else None, opts.key)
     try:
         with timer(opts, stats, "pass_s", f"eae/{shown.name}/passes", layout.placements[0][0]):
