@@ -41,6 +41,7 @@ from . import vjp as V
 from .adjoint import AdjointState, Measurements, fold_in
 from .capture import as_call, canonical_names, matches
 from .chain import Slots, module_lock, through_hooks, trainable_names
+from .in_backward import InBackward
 from .options import Options
 from .passes import Context
 
@@ -48,17 +49,19 @@ _ACTIVE = threading.local()  # .depth: > 0 while a cut module runs (its forward 
 
 
 def needs_graph(opts: Options) -> list[str]:
-    """The options set in ``opts`` that only a chain (graph capture) implements."""
+    """The options set in ``opts`` that only a chain (graph capture) implements, as ``name=``."""
     default = Options()
     given = [
-        n
-        for n in ("microbatches", "estimator", "budget", "update", "boundary_dtype", "offload", "compile")
+        f"{n}="
+        for n in ("estimator", "budget", "boundary_dtype", "offload", "compile")
         if getattr(opts, n) != getattr(default, n)
     ]
     if opts.physical:
-        given.append("physical")
+        given.append("physical=")
     if opts.recompute != default.recompute:
-        given.append("recompute")
+        given.append("recompute=")
+    if opts.update is not None and opts.data_parallel not in (None, False):
+        given.append("update= with data_parallel= (each stage's gradients averaged as the fold has them)")
     return given
 
 
@@ -95,7 +98,9 @@ class Call:
     returns), each leaf's tensor of the node (``routes``, ``None``: a leaf the caller gets as the
     forward returned it), until the caller has them, those leaves (``constants``), the leaves its
     forward wrote into (``InputWrites``: kept as copies from before the call) and the others'
-    versions (-1: not a tensor, or written), which must still be theirs when it is rebuilt."""
+    versions (-1: not a tensor, or written), which must still be theirs when it is rebuilt; the
+    parameters it trains (``trained``: inputs of its node, so autograd accumulates their gradients
+    after its reverse step, and a fused update steps them only then) and their versions."""
 
     index: int
     name: str
@@ -117,12 +122,13 @@ class Call:
     constants: list | None = None
     versions: list = dataclasses.field(default_factory=list)
     written: tuple = ()
+    trained: list = dataclasses.field(default_factory=list)
+    trained_versions: list = dataclasses.field(default_factory=list)
 
 
 class Sweep:
-    """One sweep over a model with run-time cuts: the cut modules' forwards replaced for its duration,
-    the calls so far, the pass state, the cut stages' parameter gradients (by the sweep's leaf
-    tensor's id), the trace and the stats."""
+    """One sweep over a model with run-time cuts (one microbatch's forward and backward): the cut
+    modules' forwards replaced for its duration, the calls so far, the pass state, the trace and the stats."""
 
     def __init__(self, model: nn.Module, split_at: Sequence[str], opts: Options, pass_state: Any, device: Any):
         self.opts, self.pass_state, self.device = opts, pass_state, device
@@ -130,7 +136,6 @@ class Sweep:
         self.calls: dict[str, int] = {}
         self.ungraded: set[str] = set()
         self.count = 0
-        self.grads: dict[int, torch.Tensor] = {}
         self.trace: list[AdjointState] = []
         self.stats: dict[str, dict] = {}
         # an input of every cut's node: autograd runs only the nodes on a path to an input it is asked
@@ -187,7 +192,11 @@ class Sweep:
         )
         call.host = F.HOST.before((type(module), module.training))
         call.versions = [t._version if isinstance(t, torch.Tensor) else -1 for t in call.leaves]
-        tensors = StageCall.apply(self, call, self.anchor, *[leaves[i] for i in call.inputs])
+        call.trained = list(
+            {id(p): p for p in call.params.values() if p.requires_grad and B.is_differentiable(p)}.values()
+        )
+        call.trained_versions = [p._version for p in call.trained]
+        tensors = StageCall.apply(self, call, self.anchor, *[leaves[i] for i in call.inputs], *call.trained)
         out, call.constants = call.constants or [], None  # the call keeps no output of its own
         return pytree.tree_unflatten([c if k is None else tensors[k] for c, k in zip(out, call.routes)], call.out_spec)
 
@@ -284,12 +293,20 @@ class Sweep:
                 f"the values the call was given (plain autograd refuses it too where the module saves that "
                 f"input): write out of place (h = h + 1, not h.add_(1)), or clone the tensor before writing it"
             )
+        moved = [
+            n for p, v in zip(call.trained, call.trained_versions) if p._version != v for n in [param_name(call, p)]
+        ]
+        if moved:
+            raise ValueError(
+                f"cut {call.name!r}: its parameter {moved[0]!r} was written in place after the call (an optimizer "
+                f"step, or an in-place update between the forward and the backward), and its rebuild needs the "
+                f"values the call ran with: update the parameters after the backward"
+            )
         dirty = [i for i in call.written if i in call.inputs]  # the outputs after the module's own
         costates = self.passes(call, costates[: len(costates) - len(dirty)]) + costates[len(costates) - len(dirty) :]
         stats = self.stats.setdefault(call.name, {})
         leaves, own = list(call.leaves), {}
         local = {n: own.setdefault(id(p), p.detach().requires_grad_(p.requires_grad)) for n, p in call.params.items()}
-        trainable = {id(p): p for p in call.params.values() if p.requires_grad and B.is_differentiable(p)}
         inputs = [leaves[i].requires_grad_() for i in call.inputs]  # detached when kept
         args, kwargs = pytree.tree_unflatten(leaves, call.spec)
 
@@ -348,21 +365,18 @@ class Sweep:
             [rebuilt[i] for i in call.through] + [t for i, t in zip(call.written, written) if i in call.inputs]
         )
         del out, rebuilt, written  # an output the graph does not save is freed now
-        wanted = [own[i] for i in trainable] + inputs
+        trained = [own[id(p)] for p in call.trained]
         with F.timer(self.opts, stats, "vjp_s", f"eae/{call.name}/vjp"):
-            grads = V.pull_back(edges, costates, wanted)
-        for i, g in zip(trainable, grads):
-            # plus what a custom Function's own backward accumulated into .grad (Reformer's reversible
-            # layers run torch.autograd.backward on their parameters, as under plain autograd)
-            g = M.add(g, own[i].grad)
-            if g is not None:
-                self.grads[i] = M.add(self.grads.get(i), g)
-        return list(grads[len(trainable) :])
+            grads = V.pull_back(edges, costates, [*inputs, *trained])
+        # the parameters' gradients, plus what a custom Function's own backward accumulated into .grad
+        # (Reformer's reversible layers run torch.autograd.backward on their parameters, as under autograd)
+        return [*grads[: len(inputs)], *(M.add(g, p.grad) for g, p in zip(grads[len(inputs) :], trained))]
 
 
 class StageCall(torch.autograd.Function):
     """One cut call in the model's graph: its forward runs the module without a graph, its backward
-    is the sweep's reverse step for the call. Inputs its forward wrote into are outputs too."""
+    is the sweep's reverse step for the call. Its inputs are the call's input tensors that require
+    grad, then the parameters it trains; inputs its forward wrote into are outputs too."""
 
     @staticmethod
     def forward(ctx: Any, sweep: Sweep, call: Call, anchor: torch.Tensor, *inputs: torch.Tensor) -> Any:  # type: ignore[override]
@@ -467,6 +481,11 @@ class InputWrites:
 WRITES = InputWrites()
 
 
+def param_name(call: Call, p: torch.Tensor) -> str:
+    """The module's own name of the parameter tensor ``p`` of a call."""
+    return next(n for n, q in call.params.items() if q is p)
+
+
 def leaf_name(call: Call, i: int) -> str:
     """Leaf i of a call's ``(args, kwargs)``, as ``args[0]`` or ``kwargs['mask']``."""
     path = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(len(call.leaves))), call.spec))[0][i][0]
@@ -506,6 +525,21 @@ def holding(module: nn.Module, tensors: Mapping[str, torch.Tensor]):
         yield
 
 
+@dataclasses.dataclass(frozen=True)
+class Swept:
+    """What a run-time sweep returns: the loss, ``grads`` (``None`` with ``update=``), the trace, the
+    buffers, the pass state, the stats, and a pure update's new params and state (``None`` otherwise)."""
+
+    loss: torch.Tensor
+    grads: dict | None
+    trace: tuple
+    buffers: dict
+    pass_state: Any
+    stats: Measurements
+    params: dict | None = None
+    update_state: dict | None = None
+
+
 def sweep_model(
     model: nn.Module,
     params: Mapping[str, torch.Tensor],
@@ -516,14 +550,16 @@ def sweep_model(
     pass_state: Any,
     buffers: Mapping[str, torch.Tensor] | None,
     opts: Options,
-) -> tuple:
-    """``(loss, grads, trace, buffers, pass_state, stats)`` of ``model`` cut at run time at ``split_at``,
-    at ``params``, a flat ``{qualified name: tensor}`` dict as ``dict(model.named_parameters())`` gives
-    (a frozen parameter it lacks is used as the module holds it; a trainable one is differentiated
-    whatever the given tensor's ``requires_grad``: ``chain.trainable_names``); ``grads`` has the
-    names of ``params`` and ``buffers`` every buffer's, updated (BatchNorm's running statistics), the
-    module's own never written. With ``data_parallel=`` the replicas agree on the model before its
-    forward and ``grads`` are their average (``data_parallel.average_model_grads``)."""
+) -> Swept:
+    """``model`` cut at run time at ``split_at``, at ``params``, a flat ``{qualified name: tensor}`` dict
+    as ``dict(model.named_parameters())`` gives (a frozen parameter it lacks is used as the module holds
+    it; a trainable one is differentiated whatever the given tensor's ``requires_grad``:
+    ``chain.trainable_names``). ``grads`` has the names of ``params`` and ``buffers`` every buffer's,
+    updated (BatchNorm's running statistics), the module's own never written. With ``microbatches=k``
+    the pieces run forward and backward in turn, their gradients summed into one set; with ``update=``
+    the last piece's backward steps each stage as its gradients are complete (``in_backward``). With
+    ``data_parallel=`` the replicas agree on the model before its forward and ``grads`` are their
+    average (``data_parallel.average_model_grads``)."""
     own_params = list(model.named_parameters(remove_duplicate=False))
     own_buffers = list(model.named_buffers(remove_duplicate=False))
     first = canonical_names([*own_params, *own_buffers])  # a tied tensor's names -> its first name
@@ -534,55 +570,106 @@ def sweep_model(
         raise ValueError(f"buffers: {wrong[:5]} are not buffers of {type(model).__name__} (named_buffers' names)")
     replicas = replicas_of(opts.data_parallel, params)
     leaves = {n: p.detach().requires_grad_(n in trainable and B.is_differentiable(p)) for n, p in params.items()}
+    wanted = [n for n, t in leaves.items() if t.requires_grad]
+    hooked = {first[n]: p for n, p in own_params if p._backward_hooks}  # p.register_hook(fn): run on the sum
+    update = (
+        None
+        if opts.update is None
+        else InBackward.prepare(opts.update, model, params, wanted, list(cut_modules(model, split_at)), hooked)
+    )
     fresh = {n: b.detach().clone() for n, b in {**kept, **(buffers or {})}.items()}
     given = {**leaves, **fresh}
-    run = Sweep(model, split_at, opts, opts.passes.init() if pass_state is None else pass_state, F.device_of(leaves, x))
-    args, kwargs = as_call(x)
-    if getattr(getattr(model, "config", None), "use_cache", None) is not None:  # a Hugging Face model: a KV
-        kwargs.setdefault("use_cache", False)  # cache the forward fills would be read again by the rebuilds
+    device = F.device_of(leaves, x)
+    state = opts.passes.init() if pass_state is None else pass_state
+    pieces = M.split(x, loss_args, opts.microbatches, opts.reduction, opts.key)
+    values, traces, all_stats = [], [], []
     with module_lock(model), holding(model, {n: given[f] for n, f in first.items() if f in given}):
-        # the cuts are in place for the forward alone: a matched module run again by a custom Function's
-        # own backward (a reversible layer's recompute) runs as written
-        with run.installed(), F.autocast(opts.autocast, run.device):  # the loss too, as AMP computes it
-            output = model(*args, **kwargs)
-            try:
-                value = loss(output, *loss_args)
-            except Exception as e:
-                F.note(e, "the loss")
-                raise
-        del output
-        F.check_scalar(value)
-        if not run.count:
-            why = (
-                f"{', '.join(sorted(run.ungraded)[:4])} ran without autograd (under no_grad, or inside a custom "
-                f"autograd Function that computes its own backward, as Reformer's reversible layers do); cut "
-                f"modules that autograd differentiates"
-                if run.ungraded
-                else "a container (a ModuleList is never called; name its children, e.g. 'layers.*') or a "
-                "module the forward skips"
-            )
-            raise ValueError(
-                f"split_at: no module matched by {list(split_at)} ({list(run.names)[:4]}) ran as a stage in "
-                f"{type(model).__name__}'s forward, so nothing would be cut: {why}"
-            )
-        wanted = [n for n, t in leaves.items() if t.requires_grad]
-        glue = (
-            torch.autograd.grad(value, [*(leaves[n] for n in wanted), run.anchor], allow_unused=True)[:-1]
-            if value.requires_grad
-            else (None,) * len(wanted)
-        )
+        handles = []
+        try:
+            for j, mb in enumerate(pieces):
+                run = Sweep(
+                    model,
+                    split_at,
+                    opts if mb.key == opts.key else dataclasses.replace(opts, key=mb.key),
+                    state,
+                    device,
+                )
+                if update is not None and j == len(pieces) - 1:
+                    handles = update.install(leaves)
+                values.append(piece(run, model, mb, loss, [leaves[n] for n in wanted], update))
+                state = run.pass_state
+                traces.append(tuple(run.trace))
+                all_stats.append({**run.stats, "boundaries": {a.index: dict(a.meta) for a in run.trace}})
+            if update is not None:
+                update.finish()
+        except BaseException as e:  # KeyboardInterrupt too: say which stages a fused update already stepped
+            if update is not None:
+                update.failed(e)
+            raise
+        finally:
+            for h in handles:
+                h.remove()
+    value = values[0] if len(values) == 1 else torch.stack(values).sum()
+    stats, trace = M.sum_stats(all_stats), M.join_adjoints(traces)
+    if update is not None:
+        pure = update.spec.fn is not None
+        new = {n: update.params.get(n, t) for n, t in params.items()} if pure else None
+        return Swept(value, None, trace, fresh, state, Measurements(stats), new, update.state if pure else None)
     grads: dict[str, Any] = dict.fromkeys(params)
-    hooked = {first[n]: p for n, p in own_params if p._backward_hooks}  # p.register_hook(fn): run on the sum
-    for n, g in zip(wanted, glue):  # what autograd returned, what a Function put in .grad, the cuts' sum
-        grads[n] = M.add(M.add(g, leaves[n].grad), run.grads.get(id(leaves[n])))
-        if n in hooked:
-            grads[n] = through_hooks(hooked[n], grads[n])
-    stats = dict(run.stats)
-    stats["boundaries"] = {a.index: dict(a.meta) for a in run.trace}
+    for n in wanted:  # what autograd accumulated: the glue's, the cuts', a custom Function's own
+        grads[n] = through_hooks(hooked[n], leaves[n].grad) if n in hooked else leaves[n].grad
     if replicas is not None:
         # each replica's stages are the calls it made (a MoE replica calls other experts): the
         # model's final gradients are averaged over the fixed layout of its trained parameters
         from .distributed.data_parallel import average_model_grads
 
         grads, stats["data_parallel"] = average_model_grads(replicas, params, grads)
-    return value.detach(), grads, tuple(run.trace), fresh, run.pass_state, Measurements(stats)
+    return Swept(value, grads, trace, fresh, state, Measurements(stats))
+
+
+def piece(run: Sweep, model: nn.Module, mb: M.Microbatch, loss: Callable, inputs: list, update: Any) -> torch.Tensor:
+    """One microbatch: the forward with the cuts installed, its loss times the piece's scale, and the
+    backward, accumulated into the ``.grad`` of ``inputs`` (the sweep's trained leaves) and of the
+    tensors ``update`` steps beside the model; the loss (times the scale) returned."""
+    args, kwargs = as_call(mb.x)
+    if getattr(getattr(model, "config", None), "use_cache", None) is not None:  # a Hugging Face model: a KV
+        kwargs.setdefault("use_cache", False)  # cache the forward fills would be read again by the rebuilds
+    # the cuts are in place for the forward alone: a matched module run again by a custom Function's
+    # own backward (a reversible layer's recompute) runs as written
+    with run.installed(), F.autocast(run.opts.autocast, run.device):  # the loss too, as AMP computes it
+        output = model(*args, **kwargs)
+        try:
+            value = loss(output, *mb.loss_args)
+        except Exception as e:
+            F.note(e, "the loss")
+            raise
+    del output
+    F.check_scalar(value)
+    if not run.count:
+        why = (
+            f"{', '.join(sorted(run.ungraded)[:4])} ran without autograd (under no_grad, or inside a custom "
+            f"autograd Function that computes its own backward, as Reformer's reversible layers do); cut "
+            f"modules that autograd differentiates"
+            if run.ungraded
+            else "a container (a ModuleList is never called; name its children, e.g. 'layers.*') or a "
+            "module the forward skips"
+        )
+        raise ValueError(
+            f"split_at: no module matched by {run.split_at} ({list(run.names)[:4]}) ran as a stage in "
+            f"{type(model).__name__}'s forward, so nothing would be cut: {why}"
+        )
+    scale = 1.0 if mb.scale is None else mb.scale
+    if value.requires_grad:
+        beside = update.outside if update is not None else []
+        given = [t for t in pytree.tree_leaves((mb.x, mb.loss_args)) if isinstance(t, torch.Tensor)]
+        outside = F.closed_over([value], [*inputs, *beside, *given, run.anchor])
+        if outside is not None:
+            raise ValueError(
+                f"sweep: the loss depends on tensors that require grad outside params (shapes {outside}), such as "
+                f"a head the loss reads beside the swept module, whose gradients the sweep would drop: sweep the "
+                f"module that holds them (their names in params), or give update= an optimizer over them, "
+                f"which steps them as glue"
+            )
+        seed = None if scale == 1.0 else torch.full_like(value, scale)
+        torch.autograd.backward(value, seed, inputs=[*inputs, *beside, run.anchor])
+    return value.detach() if scale == 1.0 else value.detach() * scale

@@ -308,11 +308,18 @@ def _on_model(
             raise TypeError(f"sweep: a model ({type(model).__name__}) needs loss=loss_fn(output, *loss_args)")
         if buffers is not None and not isinstance(buffers, Mapping):
             raise TypeError("sweep: with a flat params dict, buffers= is a flat {name: tensor} dict too")
-        value, grads, trace, updated, state, stats = cuts.sweep_model(
-            model, params, x, loss_args, loss, split_at, pass_state, buffers, opts
+        out = cuts.sweep_model(model, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
+        opts.passes.check_stages(dict.fromkeys(a.stage for a in out.trace))  # the cuts' names, known once they ran
+        return SweepResult(
+            out.loss,
+            out.grads,
+            out.trace,
+            out.buffers,
+            out.pass_state,
+            out.stats,
+            out.params or params,
+            out.update_state,
         )
-        opts.passes.check_stages(dict.fromkeys(a.stage for a in trace))  # the cuts' names, known once they ran
-        return SweepResult(value, grads, trace, updated, state, stats, params)
     if not isinstance(params, Mapping) and not (
         isinstance(params, (tuple, list)) and all(p is None or isinstance(p, Mapping) for p in params)
     ):
@@ -371,7 +378,7 @@ def at_run_time(model: nn.Module | Sequence, params: Sequence | Mapping, opts: O
     ``"run"`` given where something needs a chain is refused, naming it."""
     if opts.capture == "graph" or not isinstance(model, nn.Module):  # chain_of names what a list lacks
         return False
-    needs = [f"{name}=" for name in cuts.needs_graph(opts)]
+    needs = cuts.needs_graph(opts)
     if not isinstance(params, Mapping):
         needs.append("params as one dict per stage (run-time cuts take dict(model.named_parameters()))")
     if fsdp.holds_shards(model):

@@ -241,10 +241,7 @@ class Updater:
         used to update: a pure update's new tensors in every use of each, its state in entry i."""
         if self.keeping:
             return dataclasses.replace(pending, kept={**pending.kept, i: due})
-        if self.spec.max_norm is not None:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in due.values()]))
-            scale = torch.clamp(self.spec.max_norm / (norm + 1e-6), max=1.0)
-            due = {n: g * scale.to(g.dtype) for n, g in due.items()}
+        due = clipped(due, self.spec.max_norm)
         if self.spec.fn is None:
             self._step(i, due)
             return dataclasses.replace(pending, stepped=(*pending.stepped, i))
@@ -292,16 +289,8 @@ class Updater:
         return tuple(out)
 
     def _step(self, i: int, due: dict) -> None:
-        targets = [self.targets[i, name] for name in due]
-        for p, g in zip(targets, due.values()):
-            p.grad = g.to(p.dtype)
         optimizer = self.spec.optimizers[i if len(self.spec.optimizers) > 1 else 0]
-        step = type(optimizer).step
-        try:
-            getattr(step, "__wrapped__", step)(optimizer)  # the update itself; hooks run once, in finish
-        finally:
-            for p in targets:
-                p.grad = None
+        step_with(optimizer, [self.targets[i, name] for name in due], list(due.values()))
 
     def finish(self, pending: Pending) -> Pending:
         """``pending`` after the last stage: the reductions still on the wire waited for and used, then
@@ -325,3 +314,25 @@ class Updater:
         if pending.stepped and self.spec.optimizers and not said:
             done = ", ".join(self.chain.where(i) for i in sorted(pending.stepped))
             e.add_note(f"{STEPPED} {done}; the other stages were not)")
+
+
+def clipped(due: dict, max_norm: float | None) -> dict:
+    """``due`` scaled by ``min(1, max_norm / (‖due‖ + 1e-6))``, the norm over all its tensors (``None``: as is)."""
+    if max_norm is None:
+        return due
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in due.values()]))
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return {n: g * scale.to(g.dtype) for n, g in due.items()}
+
+
+def step_with(optimizer: torch.optim.Optimizer, targets: list, grads: list) -> None:
+    """One update of ``optimizer``'s parameters ``targets`` by ``grads`` (its others have no gradient and
+    are left as they are), without its step hooks: they run once per sweep, at its plain ``step()``."""
+    for p, g in zip(targets, grads):
+        p.grad = g.to(p.dtype)
+    step = type(optimizer).step
+    try:
+        getattr(step, "__wrapped__", step)(optimizer)
+    finally:
+        for p in targets:
+            p.grad = None

@@ -199,19 +199,30 @@ def test_a_pass_scales_the_cut_gradients_it_flows_through_on_both_paths():
             torch.testing.assert_close(g, factor[prefix] * plain.grads[k], rtol=1e-12, atol=0)
 
 
-def test_an_option_only_a_chain_implements_keeps_the_run_time_meaning():
-    """``microbatches=2`` needs a chain: with ``capture=None`` it is captured, the same records and
-    gradients (int8 at the cuts); an explicit ``capture="run"`` is never overridden: refused, naming it."""
+def test_microbatches_run_at_run_time_with_the_captured_records(monkeypatch):
+    """``microbatches=2`` on a model runs at run time (nothing exported), with the records and
+    gradients of the same option on the captured chain (``P.scale(2)`` at the cuts), equal to one piece's."""
     model, x, y = built("layers")
     params = dict(model.named_parameters())
-    kw = dict(loss=F.mse_loss, split_at=["layers.*"], passes=P.scale(2.0))
+    kw = dict(loss=F.mse_loss, split_at=["layers.*"], passes=P.scale(2.0), key=5)
     one = ef.sweep(model, params, x, y, **kw)
+    graph = ef.sweep(model, params, x, y, microbatches=2, capture="graph", **kw)
+
+    def exported(*args, **kwargs):
+        raise AssertionError("torch.export called")
+
+    monkeypatch.setattr(torch.export, "export", exported)
     two = ef.sweep(model, params, x, y, microbatches=2, **kw)
+    assert [(a.index, a.stage, a.key, a.history) for a in two.adjoints] == [
+        (a.index, a.stage, a.key, a.history) for a in graph.adjoints
+    ]
+    assert close(two.stats["boundaries"], graph.stats["boundaries"])
+    assert all(close(r.value, g.value) for r, g in zip(two.adjoints, graph.adjoints))
     assert [(a.index, a.stage) for a in two.adjoints] == [(a.index, a.stage) for a in one.adjoints]
     for k in one.grads:
+        assert close(two.grads[k], graph.grads[k]), k
         torch.testing.assert_close(two.grads[k], one.grads[k], rtol=1e-12, atol=1e-15)
-    with pytest.raises(ValueError, match=r"capture='run'.*does not implement microbatches=.*capture='graph'"):
-        ef.sweep(model, params, x, y, microbatches=2, capture="run", **kw)
+    assert close(two.loss, graph.loss)
 
 
 def test_synthetic_needs_the_boundary_state_and_says_where_it_is():
