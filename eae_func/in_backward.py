@@ -65,8 +65,8 @@ class InBackward:
         for n, g in groups.items():
             members.setdefault(g, []).append(n)
         targets, outside = _targets(spec.optimizers, model, params, trained) if spec.optimizers else ({}, [])
-        for k, p in enumerate(outside):
-            groups[f"#{k}"] = f"a tensor of shape {tuple(p.shape)} the loss reads"
+        for k, (o, p) in enumerate(outside):
+            targets[f"#{k}"], groups[f"#{k}"] = (o, p), f"a tensor of shape {tuple(p.shape)} the loss reads"
             members.setdefault(groups[f"#{k}"], []).append(f"#{k}")
         state: dict = {}
         if spec.fn is not None:
@@ -78,7 +78,7 @@ class InBackward:
                 )
             state = dict(spec.state)
         frozen = {g: frozenset(m) for g, m in members.items()}
-        return cls(spec, targets, groups, frozen, hooked, outside, params, {}, state)
+        return cls(spec, targets, groups, frozen, hooked, [p for _, p in outside], params, {}, state)
 
     def install(self, leaves: Mapping[str, torch.Tensor]) -> list:
         """The hooks on the sweep's trained leaves and the outside tensors: handles to remove."""
@@ -174,7 +174,7 @@ def _targets(optimizers: tuple, model: nn.Module, params: Mapping, trained: list
             )
         targets[n] = found
     mine = {id(p) for _, p in targets.values()}
-    outside = [p for _, p in owned.values() if id(p) not in mine and p.requires_grad]
+    outside = [(o, p) for o, p in owned.values() if id(p) not in mine and p.requires_grad]
     stale = [p for _, p in owned.values() if p.grad is not None]
     if stale:
         raise ValueError(
