@@ -50,7 +50,8 @@ class Options:
     microbatches: int = 1
     """Split x and the tensor loss_args on dim 0 into this many pieces and sum their gradients;
     equal to the full batch's unless a stage mixes samples (BatchNorm's batch statistics) or
-    draws random numbers (dropout masks differ per piece), as in plain PyTorch."""
+    draws random numbers (dropout masks differ per piece), as in plain PyTorch. A model cut at run
+    time runs each piece's forward and backward in turn into one set of gradients."""
     reduction: str = "mean"
     """How the loss reduces over dim 0 (``"mean"`` or ``"sum"``), to weigh the microbatches."""
     estimator: Any = None
@@ -75,7 +76,11 @@ class Options:
     """An optimizer step fused into the fold (``eae_func.update``): a ``torch.optim`` optimizer
     (or one per stage) steps stage l's parameters in place as soon as its gradients exist, or
     ``ef.fused(fn, state)`` a pure ``fn(params_l, grads_l, state_l) -> (params_l, state_l)``;
-    ``res.grads`` is then ``None`` and ``res.params`` / ``res.update_state`` hold the result."""
+    ``res.grads`` is then ``None`` and ``res.params`` / ``res.update_state`` hold the result. On a
+    model cut at run time each cut module's parameters are stepped in the backward once its last
+    call's reverse step has run, the glue's (and tensors the loss reads that the optimizer holds)
+    once autograd has accumulated them; a pure update's state is a dict by parameter name
+    (``eae_func.in_backward``)."""
     timers: bool = True
     """Time each stage's parts into its stats and open profiler ranges (``False``: no ``*_s``
     seconds; ``grad`` and ``value_and_grad``'s default)."""
