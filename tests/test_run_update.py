@@ -322,3 +322,52 @@ def test_the_fused_step_holds_one_stage_of_gradients_not_all():
         ef.sweep(model, params, x, loss=loss, split_at=["blocks.*"], update=opt)
     assert unfused.peak >= grad_bytes  # every gradient alive at once
     assert fused.peak < 2.5 * block  # one block's gradients, and its rebuild (activations are tiny)
+
+
+class Trunk(nn.Module):
+    """A causal LM's body (embedding, blocks, final norm) beside which the head runs in the loss."""
+
+    def __init__(self, width=16, depth=3, vocab=4096):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.norm(h)
+
+
+def test_the_fused_step_with_a_chunked_head_never_holds_the_logits():
+    """Fused update + ``ef.chunked_loss`` (8 chunks): the step's peak holds one chunk of logits, not
+    the (tokens x vocab) logits and their gradient autograd holds; the weights are autograd's."""
+    torch.manual_seed(0)
+    vocab, width = 4096, 16
+    trunk, head = Trunk(width, vocab=vocab), nn.Linear(width, vocab, bias=False)
+    ids = torch.randint(vocab, (4, 64), generator=torch.Generator().manual_seed(0))
+    per_token = functools.partial(F.cross_entropy, reduction="none")
+    logits_bytes = ids.numel() * vocab * 4
+    reference_trunk, reference_head = copy.deepcopy(trunk), copy.deepcopy(head)
+    opt = torch.optim.SGD([*reference_trunk.parameters(), *reference_head.parameters()], lr=0.1)
+    with LiveBytes() as plain:
+        out = reference_head(reference_trunk(ids))
+        F.cross_entropy(out[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+        del out
+        opt.step()
+    opt = torch.optim.SGD([*trunk.parameters(), *head.parameters()], lr=0.1)
+    chunked = ef.chunked_loss(head, per_token, chunks=8)
+    with LiveBytes() as fused:
+        ef.sweep(
+            trunk, dict(trunk.named_parameters()), ids, ids, split_at=["blocks.*"], update=opt,
+            loss=lambda h, y: chunked(h[:, :-1], y[:, 1:]),
+        )  # fmt: skip
+    for a, b in zip(
+        [*trunk.parameters(), *head.parameters()], [*reference_trunk.parameters(), *reference_head.parameters()]
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    weights = sum(p.numel() * 4 for p in [*trunk.parameters(), *head.parameters()])
+    assert plain.peak > 2 * logits_bytes  # the logits and their gradient
+    # one chunk's logits, their gradient and softmax (3 x 1/8), the head's and embedding's gradients
+    assert fused.peak < 3 / 8 * logits_bytes + 2 * weights + 0.1 * logits_bytes
