@@ -17,6 +17,7 @@ from .options import Options
 from .passes import Context, Pass, compose, global_norm, identity, map_costate, stateless
 from .physical import black_box
 from .sweep import SweepResult, grad, sweep, value_and_grad
+from .switch import disable, enable, enabled, records
 from .tree import tree_leaves, tree_map, tree_structure
 from .update import fused
 
@@ -37,6 +38,9 @@ __all__ = [
     "black_box",
     "compose",
     "cut",
+    "disable",
+    "enable",
+    "enabled",
     "estimators",
     "fold_in",
     "from_module",
@@ -46,6 +50,7 @@ __all__ = [
     "identity",
     "map_costate",
     "passes",
+    "records",
     "remat",
     "stage",
     "stateless",

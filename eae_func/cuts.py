@@ -130,9 +130,17 @@ class Sweep:
     """One sweep over a model with run-time cuts (one microbatch's forward and backward): the cut
     modules' forwards replaced for its duration, the calls so far, the pass state, the trace and the stats."""
 
-    def __init__(self, model: nn.Module, split_at: Sequence[str], opts: Options, pass_state: Any, device: Any):
+    def __init__(
+        self,
+        model: nn.Module,
+        split_at: Sequence[str],
+        opts: Options,
+        pass_state: Any,
+        device: Any,
+        names: Mapping[str, nn.Module] | None = None,
+    ):
         self.opts, self.pass_state, self.device = opts, pass_state, device
-        self.names, self.split_at = cut_modules(model, split_at), list(split_at)
+        self.names, self.split_at = dict(names or cut_modules(model, split_at)), list(split_at)
         self.calls: dict[str, int] = {}
         self.ungraded: set[str] = set()
         self.count = 0
@@ -160,15 +168,7 @@ class Sweep:
                     module.forward = own
 
     def cut(self, name: str, module: nn.Module, forward: Callable) -> Callable:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if getattr(_ACTIVE, "depth", 0):  # inside a cut: part of its call
-                return forward(*args, **kwargs)
-            if not torch.is_grad_enabled():  # no graph wanted (a custom Function's forward, no_grad)
-                self.ungraded.add(name)
-                return forward(*args, **kwargs)
-            return self.stage(name, module, forward, args, kwargs)
-
-        return call
+        return cutting(lambda: self, name, module, forward)
 
     def stage(self, name: str, module: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
         """The next stage: this call of ``module``, run without a graph, its output through one node."""
@@ -373,6 +373,26 @@ class Sweep:
         return [*grads[: len(inputs)], *(M.add(g, p.grad) for g, p in zip(grads[len(inputs) :], trained))]
 
 
+def cutting(sweep_of: Callable[[], Sweep | None], name: str, module: nn.Module, forward: Callable) -> Callable:
+    """``module``'s forward cut: a call with grad enabled is the next stage of ``sweep_of()``; one
+    inside another cut's call (its forward or rebuild) or without grad runs as written (and is noted
+    in the sweep's ``ungraded``, if ``sweep_of()`` gives one then)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_ACTIVE, "depth", 0):  # inside a cut: part of its call
+            return forward(*args, **kwargs)
+        if not torch.is_grad_enabled():  # no graph wanted (a custom Function's forward, no_grad)
+            sweep = sweep_of()
+            if sweep is not None:
+                sweep.ungraded.add(name)
+            return forward(*args, **kwargs)
+        sweep = sweep_of()
+        assert sweep is not None  # one is made for every call with grad enabled
+        return sweep.stage(name, module, forward, args, kwargs)
+
+    return call
+
+
 class StageCall(torch.autograd.Function):
     """One cut call in the model's graph: its forward runs the module without a graph, its backward
     is the sweep's reverse step for the call. Its inputs are the call's input tensors that require
@@ -391,6 +411,11 @@ class StageCall(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *costates: torch.Tensor) -> Any:  # type: ignore[override]
         call, ctx.call = ctx.call, None  # the call's boundary is let go with its step
+        if call is None:
+            raise RuntimeError(
+                "eae_func: a cut's reverse step ran already and let go of its saved input: a second backward "
+                "through the same graph (retain_graph=True) is not supported at the cuts; run the forward again"
+            )
         return (None, None, None, *ctx.sweep.reverse(call, list(costates)))
 
 

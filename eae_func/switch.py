@@ -1,0 +1,193 @@
+"""EAE as a switch: ``ef.enable(model, split_at=[...])`` cuts the matched modules of ``model`` at run
+time from then on, as ``gradient_checkpointing_enable()`` installs checkpointing, so any backward
+through its output runs the EAE reverse steps and the training loop stays as written.
+
+    ef.enable(model, split_at=["model.layers.*"], passes=P.int8())
+    loss = model(ids, labels=ids).loss
+    loss.backward()                      # passes on each costate, rebuilds, local vjps into .grad
+    optimizer.step()
+    ef.records(model)                    # {cut name: AdjointState} of the last backward
+
+Each forward of ``model`` with grad enabled is one sweep (``cuts.Sweep``): the calls of the matched
+modules numbered 1, 2, ... in call order, keyed ``fold_in(key, index)`` as ``ef.sweep`` keys them.
+The cuts' nodes take the model's own parameters as inputs, so autograd accumulates their gradients
+into ``.grad`` as it does without EAE (gradient accumulation, ``clip_grad_norm_``, a GradScaler,
+DDP's and FSDP's hooks see them there); a GradScaler's scale is in the costates the passes see.
+Without grad (``torch.no_grad()``, inference) a matched module runs as written and nothing is kept.
+
+The passes' state threads from backward to backward and is saved in ``model.state_dict()`` under
+``eae_pass_state`` (one uint8 tensor, so safetensors and every checkpoint format carry it) and
+restored by ``load_state_dict`` (a state dict without it leaves the state as it is).
+"""
+
+from __future__ import annotations
+
+import io
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from . import cuts
+from . import fold as F
+from .adjoint import AdjointState
+from .options import Options, make
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from .options import SweepOptions
+
+KEY = "eae_pass_state"
+_SWITCHES: weakref.WeakKeyDictionary[nn.Module, Switch] = weakref.WeakKeyDictionary()
+
+
+class Switch:
+    """What ``enable`` installed on a model: its cut modules, the options, the passes' state, the
+    latest sweep (``current``: the latest forward's) and the latest to run its reverse steps (``last``)."""
+
+    def __init__(self, model: nn.Module, split_at: Sequence[str], opts: Options):
+        self.model, self.split_at, self.opts = model, list(split_at), opts
+        self.names = cuts.cut_modules(model, split_at)
+        self.device = F.device_of(dict(model.named_parameters()))
+        self.pass_state = opts.passes.init()
+        self.listeners: list[Callable[[AdjointState], Any]] = []
+        self.current: Step | None = None
+        self.last: Step | None = None
+        self.originals: list[tuple[nn.Module, Any]] = []
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> Switch:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if _SWITCHES.get(self.model) is self:
+            disable(self.model)
+
+    def install(self) -> None:
+        for name, module in self.names.items():
+            self.originals.append((module, module.__dict__.get("forward")))
+            module.forward = cuts.cutting(self.sweep, name, module, module.forward)
+        self.handles = [
+            self.model.register_forward_pre_hook(self.new_forward),
+            self.model.register_state_dict_post_hook(lambda *a: self.saved(*a)),  # a function: torch marks it
+            self.model.register_load_state_dict_pre_hook(lambda *a: self.loaded(*a)),
+        ]
+        config = getattr(self.model, "config", None)
+        self.use_cache = getattr(config, "use_cache", None)
+        if self.use_cache:  # a Hugging Face model: the KV cache its forward fills would be read again by the rebuilds
+            config.use_cache = False  # type: ignore[union-attr]
+
+    def uninstall(self) -> None:
+        for module, own in self.originals:
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
+        for h in self.handles:
+            h.remove()
+        if self.use_cache:
+            self.model.config.use_cache = self.use_cache  # type: ignore[union-attr]
+        self.originals, self.handles = [], []
+
+    def new_forward(self, module: nn.Module, args: Any) -> None:
+        """A forward of the model starts a sweep of its own (made at its first cut call)."""
+        self.current = None
+
+    def sweep(self) -> Step | None:
+        """The sweep a cut call with grad enabled belongs to (``None`` without grad: nothing kept)."""
+        if not torch.is_grad_enabled():
+            return None
+        if self.current is None:
+            self.current = Step(self)
+        return self.current
+
+    def on_costate(self, fn: Callable[[AdjointState], Any]) -> Callable[[], None]:
+        """Call ``fn(record)`` with each boundary's record (after the passes) as the backward makes it;
+        returns a function that removes it."""
+        self.listeners.append(fn)
+        return lambda: self.listeners.remove(fn)
+
+    def saved(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        buffer = io.BytesIO()
+        torch.save(self.pass_state, buffer)
+        state_dict[prefix + KEY] = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+    def loaded(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        saved = state_dict.pop(prefix + KEY, None)
+        if saved is not None:
+            data = saved.to("cpu", torch.uint8).numpy().tobytes()
+            self.pass_state = torch.load(io.BytesIO(data), weights_only=True)
+
+
+class Step(cuts.Sweep):
+    """One forward's sweep under a switch: the switch's options, its passes' state (shared by every
+    sweep in flight, threaded in the order autograd runs their reverse steps), its listeners."""
+
+    def __init__(self, switch: Switch):
+        self.switch = switch
+        super().__init__(switch.model, switch.split_at, switch.opts, switch.pass_state, switch.device, switch.names)
+
+    @property
+    def pass_state(self) -> Any:  # type: ignore[override]
+        return self.switch.pass_state
+
+    @pass_state.setter
+    def pass_state(self, value: Any) -> None:
+        self.switch.pass_state = value
+
+    def passes(self, call: cuts.Call, costates: list) -> list:
+        if not self.trace:
+            self.switch.last = self  # its reverse steps are the latest
+        out = super().passes(call, costates)
+        for fn in list(self.switch.listeners):
+            fn(self.trace[-1])
+        return out
+
+
+def enable(model: nn.Module, split_at: Sequence[str], **options: Unpack[SweepOptions]) -> Switch:
+    """Cut ``model`` at run time at the module paths ``split_at`` for every forward from now on, so any
+    backward through its output runs the EAE reverse steps with ``options`` (``passes``, ``key``,
+    ``keep_costates``, ``timers``, ``early_stop``, ``autocast``); returns the ``Switch``. Also a context
+    manager: ``with ef.enable(model, ...):`` turns it off on exit. Options that need the sweep to own
+    the step (``update=``, ``microbatches=``) or a captured graph are refused, naming them."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"enable: expected an nn.Module, got {type(model).__name__}")
+    if enabled(model) is not None:
+        raise ValueError(f"enable: {type(model).__name__} is already enabled; ef.disable(model) first")
+    opts = make("enable", options, keep_costates=False, timers=False)
+    owned = [f"{n}=" for n in ("update", "microbatches", "data_parallel") if getattr(opts, n) != getattr(Options(), n)]
+    refused = owned + cuts.needs_graph(opts)
+    if refused:
+        raise ValueError(
+            f"enable: {', '.join(refused)} cannot be switched on in the model: the training loop owns the step "
+            f"(the optimizer, the accumulation, the replicas: DDP or FSDP wrap an enabled model) or it needs a "
+            f"captured graph; use ef.sweep(model, params, ..., split_at=...) for it"
+        )
+    switch = Switch(model, split_at, opts)
+    switch.install()
+    _SWITCHES[model] = switch
+    return switch
+
+
+def disable(model: nn.Module) -> None:
+    """Put ``model`` back as it was before ``enable`` (its forwards, hooks and config)."""
+    switch = _SWITCHES.pop(model, None)
+    if switch is None:
+        raise ValueError(f"disable: {type(model).__name__} is not enabled (ef.enable(model, split_at=...))")
+    switch.uninstall()
+
+
+def enabled(model: nn.Module) -> Switch | None:
+    """The ``Switch`` of an enabled model, else ``None``."""
+    return _SWITCHES.get(model)
+
+
+def records(model: nn.Module) -> dict[str, AdjointState]:
+    """The records of the last backward of an enabled model, by cut name, in the order it made them."""
+    switch = enabled(model)
+    if switch is None:
+        raise ValueError(f"records: {type(model).__name__} is not enabled (ef.enable(model, split_at=...))")
+    return {} if switch.last is None else {a.stage: a for a in switch.last.trace}
