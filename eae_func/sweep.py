@@ -61,9 +61,9 @@ class SweepResult:
     torch.optim optimizer, ``params`` are the ones given, updated in place)."""
 
     loss: torch.Tensor
-    grads: tuple | None
+    grads: Any  # params' structure: a tuple of per-stage dicts, or a flat dict; None when fused
     adjoints: tuple
-    buffers: tuple
+    buffers: Any  # one dict per stage, or a flat dict
     pass_state: Any
     stats: Mapping[str, Any]
     params: Any = None
