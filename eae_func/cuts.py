@@ -51,11 +51,7 @@ _ACTIVE = threading.local()  # .depth: > 0 while a cut module runs (its forward 
 def needs_graph(opts: Options) -> list[str]:
     """The options set in ``opts`` that only a chain (graph capture) implements, as ``name=``."""
     default = Options()
-    given = [
-        f"{n}="
-        for n in ("estimator", "budget", "boundary_dtype", "offload", "compile")
-        if getattr(opts, n) != getattr(default, n)
-    ]
+    given = [f"{n}=" for n in ("estimator", "budget", "compile") if getattr(opts, n) != getattr(default, n)]
     if opts.physical:
         given.append("physical=")
     if opts.recompute != default.recompute:
@@ -100,7 +96,9 @@ class Call:
     forward wrote into (``InputWrites``: kept as copies from before the call) and the others'
     versions (-1: not a tensor, or written), which must still be theirs when it is rebuilt; the
     parameters it trains (``trained``: inputs of its node, so autograd accumulates their gradients
-    after its reverse step, and a fused update steps them only then) and their versions."""
+    after its reverse step, and a fused update steps them only then) and their versions; with a
+    boundary policy (``boundary_dtype=``, ``offload=``), the positions of the inputs kept as it
+    stores them (``stored``) and their ``layout`` as computed."""
 
     index: int
     name: str
@@ -124,6 +122,8 @@ class Call:
     written: tuple = ()
     trained: list = dataclasses.field(default_factory=list)
     trained_versions: list = dataclasses.field(default_factory=list)
+    stored: tuple = ()
+    layout: Any = None
 
 
 class Sweep:
@@ -140,6 +140,9 @@ class Sweep:
         names: Mapping[str, nn.Module] | None = None,
     ):
         self.opts, self.pass_state, self.device = opts, pass_state, device
+        self.policy = opts.boundary
+        self.stores = self.policy.dtype is not None or self.policy.offload
+        self.prefetch = B.Prefetcher(self.policy, device) if self.stores else None
         self.names, self.split_at = dict(names or cut_modules(model, split_at)), list(split_at)
         self.calls: dict[str, int] = {}
         self.ungraded: set[str] = set()
@@ -196,9 +199,29 @@ class Sweep:
             {id(p): p for p in call.params.values() if p.requires_grad and B.is_differentiable(p)}.values()
         )
         call.trained_versions = [p._version for p in call.trained]
+        if self.stores:
+            self.store(call)
         tensors = StageCall.apply(self, call, self.anchor, *[leaves[i] for i in call.inputs], *call.trained)
         out, call.constants = call.constants or [], None  # the call keeps no output of its own
         return pytree.tree_unflatten([c if k is None else tensors[k] for c, k in zip(out, call.routes)], call.out_spec)
+
+    def store(self, call: Call) -> None:
+        """The call's inputs that require grad kept as the boundary policy says (in its dtype, on the
+        host), as a chain keeps its boundaries: the forward runs on the kept values, so its rebuild
+        recomputes exactly what the forward ran; the input costates pass straight through the rounding."""
+        picked = [i for i in call.inputs if B.is_differentiable(call.leaves[i])]
+        stats = self.stats.setdefault(call.name, {})
+        stats["boundary_bytes"] = 0
+        if not picked:
+            return
+        assert self.prefetch is not None  # made where a policy stores
+        call.layout = B.Layout.of([call.leaves[i] for i in picked])
+        kept, fed = self.policy.store([call.leaves[i] for i in picked], call.layout, self.prefetch.stream)
+        for i, t in zip(picked, fed):
+            call.leaves[i] = t
+            call.versions[i] = t._version
+        call.stored = tuple(zip(picked, kept))
+        stats["boundary_bytes"] = B.nbytes(kept)
 
     def run_forward(self, call: Call) -> list:
         """The call without a graph: its output's tensor leaves."""
@@ -211,6 +234,14 @@ class Sweep:
             with F.timer(self.opts, stats, "forward_s", f"eae/{call.name}/forward"), torch.no_grad():
                 out = call.forward(*args, **kwargs)
             WRITES.after(call, copies)
+            if call.stored and call.written:
+                raise ValueError(
+                    f"cut {call.name!r} writes into its input {leaf_name(call, call.written[0])} in place, and "
+                    f"boundary_dtype= / offload= keep a copy of it: the write would miss the caller's tensor. "
+                    f"Write out of place in the module, or leave out boundary_dtype= and offload="
+                )
+            for i, t in call.stored:
+                call.leaves[i], call.versions[i] = t, -1  # the kept copy, its own: nothing to watch
             F.check_modes(call.modes, f"cut {call.name!r}")  # the modes were read before the call
             if torch.initial_seed() != seed:  # it seeds torch's generator itself (torch.seed(): Reformer)
                 call.sums = sums(out)  # which the rebuild cannot replay: it must come to the same outputs
@@ -306,6 +337,11 @@ class Sweep:
         costates = self.passes(call, costates[: len(costates) - len(dirty)]) + costates[len(costates) - len(dirty) :]
         stats = self.stats.setdefault(call.name, {})
         leaves, own = list(call.leaves), {}
+        if call.stored:
+            positions, kept = zip(*call.stored)
+            assert self.prefetch is not None
+            for i, t in zip(positions, self.prefetch.get(call.index, list(kept), call.layout)):
+                leaves[i] = t
         local = {n: own.setdefault(id(p), p.detach().requires_grad_(p.requires_grad)) for n, p in call.params.items()}
         inputs = [leaves[i].requires_grad_() for i in call.inputs]  # detached when kept
         args, kwargs = pytree.tree_unflatten(leaves, call.spec)

@@ -166,8 +166,9 @@ def test_eae_trainer_logs_named_boundaries(tmp_path, eae_log, keys):
 
 @pytest.mark.parametrize("eae", [{"capture": "graph"}, {"boundary_dtype": torch.float32}], ids=["graph", "bdtype"])
 def test_eae_trainer_with_options_only_a_captured_chain_has_trains_as_trainer_does(tmp_path, eae):
-    """Options that fall back to graph capture (``boundary_dtype``, ``capture="graph"``) failed: the
-    ``use_cache=False`` it added to the inputs was a boundary leaf, the Trainer itself fingerprinted."""
+    """Graph capture (``capture="graph"``, and ``boundary_dtype``, which once fell back to it and now runs
+    at run time) failed: the ``use_cache=False`` it added to the inputs was a boundary leaf, the Trainer
+    itself fingerprinted."""
 
     class Captured(EAETrainer):
         def __init__(self, *a, **k):
