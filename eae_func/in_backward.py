@@ -12,7 +12,8 @@ recipe, by post-accumulate-grad hooks, grouped by stage as the fold steps a chai
                            (``max_norm``), the group stepped, the gradients dropped
     after the backward:    a group still waiting (a member with no gradient) stepped with what it has;
                            each optimizer's ``step()`` once with no gradient left, so its step hooks and
-                           schedulers count one step per sweep
+                           schedulers count one step per sweep (under ``ef.enable``, the loop's own
+                           ``step()`` does both: a second backward before it is refused)
 
 The pure form ``ef.fused(fn, state)`` takes ``state`` in params' structure (an entry per parameter
 name) and ``fn(params_g, grads_g, state_g)`` gets the dicts of a group's names; nothing is written,
@@ -91,9 +92,10 @@ class InBackward:
             g, t.grad = t.grad, None
             if name in self.arrived:
                 raise RuntimeError(
-                    f"fused: {name!r} got a gradient twice in one backward (a custom Function's own backward "
-                    f"ran autograd on it); its group was already stepped on the first part: run this model "
-                    f"unfused (no update=), then optimizer.step()"
+                    f"fused: {name!r} got a second gradient before the optimizer's step() (a second backward, as "
+                    f"gradient accumulation runs, or a custom Function's own backward running autograd on it), "
+                    f"and its group was stepped on the first: the fused update steps in each backward; "
+                    f"accumulate without update=, then optimizer.step()"
                 )
             self.arrived.add(name)
             group = self.groups[name]
@@ -130,10 +132,16 @@ class InBackward:
             if not isinstance(t, torch.Tensor) or (t.shape, t.dtype, t.device) != (old.shape, old.dtype, old.device):
                 raise ValueError(f"{where} returned {n!r} unlike the parameter ({tuple(old.shape)} {old.dtype})")
 
-    def finish(self) -> None:
-        """The groups still waiting stepped, then each optimizer's ``step()`` once (hooks, schedulers)."""
+    def flush(self) -> None:
+        """The groups still waiting (a member with no gradient) stepped with what they have; the next
+        backward may bring every gradient again."""
         for group in list(self.waiting):
             self._use(group, self.waiting.pop(group))
+        self.arrived, self.stepped = set(), []
+
+    def finish(self) -> None:
+        """``flush``, then each optimizer's ``step()`` once (its hooks, schedulers)."""
+        self.flush()
         for optimizer in self.spec.optimizers:
             optimizer.step()
 

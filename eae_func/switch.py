@@ -15,6 +15,15 @@ into ``.grad`` as it does without EAE (gradient accumulation, ``clip_grad_norm_`
 DDP's and FSDP's hooks see them there); a GradScaler's scale is in the costates the passes see.
 Without grad (``torch.no_grad()``, inference) a matched module runs as written and nothing is kept.
 
+With ``update=optimizer`` the optimizer steps inside the backward (``in_backward``): each cut module's
+parameters once autograd has accumulated all of their gradients, each glue module's likewise, so the
+whole network's gradients never exist at once. The loop's own ``optimizer.step()`` then finds no
+gradient: it steps what is still waiting (a parameter the backward gave no gradient), runs its hooks
+and lets the next backward begin (a second backward before it is refused: the fused step cannot
+accumulate); ``clip_grad_norm_`` and a GradScaler see no gradient either (``ef.fused(opt,
+max_norm=)`` clips per stage). Under several processes (DDP) it is refused: each replica would step
+on its own gradients.
+
 The passes' state threads from backward to backward and is saved in ``model.state_dict()`` under
 ``eae_pass_state`` (one uint8 tensor, so safetensors and every checkpoint format carry it) and
 restored by ``load_state_dict`` (a state dict without it leaves the state as it is).
@@ -23,6 +32,7 @@ restored by ``load_state_dict`` (a state dict without it leaves the state as it 
 from __future__ import annotations
 
 import io
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,6 +43,8 @@ from torch import nn
 from . import cuts
 from . import fold as F
 from .adjoint import AdjointState
+from .boundary import is_differentiable
+from .in_backward import InBackward
 from .options import Options, make
 
 if TYPE_CHECKING:
@@ -58,6 +70,12 @@ class Switch:
         self.last: Step | None = None
         self.originals: list[tuple[nn.Module, Any]] = []
         self.handles: list[Any] = []
+        self.update: InBackward | None = None
+        self.warned = False
+        if opts.update is not None:  # every parameter found in the optimizer before anything is installed
+            params = dict(model.named_parameters())
+            trained = [n for n, p in params.items() if p.requires_grad and is_differentiable(p)]
+            self.update = InBackward.prepare(opts.update, model, params, trained, list(self.names), {})
 
     def __enter__(self) -> Switch:
         return self
@@ -75,6 +93,9 @@ class Switch:
             self.model.register_state_dict_post_hook(lambda *a: self.saved(*a)),  # a function: torch marks it
             self.model.register_load_state_dict_pre_hook(lambda *a: self.loaded(*a)),
         ]
+        if self.update is not None:
+            self.handles += self.update.install(dict(self.model.named_parameters()))
+            self.handles += [o.register_step_pre_hook(self.stepping) for o in self.update.spec.optimizers]
         config = getattr(self.model, "config", None)
         self.use_cache = getattr(config, "use_cache", None)
         if self.use_cache:  # a Hugging Face model: the KV cache its forward fills would be read again by the rebuilds
@@ -90,7 +111,7 @@ class Switch:
             h.remove()
         if self.use_cache:
             self.model.config.use_cache = self.use_cache  # type: ignore[union-attr]
-        self.originals, self.handles = [], []
+        self.originals, self.handles, self.update = [], [], None
 
     def new_forward(self, module: nn.Module, args: Any) -> None:
         """A forward of the model starts a sweep of its own (made at its first cut call)."""
@@ -100,9 +121,29 @@ class Switch:
         """The sweep a cut call with grad enabled belongs to (``None`` without grad: nothing kept)."""
         if not torch.is_grad_enabled():
             return None
+        if self.update is not None and cuts.multi_process():
+            raise ValueError(
+                f"enable: update= steps {type(self.model).__name__} inside its backward, before DDP or FSDP "
+                f"average the gradients, so each replica would train on its own: leave update= out under "
+                f"several processes"
+            )
         if self.current is None:
             self.current = Step(self)
         return self.current
+
+    def stepping(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Before the loop's ``optimizer.step()``: what the backward left waiting is stepped, and the
+        next backward may begin; the step itself then finds no gradient (said once)."""
+        assert self.update is not None
+        self.update.flush()
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"ef.enable(update=...): {type(self.model).__name__}'s parameters were stepped inside the "
+                f"backward, so {type(optimizer).__name__}.step() finds no gradient and steps nothing more (its "
+                f"hooks run; an LR scheduler steps as usual)",
+                stacklevel=3,
+            )
 
     def on_costate(self, fn: Callable[[AdjointState], Any]) -> Callable[[], None]:
         """Call ``fn(record)`` with each boundary's record (after the passes) as the backward makes it;
@@ -150,15 +191,19 @@ class Step(cuts.Sweep):
 def enable(model: nn.Module, split_at: Sequence[str], **options: Unpack[SweepOptions]) -> Switch:
     """Cut ``model`` at run time at the module paths ``split_at`` for every forward from now on, so any
     backward through its output runs the EAE reverse steps with ``options`` (``passes``, ``key``,
-    ``keep_costates``, ``timers``, ``early_stop``, ``autocast``); returns the ``Switch``. Also a context
-    manager: ``with ef.enable(model, ...):`` turns it off on exit. Options that need the sweep to own
-    the step (``update=``, ``microbatches=``) or a captured graph are refused, naming them."""
+    ``keep_costates``, ``timers``, ``early_stop``, ``autocast``, ``boundary_dtype``, ``offload``, and
+    ``update=`` a torch.optim optimizer over the model's parameters: stepped inside each backward);
+    returns the ``Switch``. Also a context manager: ``with ef.enable(model, ...):`` turns it off on exit.
+    Options that need the sweep to own the step (``microbatches=``, ``data_parallel=``, a pure update)
+    or a captured graph are refused, naming them."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable: expected an nn.Module, got {type(model).__name__}")
     if enabled(model) is not None:
         raise ValueError(f"enable: {type(model).__name__} is already enabled; ef.disable(model) first")
     opts = make("enable", options, keep_costates=False, timers=False)
-    owned = [f"{n}=" for n in ("update", "microbatches", "data_parallel") if getattr(opts, n) != getattr(Options(), n)]
+    owned = [f"{n}=" for n in ("microbatches", "data_parallel") if getattr(opts, n) != getattr(Options(), n)]
+    if opts.update is not None and opts.update.fn is not None:
+        owned.append("update= with a pure function (its new parameters come back from ef.sweep alone)")
     refused = owned + cuts.needs_graph(opts)
     if refused:
         raise ValueError(

@@ -14,6 +14,8 @@ from torch import nn
 import eae_func as ef
 from eae_func import passes as P
 
+from live_bytes import LiveBytes
+
 
 class Net(nn.Module):
     """Embedding, blocks called from Python (one of them twice, with dropout), a final norm and a head."""
@@ -197,9 +199,8 @@ def test_on_costate_sees_each_record_and_options_the_loop_owns_are_refused():
         assert list(ef.records(model)) == [s for s, _ in seen]
         with pytest.raises(ValueError, match="already enabled"):
             ef.enable(model, split_at=["blocks.*"])
-    for option in ({"update": torch.optim.SGD(model.parameters(), lr=0.1)}, {"microbatches": 2}):
-        with pytest.raises(ValueError, match=r"enable: (update|microbatches)=.*ef.sweep"):
-            ef.enable(model, split_at=["blocks.*"], **option)
+    with pytest.raises(ValueError, match=r"enable: microbatches=.*ef.sweep"):
+        ef.enable(model, split_at=["blocks.*"], microbatches=2)
     assert ef.enabled(model) is None
     with pytest.raises(ValueError, match="not enabled"):
         ef.disable(model)
@@ -235,3 +236,71 @@ def test_a_hugging_face_lm_trains_unchanged():
     assert model.config.use_cache is True
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_a_fused_update_steps_inside_loss_backward_as_the_loop_would():
+    """``ef.enable(update=opt)``: the loop as written (backward, ``opt.step()``, ``zero_grad``) gives
+    autograd + AdamW's weights bit for bit, ``opt.step()`` says once that it finds nothing to step, a
+    second backward before it is refused, and ``disable`` gives ``.grad`` back."""
+    torch.manual_seed(0)
+    model = Net(width=32, dropout=0.2)
+    data = [batch(seed=s) for s in range(3)]
+
+    def step(m, opt, k):
+        ids, labels = data[k]
+        torch.manual_seed(k)
+        ce(m(ids), labels).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def adamw(ps):
+        return torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+
+    want = loop(copy.deepcopy(model), 3, adamw, step)
+    opt = adamw(model.parameters())
+    with ef.enable(model, split_at=["blocks.*"], update=opt):
+        with pytest.warns(UserWarning, match=r"stepped inside the backward, so AdamW.step\(\) finds no gradient"):
+            step(model, opt, 0)
+        for k in (1, 2):
+            step(model, opt, k)
+        assert all(p.grad is None for p in model.parameters())
+        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+        ids, labels = data[0]
+        ce(model(ids), labels).backward()
+        with pytest.raises(RuntimeError, match=r"second gradient before the optimizer's step\(\)"):
+            ce(model(ids), labels).backward()  # accumulation: the first backward stepped already
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0, msg=n)
+    model.zero_grad(set_to_none=True)
+    ce(model(ids), labels).backward()  # disabled: autograd's .grad again
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_fused_update_the_switch_cannot_serve_is_refused():
+    model = Net()
+    params = dict(model.named_parameters())
+    pure = ef.fused(lambda p, g, s: (p, s), {n: None for n in params})
+    with pytest.raises(ValueError, match=r"enable: update= with a pure function"):
+        ef.enable(model, split_at=["blocks.*"], update=pure)
+    model.head.weight.grad = torch.zeros_like(model.head.weight)
+    with pytest.raises(ValueError, match=r"already have .grad set"):
+        ef.enable(model, split_at=["blocks.*"], update=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert ef.enabled(model) is None
+
+
+def test_the_fused_backward_holds_one_block_of_gradients_not_all():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(6))), torch.randn(2, 256)
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    block = grads / len(model)
+    with LiveBytes() as plain:
+        model(x).square().mean().backward()
+    model.zero_grad(set_to_none=True)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with ef.enable(model, split_at=["*"], update=opt), pytest.warns(UserWarning, match="finds no gradient"):
+        model(x).square().mean().backward()
+        opt.step()
+        with LiveBytes() as fused:
+            model(x).square().mean().backward()
+    assert plain.peak >= grads  # every gradient alive at once
+    assert fused.peak < 2.5 * block, (fused.peak, block)  # one block's gradients and its rebuild
