@@ -389,7 +389,8 @@ def check_closed_over(chain: Chain, i: int, outputs: list, own: Sequence[torch.T
 
 def closed_over(outputs: Sequence, own: Sequence[torch.Tensor] = ()) -> list | None:
     """The shapes of up to three leaf tensors requiring grad, other than ``own``, that ``outputs``
-    depend on (``[]``: some, unknown; ``None``: none)."""
+    depend on (``[]``: some, unknown; ``None``: none). A leaf that is a view (``x[:, None]`` made to
+    require grad inside a forward, as HuBERT's feature encoder does) is not counted: no caller holds it."""
     grad_fns = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
     if not grad_fns:
         return None
@@ -401,7 +402,7 @@ def closed_over(outputs: Sequence, own: Sequence[torch.Tensor] = ()) -> list | N
             continue
         seen.add(fn)
         variable = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf tensor
-        if variable is not None and id(variable) not in mine:
+        if variable is not None and id(variable) not in mine and variable._base is None:
             leaves.append(tuple(variable.shape))
         todo += [f for f, _ in fn.next_functions if f is not None]
     return None if mine and not leaves else leaves

@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 
     from .options import SweepOptions
 
+__all__ = ["Switch", "disable", "enable", "enabled", "records"]
+
 KEY = "eae_pass_state"
 _SWITCHES: weakref.WeakKeyDictionary[nn.Module, Switch] = weakref.WeakKeyDictionary()
 
