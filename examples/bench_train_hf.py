@@ -1,0 +1,270 @@
+"""A training step with AdamW on a Hugging Face causal LM, side by side: memory and time.
+
+Workload: ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` built from a config (random weights, no download),
+seed 0, fp32, train mode, random token ids (batch x seq); the next-token loss
+``cross_entropy(logits[:, :-1], ids[:, 1:])``; one step is forward, backward and ``AdamW.step()``:
+
+    autograd               loss.backward(); opt.step()
+    hf-checkpoint          model.gradient_checkpointing_enable() (non-reentrant), then the same
+    hf-checkpoint + in-bw  the same, each parameter stepped by its own AdamW from a post-accumulate-grad
+                           hook (PyTorch's optimizer-in-backward recipe): no full set of gradients
+    eae_func               ef.sweep(model, params, ids, ids, loss=..., split_at=[layers]); write_back; opt.step()
+    eae_func update=       the same with update=opt: each layer stepped in its own backward node
+    + chunked head         update=opt on the body (``model.model`` / ``model.transformer``) with
+                           loss=ef.chunked_loss(model.lm_head, chunks=8) on its last hidden state:
+                           the logits never exist whole; the head is glue the optimizer steps
+    + bf16 boundaries      the same with boundary_dtype=torch.bfloat16 (cut inputs kept in bf16)
+
+Every method trains its own copy of the same weights. Two warm-up steps make AdamW's state, so the
+memory column is the peak of tensor bytes created during one more step and alive at once, which is
+the step's peak above the weights and the optimizer state: on the CPU counted exactly by a
+``TorchDispatchMode`` (``bench_memory.LiveBytes``), on CUDA ``max_memory_allocated`` minus what was
+allocated before the step. Times are medians over ``--rounds`` rounds in which the methods alternate
+step by step (each step after ``torch.manual_seed(round)``, so dropout draws alike). Ratios are to
+``hf-checkpoint``. The "loss" column is each method's loss at its last step and "max |dw|" the
+largest difference of its weights from autograd's after the same steps (float32 rounding).
+
+``--budget-mb B`` adds, per method, the longest sequence (a multiple of 64) whose step peak fits in
+B MB above the weights and optimizer state, found by doubling then bisection on live bytes.
+
+    python examples/bench_train_hf.py                       # Llama 8 x 256, vocab 8192, 4 x 512
+    python examples/bench_train_hf.py --family gpt2
+    python examples/bench_train_hf.py --layers 4 --hidden 512 --vocab 512 --batch 2 --seq 64
+    python examples/bench_train_hf.py --budget-mb 200
+    python examples/bench_train_hf.py --quick               # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import eae_func as ef
+
+from bench_memory import LiveBytes
+from extras import extra
+
+MB = 2**20
+METHODS = (
+    "autograd",
+    "hf-checkpoint",
+    "hf-checkpoint + in-bw",
+    "eae_func",
+    "eae_func update=",
+    "+ chunked head",
+    "+ bf16 boundaries",
+)
+
+
+def build(family: str, layers: int, hidden: int, vocab: int, seq: int) -> tuple[nn.Module, str, str]:
+    """``(model, body attribute, layer pattern within the body)``: a random causal LM from a config."""
+    with extra("hf"):
+        import transformers
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(
+            n_layer=layers, n_embd=hidden, n_head=max(1, hidden // 64), vocab_size=vocab, n_positions=seq,
+            use_cache=False,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config).train(), "transformer", "h.*"
+    config = transformers.LlamaConfig(
+        hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128), vocab_size=vocab,
+        max_position_embeddings=seq, use_cache=False,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).train(), "model", "layers.*"
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning)
+
+
+def make_step(method: str, model: nn.Module, body: str, layers: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One training step of ``method`` on ``model`` (its own optimizer inside), as ``step(ids) -> loss``."""
+    split_at = [f"{body}.{layers}"]
+    if method in ("autograd", "hf-checkpoint"):
+        if method == "hf-checkpoint":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        opt = adamw(model.parameters())
+
+        def plain(ids):
+            loss = lm_loss(model(ids).logits, ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return plain
+    if method == "hf-checkpoint + in-bw":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        each = {p: adamw([p]) for p in model.parameters()}
+
+        def stepped(p):
+            each[p].step()
+            each[p].zero_grad(set_to_none=True)
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(stepped)
+
+        def in_backward(ids):
+            loss = lm_loss(model(ids).logits, ids)
+            loss.backward()
+            return loss.detach()
+
+        return in_backward
+    opt = adamw(model.parameters())
+    if method == "eae_func":
+
+        def unfused(ids):
+            res = ef.sweep(model, dict(model.named_parameters()), ids, ids, split_at=split_at,
+                           loss=lambda out, y: lm_loss(out.logits, y))  # fmt: skip
+            ef.write_back(model, res)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return res.loss
+
+        return unfused
+    if method == "eae_func update=":
+
+        def fused(ids):
+            return ef.sweep(model, dict(model.named_parameters()), ids, ids, split_at=split_at, update=opt,
+                            loss=lambda out, y: lm_loss(out.logits, y)).loss  # fmt: skip
+
+        return fused
+    trunk = getattr(model, body)
+    chunked = ef.chunked_loss(model.get_output_embeddings(), chunks=8)
+    options = {"boundary_dtype": torch.bfloat16} if method == "+ bf16 boundaries" else {}
+
+    def fused_chunked(ids):
+        return ef.sweep(
+            trunk, dict(trunk.named_parameters()), ids, ids, split_at=[layers], update=opt,
+            loss=lambda out, y: chunked(out.last_hidden_state[:, :-1], y[:, 1:]), **options,
+        ).loss  # fmt: skip
+
+    return fused_chunked
+
+
+def step_peak(step: Callable, ids: torch.Tensor) -> int:
+    """Bytes created by one step and alive at once (the weights and optimizer state exist before it)."""
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step(ids)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    with LiveBytes() as live:
+        step(ids)
+    return live.peak
+
+
+def setup(args: argparse.Namespace, seq: int, methods: tuple) -> tuple[dict, dict, torch.Tensor]:
+    """Each method's model (the same weights) and step, warmed up twice, and the ids."""
+    model, body, layers = build(args.family, args.layers, args.hidden, args.vocab, seq)
+    model.to(args.device)
+    models = {m: copy.deepcopy(model) for m in methods}
+    steps = {m: make_step(m, models[m], body, layers) for m in methods}
+    ids = torch.randint(args.vocab, (args.batch, seq), generator=torch.Generator().manual_seed(0)).to(args.device)
+    for k in range(2):
+        for m in methods:
+            torch.manual_seed(k)
+            steps[m](ids)
+    return models, steps, ids
+
+
+def longest(args: argparse.Namespace, method: str) -> int:
+    """The longest multiple of 64 tokens whose step peak of ``method`` fits ``--budget-mb``."""
+
+    def fits(seq: int) -> bool:
+        _, steps, ids = setup(args, seq, (method,))
+        return step_peak(steps[method], ids) <= args.budget_mb * MB
+
+    lo, hi = 0, 64
+    while fits(hi) and hi < args.max_seq:
+        lo, hi = hi, min(2 * hi, args.max_seq)
+    if lo == hi:
+        return lo
+    while hi - lo > 64:
+        mid = (lo + hi) // 128 * 64
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=["llama", "gpt2"], default="llama")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--budget-mb", type=float, default=None, help="also find the longest sequence in this budget")
+    parser.add_argument("--max-seq", type=int, default=8192)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="METHOD")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 layers, width 64, vocab 512, 2 x 64")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.hidden, args.vocab, args.batch, args.seq, args.rounds = 2, 64, 512, 2, 64, 1
+        args.max_seq = min(args.max_seq, 256)
+    torch.set_num_threads(args.threads)
+    methods = tuple(args.methods)
+    models, steps, ids = setup(args, args.seq, methods)
+    times: dict[str, list] = {m: [] for m in methods}
+    losses = {}
+    for r in range(args.rounds):
+        for m in methods:
+            torch.manual_seed(2 + r)
+            if ids.is_cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            losses[m] = float(steps[m](ids))
+            if ids.is_cuda:
+                torch.cuda.synchronize()
+            times[m].append(time.perf_counter() - start)
+    peaks = {}
+    for m in methods:
+        torch.manual_seed(2 + args.rounds)
+        peaks[m] = step_peak(steps[m], ids)
+    reference = dict(models[methods[0]].named_parameters())
+    drift = {m: max((p - reference[n]).abs().max().item() for n, p in models[m].named_parameters()) for m in methods}
+    base = "hf-checkpoint" if "hf-checkpoint" in methods else methods[0]
+    t0, p0 = statistics.median(times[base]), peaks[base]
+    print(
+        f"{args.family}: {args.layers} layers x {args.hidden}, vocab {args.vocab}, batch {args.batch} x "
+        f"{args.seq}, fp32, {args.device}, AdamW; medians of {args.rounds} interleaved rounds; ratios to {base}"
+    )
+    print(f"{'method':24} {'step s':>8} {'ratio':>7} {'peak MB':>9} {'ratio':>7} {'loss':>9} {'max |dw|':>9}")
+    for m in methods:
+        t = statistics.median(times[m])
+        print(
+            f"{m:24} {t:8.3f} {t / t0:6.2f}x {peaks[m] / MB:9.1f} {peaks[m] / p0:6.2f}x {losses[m]:9.5f} "
+            f"{drift[m]:9.2e}"
+        )
+    if args.budget_mb is not None:
+        print(f"longest sequence (multiple of 64, at most {args.max_seq}) whose step fits {args.budget_mb:g} MB:")
+        found = {m: longest(args, m) for m in methods}
+        for m in methods:
+            print(f"{m:24} {found[m]:6d} {found[m] / max(found[base], 1):6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
