@@ -71,6 +71,30 @@ def test_eae_trainer_trains_as_trainer_does(tmp_path, extra):
     assert trainer.state.global_step == 3
 
 
+@pytest.mark.parametrize("extra", [{}, {"gradient_accumulation_steps": 2}], ids=["plain", "accumulate2"])
+def test_eae_trainer_with_the_head_in_chunks_trains_as_trainer_does(tmp_path, extra):
+    """``eae_loss_chunks=3``: GPT-2's tied head and its loss over 3 chunks of tokens (labels shifted,
+    -100 ignored, ``num_items_in_batch`` honoured) train as Trainer does; what the chunked loss cannot
+    compute as the model does is refused."""
+
+    class Chunked(EAETrainer):
+        def __init__(self, *a, **k):
+            super().__init__(*a, eae_loss_chunks=3, **k)
+
+    model, logs, _ = _train(transformers.Trainer, tmp_path / "hf", **extra)
+    eae_model, eae_logs, _ = _train(Chunked, tmp_path / "eae", **extra)
+    assert len(logs) == len(eae_logs) == 3
+    for (loss, norm), (eae_loss, eae_norm) in zip(logs, eae_logs):
+        assert abs(loss - eae_loss) <= 1e-6 * abs(loss) and abs(norm - eae_norm) <= 1e-5 * abs(norm)
+    worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), eae_model.parameters()))
+    assert worst <= 1e-6, worst
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "bad"), report_to=[], use_cpu=True)
+    with pytest.raises(ValueError, match=r"eae_loss_chunks must be a positive int"):
+        EAETrainer(model=model, args=args, eae_loss_chunks=0)
+    with pytest.raises(ValueError, match=r"would not be the model's own \(label smoothing\)"):
+        _train(Chunked, tmp_path / "smooth", label_smoothing_factor=0.1)
+
+
 def _ddp_weights(accumulate):
     """On each of 2 gloo ranks (DDP): the final weights of Trainer and of EAETrainer after 3 steps of a
     tiny GPT-2, batch 4 per rank; and every rank's EAETrainer weights."""

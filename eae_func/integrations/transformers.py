@@ -23,6 +23,15 @@ With Trainer's logs, per cut layer (named as ``res.adjoints`` names it, e.g. ``t
 only when Trainer logs. The layers' outputs are the trace's only boundaries: the loss and the glue
 around the layers (embeddings, head, ``num_items_in_batch``) are differentiated by autograd, so no
 costate of the loss itself or of a Trainer input is logged.
+
+With ``eae_loss_chunks=k`` a causal LM's head and loss run in ``k`` chunks of tokens (``ef.chunked_loss``
+on ``model.get_output_embeddings()``), so the logits never exist whole: the program swept is the base
+model's last hidden state and
+
+    loss = Σ_t CE(head(h_t), y_{t+1}) / n      n = num_items_in_batch, else #{t : y_{t+1} != -100}
+
+which is the model's own loss (labels shifted by one, ``-100`` ignored). A model whose logits are not
+just ``head(h)`` (a soft cap, a scale), label smoothing or a ``compute_loss_func`` are refused.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ except ModuleNotFoundError as e:
     raise missing(__name__, "hf", e) from e
 
 from ..chain import write_buffers, write_grads
+from ..chunked import chunked_loss
 from ..sweep import carries_state, stateful, sweep
 from .logs import DEFAULT, boundary_logs, chosen
 
@@ -81,7 +91,7 @@ class ComputedLoss(nn.Module):
     _eae_loss: Callable[..., Any]
     _eae_model: nn.Module
 
-    def __init__(self, trainer: Trainer, model: nn.Module):
+    def __init__(self, trainer: Trainer, model: nn.Module, chunks: int | None = None):
         super().__init__()
         self._modules, self._parameters, self._buffers = model._modules, model._parameters, model._buffers
         cache = {"use_cache": False} if getattr(getattr(model, "config", None), "use_cache", None) is not None else {}
@@ -89,6 +99,9 @@ class ComputedLoss(nn.Module):
         def compute_loss(inputs: dict, num_items_in_batch: Any) -> Any:
             # a KV cache the forward fills would be read again by the rebuilds
             return trainer.compute_loss(model, {**inputs, **cache}, num_items_in_batch=num_items_in_batch)
+
+        if chunks is not None:
+            compute_loss = chunked_causal_loss(trainer, model, chunks, cache)
 
         # not submodules, and a function (what a graph capture fingerprints by identity), not the Trainer
         object.__setattr__(self, "_eae_loss", compute_loss)
@@ -100,12 +113,42 @@ class ComputedLoss(nn.Module):
         return loss
 
 
+def chunked_causal_loss(trainer: Trainer, model: nn.Module, chunks: int, cache: dict) -> Callable:
+    """The causal-LM loss of ``model`` with its head over ``chunks`` chunks of tokens (the module
+    docstring's formula), as ``compute_loss(inputs, num_items_in_batch)``; what it cannot compute as
+    the model does is refused."""
+    where = "EAETrainer(eae_loss_chunks=...)"
+    head, body = model.get_output_embeddings(), getattr(model, "base_model", model)  # type: ignore[operator]
+    if not isinstance(head, nn.Module) or body is model:
+        raise ValueError(f"{where}: {type(model).__name__} is not a causal LM with a head on a base model")
+    config = getattr(model, "config", None)
+    changed = [a for a in ("final_logit_softcapping", "logit_scale", "logits_scaling") if getattr(config, a, None)]
+    if changed or trainer.args.label_smoothing_factor or trainer.compute_loss_func is not None:
+        why = changed[0] if changed else "label smoothing" if trainer.args.label_smoothing_factor else "compute_loss_func"
+        raise ValueError(f"{where}: the loss would not be the model's own ({why}); leave eae_loss_chunks out")
+    summed = chunked_loss(head, chunks=chunks, reduction="sum")
+
+    def compute_loss(inputs: dict, num_items_in_batch: Any) -> torch.Tensor:
+        if "labels" not in inputs:
+            raise ValueError(f"{where}: the batch has no labels; give the causal LM its labels")
+        labels = inputs["labels"]
+        rest = {k: v for k, v in inputs.items() if k != "labels"}
+        hidden = body(**rest, **cache).last_hidden_state
+        total = summed(hidden[:, :-1], labels[:, 1:])
+        n = num_items_in_batch if num_items_in_batch is not None else (labels[:, 1:] != -100).sum()
+        return total / n
+
+    return compute_loss
+
+
 class EAETrainer(Trainer):
     """``Trainer`` whose training step is an ``ef.sweep``; ``eae``: the sweep's options (``passes``,
     ``boundary_dtype``, ``recompute``, ...), ``split_at``: where to cut (default ``layers_of(model)``),
     ``eae_log``: what is logged per cut layer as ``eae/<layer>/<name>``: ``"norm"`` (the costate's
     2-norm, the default) and names the passes record (``"clip_norm"``, ``"clipped"``, ``P.stats()``'s
-    ``"mean"``, ``"std"``, ...), ``"all"`` for the norm and every number they record, ``()`` nothing."""
+    ``"mean"``, ``"std"``, ...), ``"all"`` for the norm and every number they record, ``()`` nothing;
+    ``eae_loss_chunks``: a causal LM's head and loss over that many chunks of tokens (``ef.chunked_loss``),
+    so the logits never exist whole (``None``: the model's own loss)."""
 
     def __init__(
         self,
@@ -113,9 +156,15 @@ class EAETrainer(Trainer):
         eae: dict | None = None,
         split_at: Sequence[str] | None = None,
         eae_log: str | Sequence[str] = DEFAULT,
+        eae_loss_chunks: int | None = None,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
+        if eae_loss_chunks is not None and (
+            isinstance(eae_loss_chunks, bool) or not isinstance(eae_loss_chunks, int) or eae_loss_chunks < 1
+        ):
+            raise ValueError(f"EAETrainer: eae_loss_chunks must be a positive int or None, got {eae_loss_chunks!r}")
+        self.eae_loss_chunks = eae_loss_chunks
         self.eae = dict(eae or {})
         self.eae_log = chosen(eae_log, self.eae, "EAETrainer(eae_log=...)")
         for refused in ("update", "microbatches", "loss", "split_at"):
@@ -139,7 +188,7 @@ class EAETrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
         unwrapped = self.accelerator.unwrap_model(model, keep_fp32_wrapper=False)
         if self._swept is None or self._swept._eae_model is not unwrapped:
-            self._swept = ComputedLoss(self, unwrapped)
+            self._swept = ComputedLoss(self, unwrapped, self.eae_loss_chunks)
         scaled_for_ga = (
             self.loss_is_scaled_for_ga
             if self.loss_is_scaled_for_ga is not None
