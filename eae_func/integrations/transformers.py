@@ -124,7 +124,9 @@ def chunked_causal_loss(trainer: Trainer, model: nn.Module, chunks: int, cache: 
     config = getattr(model, "config", None)
     changed = [a for a in ("final_logit_softcapping", "logit_scale", "logits_scaling") if getattr(config, a, None)]
     if changed or trainer.args.label_smoothing_factor or trainer.compute_loss_func is not None:
-        why = changed[0] if changed else "label smoothing" if trainer.args.label_smoothing_factor else "compute_loss_func"
+        why = (
+            changed[0] if changed else "label smoothing" if trainer.args.label_smoothing_factor else "compute_loss_func"
+        )
         raise ValueError(f"{where}: the loss would not be the model's own ({why}); leave eae_loss_chunks out")
     summed = chunked_loss(head, chunks=chunks, reduction="sum")
 
