@@ -1,7 +1,8 @@
 """``ef.enable`` under the training loops users already have: Accelerate with gradient accumulation,
-PEFT LoRA, Lightning's automatic optimization with clipping and accumulation, and DDP with
-``no_sync`` accumulation over 2 gloo ranks. Each runs the same loop with and without EAE from the
-same weights: after 3 steps the weights are equal, bit for bit in float32."""
+PEFT LoRA, Lightning's automatic optimization with clipping and accumulation, DDP with ``no_sync``
+accumulation and FSDP2 (enabled before or after ``fully_shard``) over 2 gloo ranks, and
+``torch.compile``. Each runs the same loop with and without EAE from the same weights: after 3 steps
+the weights are equal, bit for bit in float32, and the records show the cuts ran."""
 
 import copy
 
@@ -164,3 +165,67 @@ def test_ddp_with_no_sync_accumulation_on_two_ranks():
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert all(torch.equal(a, b) for a, b in zip(ranks[0][1], ranks[1][1]))  # the replicas agree
+
+
+def test_torch_compile_of_an_enabled_model_breaks_at_the_cuts_and_trains_as_eager():
+    """``torch.compile(model)`` on an enabled model: dynamo breaks the graph at each cut call (which
+    runs eagerly, its reverse step too) and compiles the glue; the weights after the loop equal eager
+    autograd's."""
+
+    def train(model, run):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for x, y in batches(3):
+            F.cross_entropy(run(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return model
+
+    eager = Net()
+    want = train(eager, eager)
+    model = Net()
+    with ef.enable(model, split_at=["blocks.*"]):
+        torch._dynamo.reset()
+        got = train(model, torch.compile(model))
+        assert list(ef.records(model)) == ["blocks.2", "blocks.1", "blocks.0"]
+    torch._dynamo.reset()
+    assert_bitwise(got, want)
+
+
+def _fsdp2(eae):
+    """On each rank: FSDP2 (``fully_shard`` per block and at the root) over the model, enabled before
+    the sharding (``"before"``), after it (``"after"``) or not at all (``None``); the full weights after
+    3 steps and the records."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    model = Net(width=16)
+    if eae == "before":
+        ef.enable(model, split_at=["blocks.*"])
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    if eae == "after":
+        ef.enable(model, split_at=["blocks.*"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for x, y in batches(3, seed=dist.get_rank()):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    records = list(ef.records(model)) if eae else None
+    return [p.full_tensor().detach().clone() for p in model.parameters()], records
+
+
+def _fsdp2_all():
+    return {eae: _fsdp2(eae) for eae in (None, "before", "after")}
+
+
+def test_fsdp2_over_an_enabled_model_on_two_ranks():
+    import eae_func.distributed as D
+
+    for rank in D.run(_fsdp2_all, 2, timeout=240, pg_timeout=120):
+        want, _ = rank[None]
+        for order in ("before", "after"):
+            got, records = rank[order]
+            assert records == ["blocks.2", "blocks.1", "blocks.0"], order
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, msg=order)
