@@ -31,6 +31,8 @@ B MB above the weights and optimizer state, found by doubling then bisection on 
     python examples/bench_train_hf.py --family gpt2
     python examples/bench_train_hf.py --layers 4 --hidden 512 --vocab 512 --batch 2 --seq 64
     python examples/bench_train_hf.py --budget-mb 200
+    python examples/bench_train_hf.py --seqs 128 256 512 1024 --methods autograd hf-checkpoint "+ chunked head" \
+        --rounds 3 --plot docs/figures/bench_train_hf.png     # memory and time against the sequence length
     python examples/bench_train_hf.py --quick               # a smoke run
 """
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import pathlib
 import statistics
 import time
 import warnings
@@ -50,7 +53,7 @@ from torch import nn
 import eae_func as ef
 
 from bench_memory import LiveBytes
-from extras import extra
+from extras import OUT, extra
 
 MB = 2**20
 METHODS = (
@@ -206,28 +209,10 @@ def longest(args: argparse.Namespace, method: str) -> int:
     return lo
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=["llama", "gpt2"], default="llama")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--budget-mb", type=float, default=None, help="also find the longest sequence in this budget")
-    parser.add_argument("--max-seq", type=int, default=8192)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="METHOD")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 layers, width 64, vocab 512, 2 x 64")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.layers, args.hidden, args.vocab, args.batch, args.seq, args.rounds = 2, 64, 512, 2, 64, 1
-        args.max_seq = min(args.max_seq, 256)
-    torch.set_num_threads(args.threads)
-    methods = tuple(args.methods)
-    models, steps, ids = setup(args, args.seq, methods)
+def measure(args: argparse.Namespace, seq: int, methods: tuple) -> tuple[dict, dict, dict, dict]:
+    """Per method at ``seq`` tokens: the median step seconds, the step's peak bytes, the last loss and
+    the largest weight difference from the first method's after the same steps."""
+    models, steps, ids = setup(args, seq, methods)
     times: dict[str, list] = {m: [] for m in methods}
     losses = {}
     for r in range(args.rounds):
@@ -246,18 +231,74 @@ def main(argv=None) -> None:
         peaks[m] = step_peak(steps[m], ids)
     reference = dict(models[methods[0]].named_parameters())
     drift = {m: max((p - reference[n]).abs().max().item() for n, p in models[m].named_parameters()) for m in methods}
+    return {m: statistics.median(t) for m, t in times.items()}, peaks, losses, drift
+
+
+def plot(args: argparse.Namespace, methods: tuple) -> None:
+    """Peak memory and step time against the sequence length (``--seqs``), one line per method."""
+    from extras import pyplot
+
+    plt = pyplot()
+    rows = {seq: measure(args, seq, methods) for seq in args.seqs}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for m in methods:
+        left.plot(args.seqs, [rows[s][1][m] / MB for s in args.seqs], marker="o", label=m)
+        right.plot(args.seqs, [rows[s][0][m] for s in args.seqs], marker="o", label=m)
+    left.set(xlabel="sequence length", ylabel="step peak above weights + AdamW state (MB)", xscale="log")
+    right.set(xlabel="sequence length", ylabel="step time (s)", xscale="log", yscale="log")
+    left.legend(fontsize=8)
+    fig.suptitle(
+        f"{args.family}, {args.layers} layers x {args.hidden}, vocab {args.vocab}, batch {args.batch}, fp32, "
+        f"{args.device}, AdamW",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.plot, dpi=110)
+    print(f"plot: {args.plot}")
+    for seq in args.seqs:
+        t, p, _, _ = rows[seq]
+        print(f"seq {seq}: " + ", ".join(f"{m} {p[m] / MB:.1f} MB {t[m]:.3f} s" for m in methods))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=["llama", "gpt2"], default="llama")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--budget-mb", type=float, default=None, help="also find the longest sequence in this budget")
+    parser.add_argument("--max-seq", type=int, default=8192)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="METHOD")
+    parser.add_argument("--seqs", type=int, nargs="+", help="plot memory and time against these sequence lengths")
+    parser.add_argument("--plot", type=pathlib.Path, default=OUT / "bench_train_hf.png", help="where --seqs plots")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 layers, width 64, vocab 512, 2 x 64")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.hidden, args.vocab, args.batch, args.seq, args.rounds = 2, 64, 512, 2, 64, 1
+        args.max_seq = min(args.max_seq, 256)
+    torch.set_num_threads(args.threads)
+    methods = tuple(args.methods)
+    if args.seqs:
+        plot(args, methods)
+        return
+    times, peaks, losses, drift = measure(args, args.seq, methods)
     base = "hf-checkpoint" if "hf-checkpoint" in methods else methods[0]
-    t0, p0 = statistics.median(times[base]), peaks[base]
+    t0, p0 = times[base], peaks[base]
     print(
         f"{args.family}: {args.layers} layers x {args.hidden}, vocab {args.vocab}, batch {args.batch} x "
         f"{args.seq}, fp32, {args.device}, AdamW; medians of {args.rounds} interleaved rounds; ratios to {base}"
     )
     print(f"{'method':24} {'step s':>8} {'ratio':>7} {'peak MB':>9} {'ratio':>7} {'loss':>9} {'max |dw|':>9}")
     for m in methods:
-        t = statistics.median(times[m])
         print(
-            f"{m:24} {t:8.3f} {t / t0:6.2f}x {peaks[m] / MB:9.1f} {peaks[m] / p0:6.2f}x {losses[m]:9.5f} "
-            f"{drift[m]:9.2e}"
+            f"{m:24} {times[m]:8.3f} {times[m] / t0:6.2f}x {peaks[m] / MB:9.1f} {peaks[m] / p0:6.2f}x "
+            f"{losses[m]:9.5f} {drift[m]:9.2e}"
         )
     if args.budget_mb is not None:
         print(f"longest sequence (multiple of 64, at most {args.max_seq}) whose step fits {args.budget_mb:g} MB:")
