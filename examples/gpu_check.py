@@ -452,8 +452,8 @@ def check_fsdp(device, depth, dim, batch, seq, steps) -> None:
         report(name, False, "a process group already exists: this check makes its own")
         return
     try:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        if device.type == "cuda":  # an index is needed: torch.device("cuda") alone is refused
+            torch.cuda.set_device(torch.cuda.current_device() if device.index is None else device.index)
         store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
         mesh = init_device_mesh(device.type, (1,))
