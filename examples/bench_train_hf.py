@@ -10,8 +10,8 @@ seed 0, fp32, train mode, random token ids (batch x seq); the next-token loss
                            hook (PyTorch's optimizer-in-backward recipe): no full set of gradients
     eae_func               ef.sweep(model, params, ids, ids, loss=..., split_at=[layers]); write_back; opt.step()
     eae_func update=       the same with update=opt: each layer stepped in its own backward node
-    + chunked head         update=opt on the body (``model.model`` / ``model.transformer``) with
-                           loss=ef.chunked_loss(model.lm_head, chunks=8) on its last hidden state:
+    + chunked head         update=opt on the LM's last hidden state (its body, ``model.model`` /
+                           ``model.transformer``) with loss=ef.chunked_loss(model.lm_head, chunks=8):
                            the logits never exist whole; the head is glue the optimizer steps
     + bf16 boundaries      the same with boundary_dtype=torch.bfloat16 (cut inputs kept in bf16)
 
@@ -98,6 +98,19 @@ def adamw(params) -> torch.optim.Optimizer:
 warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning)
 
 
+class LastHidden(nn.Module):
+    """A causal LM's last hidden state (its body's output, before the head): the program swept with the
+    head and loss in chunks. The LM is a submodule, so its head (tied to the embedding in GPT-2) is
+    among the swept parameters, and the optimizer steps it as glue."""
+
+    def __init__(self, lm: nn.Module, body: str):
+        super().__init__()
+        self.lm, self.body = lm, body
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return getattr(self.lm, self.body)(ids).last_hidden_state
+
+
 def make_step(method: str, model: nn.Module, body: str, layers: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """One training step of ``method`` on ``model`` (its own optimizer inside), as ``step(ids) -> loss``."""
     split_at = [f"{body}.{layers}"]
@@ -150,14 +163,14 @@ def make_step(method: str, model: nn.Module, body: str, layers: str) -> Callable
                             loss=lambda out, y: lm_loss(out.logits, y)).loss  # fmt: skip
 
         return fused
-    trunk = getattr(model, body)
+    hidden = LastHidden(model, body)
     chunked = ef.chunked_loss(model.get_output_embeddings(), chunks=8)
     options = {"boundary_dtype": torch.bfloat16} if method == "+ bf16 boundaries" else {}
 
     def fused_chunked(ids):
         return ef.sweep(
-            trunk, dict(trunk.named_parameters()), ids, ids, split_at=[layers], update=opt,
-            loss=lambda out, y: chunked(out.last_hidden_state[:, :-1], y[:, 1:]), **options,
+            hidden, dict(hidden.named_parameters()), ids, ids, split_at=[f"lm.{body}.{layers}"], update=opt,
+            loss=lambda h, y: chunked(h[:, :-1], y[:, 1:]), **options,
         ).loss  # fmt: skip
 
     return fused_chunked
