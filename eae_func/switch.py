@@ -129,7 +129,9 @@ class Switch:
                 f"average the gradients, so each replica would train on its own: leave update= out under "
                 f"several processes"
             )
-        if self.current is None:
+        # a new sweep for a new forward of the model, and for a cut call once the current sweep's reverse
+        # steps began (a submodule called alone, as a loop with the head in chunks calls the body)
+        if self.current is None or self.current.trace:
             self.current = Step(self)
         return self.current
 

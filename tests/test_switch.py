@@ -304,3 +304,32 @@ def test_the_fused_backward_holds_one_block_of_gradients_not_all():
             model(x).square().mean().backward()
     assert plain.peak >= grads  # every gradient alive at once
     assert fused.peak < 2.5 * block, (fused.peak, block)  # one block's gradients and its rebuild
+
+
+class Outer(nn.Module):
+    """A body and a head, as a causal LM is laid out: the loop may call the body alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = Net(width=6, depth=2)
+        self.head = nn.Linear(9, 9)
+
+    def forward(self, ids):
+        return self.head(self.body(ids))
+
+
+def test_each_backward_of_a_submodules_forward_is_a_sweep_of_its_own():
+    """The body of an enabled model called alone (as a chunked head's loop does), forward and backward
+    twice: each backward's records are those of a fresh sweep (indices from 1, keys folded from them),
+    not the continuation of the sweep before."""
+    torch.manual_seed(0)
+    model = Outer().double()
+    ids, labels = batch()
+    want = ef.sweep(
+        model.body, dict(model.body.named_parameters()), ids, labels, loss=ce, split_at=["blocks.*"], key=5
+    ).adjoints
+    with ef.enable(model, split_at=["body.blocks.*"], key=5):
+        for _ in range(2):
+            ce(model.body(ids), labels).backward()
+            got = list(ef.records(model).values())
+            assert [(a.index, a.key) for a in got] == [(a.index, a.key) for a in want]
