@@ -14,6 +14,10 @@ seed 0, fp32, train mode, random token ids (batch x seq); the next-token loss
                            ``model.transformer``) with loss=ef.chunked_loss(model.lm_head, chunks=8):
                            the logits never exist whole; the head is glue the optimizer steps
     + bf16 boundaries      the same with boundary_dtype=torch.bfloat16 (cut inputs kept in bf16)
+    ef.enable              ef.enable(model, split_at=[layers]) once, then autograd's loop as written
+    ef.enable update= + chunks   ef.enable(model, split_at=[layers], update=opt) and the loop calls the body,
+                           ef.chunked_loss(model.lm_head, chunks=8)(h[:, :-1], ids[:, 1:]).backward(),
+                           opt.step() (which finds nothing left to step)
 
 Every method trains its own copy of the same weights. Two warm-up steps make AdamW's state, so the
 memory column is the peak of tensor bytes created during one more step and alive at once, which is
@@ -64,6 +68,8 @@ METHODS = (
     "eae_func update=",
     "+ chunked head",
     "+ bf16 boundaries",
+    "ef.enable",
+    "ef.enable update= + chunks",
 )
 
 
@@ -96,6 +102,20 @@ def adamw(params) -> torch.optim.Optimizer:
 
 
 warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning)
+warnings.filterwarnings("ignore", message=r".*finds no gradient.*")  # ef.enable(update=): said once per model
+
+
+def loop(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The plain training step: forward, ``loss.backward()``, ``opt.step()``, ``zero_grad``."""
+
+    def step(ids):
+        loss = lm_loss(model(ids).logits, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
 
 
 class LastHidden(nn.Module):
@@ -117,16 +137,7 @@ def make_step(method: str, model: nn.Module, body: str, layers: str) -> Callable
     if method in ("autograd", "hf-checkpoint"):
         if method == "hf-checkpoint":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        opt = adamw(model.parameters())
-
-        def plain(ids):
-            loss = lm_loss(model(ids).logits, ids)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        return plain
+        return loop(model, adamw(model.parameters()))
     if method == "hf-checkpoint + in-bw":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         each = {p: adamw([p]) for p in model.parameters()}
@@ -145,6 +156,20 @@ def make_step(method: str, model: nn.Module, body: str, layers: str) -> Callable
 
         return in_backward
     opt = adamw(model.parameters())
+    if method == "ef.enable":
+        ef.enable(model, split_at=split_at)
+        return loop(model, opt)
+    if method == "ef.enable update= + chunks":
+        ef.enable(model, split_at=split_at, update=opt)
+        chunked = ef.chunked_loss(model.get_output_embeddings(), chunks=8)
+
+        def switched(ids):
+            loss = chunked(getattr(model, body)(ids).last_hidden_state[:, :-1], ids[:, 1:])
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return switched
     if method == "eae_func":
 
         def unfused(ids):
@@ -307,17 +332,17 @@ def main(argv=None) -> None:
         f"{args.family}: {args.layers} layers x {args.hidden}, vocab {args.vocab}, batch {args.batch} x "
         f"{args.seq}, fp32, {args.device}, AdamW; medians of {args.rounds} interleaved rounds; ratios to {base}"
     )
-    print(f"{'method':24} {'step s':>8} {'ratio':>7} {'peak MB':>9} {'ratio':>7} {'loss':>9} {'max |dw|':>9}")
+    print(f"{'method':28} {'step s':>8} {'ratio':>7} {'peak MB':>9} {'ratio':>7} {'loss':>9} {'max |dw|':>9}")
     for m in methods:
         print(
-            f"{m:24} {times[m]:8.3f} {times[m] / t0:6.2f}x {peaks[m] / MB:9.1f} {peaks[m] / p0:6.2f}x "
+            f"{m:28} {times[m]:8.3f} {times[m] / t0:6.2f}x {peaks[m] / MB:9.1f} {peaks[m] / p0:6.2f}x "
             f"{losses[m]:9.5f} {drift[m]:9.2e}"
         )
     if args.budget_mb is not None:
         print(f"longest sequence (multiple of 64, at most {args.max_seq}) whose step fits {args.budget_mb:g} MB:")
         found = {m: longest(args, m) for m in methods}
         for m in methods:
-            print(f"{m:24} {found[m]:6d} {found[m] / max(found[base], 1):6.2f}x")
+            print(f"{m:28} {found[m]:6d} {found[m] / max(found[base], 1):6.2f}x")
 
 
 if __name__ == "__main__":
