@@ -3,11 +3,13 @@
     loss(h, y) = (1/n) Σ_c Σ_{t in c} ell(head(h_t), y_t)        n = #{t : y_t != ignore_index}
                                                                  (reduction="sum": n = 1)
 
-The forward runs each chunk of tokens through ``head`` and ``ell`` without a graph and keeps only
-the running sum; the backward rebuilds chunk by chunk, one ``torch.autograd.grad`` each, writing
-the chunk's rows of dLoss/dh and adding up the head's parameter gradients. So a training step holds
-one chunk of logits (and their gradient) where an unchunked head holds all N x V of them: at a 32k
-vocabulary and 8k tokens, 1 GiB in fp32. The head's parameters are inputs of the one autograd node,
+The forward runs each chunk of tokens through ``head`` and ``ell`` and, where a backward will follow
+(grad enabled and something requires grad), differentiates the chunk at once, one
+``torch.autograd.grad`` each, writing the chunk's rows of dLoss/dh and adding up the head's parameter
+gradients; the chunk's logits are dropped before the next. The backward only scales what the forward
+found by the incoming gradient (a loss is linear in its own scale), so nothing is computed twice, as in
+Liger's fused linear cross-entropy. So a training step holds one chunk of logits (and their gradient)
+where an unchunked head holds all N x V of them: at a 32k vocabulary and 8k tokens, 1 GiB in fp32. The head's parameters are inputs of the one autograd node,
 so autograd accumulates their gradients as for any glue parameter (a tied embedding gets the sum of
 both uses). Logits of a 16-bit dtype are upcast to float32 before ``ell``, as Hugging Face's causal-LM
 loss does.
@@ -15,6 +17,7 @@ loss does.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -66,6 +69,7 @@ def chunked_loss(
         flat, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
         count = (y != ignore_index).sum() if reduction == "mean" else None
         plan = _Plan(head, names, per_token, min(chunks, max(1, flat.shape[0])), count)
+        plan.differentiate = torch.is_grad_enabled() and any(t.requires_grad for t in (flat, *tensors))
         return _ChunkedLoss.apply(plan, flat, y, *tensors)
 
     return loss
@@ -81,6 +85,7 @@ class _Plan:
 
     def __init__(self, head: nn.Module, names: tuple, per_token: Callable, chunks: int, count: Any):
         self.head, self.names, self.per_token, self.chunks, self.count = head, names, per_token, chunks, count
+        self.differentiate = False
 
     def chunk_loss(self, params: dict, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The chunk's summed token losses (over the mean's count)."""
@@ -98,38 +103,41 @@ class _Plan:
 
 
 class _ChunkedLoss(torch.autograd.Function):
-    """One node: forward sums the chunks' losses without a graph; backward rebuilds each chunk."""
+    """One node: the forward sums the chunks' losses and, where a backward will follow, their gradients
+    (dLoss/dh by rows, the head's summed); the backward scales them by the incoming gradient."""
 
     @staticmethod
     def forward(ctx: Any, plan: _Plan, hidden: torch.Tensor, labels: torch.Tensor, *params: torch.Tensor) -> Any:  # type: ignore[override]
-        given = dict(zip(plan.names, params))  # a Function's forward runs without a graph
-        value = torch.zeros((), dtype=torch.float32 if hidden.dtype in LOW else hidden.dtype, device=hidden.device)
-        for h, y in zip(hidden.tensor_split(plan.chunks), labels.tensor_split(plan.chunks)):
-            value += plan.chunk_loss(given, h, y)
-        ctx.plan = plan
-        ctx.save_for_backward(hidden, labels, *params)
-        return value
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        plan: _Plan = ctx.plan
-        hidden, labels, *params = ctx.saved_tensors
-        wanted = [ctx.needs_input_grad[3 + k] for k in range(len(params))]
+        wanted = [plan.differentiate and p.requires_grad for p in params]
         local = {n: p.detach().requires_grad_(w) for n, p, w in zip(plan.names, params, wanted)}
         trained = [local[n] for n, w in zip(plan.names, wanted) if w]
-        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[1] else None
+        grad_hidden = torch.zeros_like(hidden) if plan.differentiate and hidden.requires_grad else None
+        value = torch.zeros((), dtype=torch.float32 if hidden.dtype in LOW else hidden.dtype, device=hidden.device)
         sums: list = [None] * len(trained)
         rows = 0
         for h, y in zip(hidden.tensor_split(plan.chunks), labels.tensor_split(plan.chunks)):
             h = h.detach().requires_grad_(grad_hidden is not None)
-            with torch.enable_grad():
-                chunk = plan.chunk_loss(local, h, y)
             inputs = ([h] if grad_hidden is not None else []) + trained
-            got = torch.autograd.grad(chunk, inputs, grad, allow_unused=True)  # autograd asks: inputs is not empty
+            with torch.enable_grad() if inputs else contextlib.nullcontext():
+                chunk = plan.chunk_loss(local, h, y)
+            value += chunk.detach()
+            if not inputs:
+                continue
+            got = torch.autograd.grad(chunk, inputs, allow_unused=True)
+            del chunk  # the chunk's logits go before the next chunk's are made
             if grad_hidden is not None:
                 grad_hidden[rows : rows + h.shape[0]] = got[0]
                 got = got[1:]
             sums = [g if s is None else s if g is None else s.add_(g) for s, g in zip(sums, got)]
             rows += h.shape[0]
         it = iter(sums)
-        return (None, grad_hidden, None, *[next(it) if w else None for w in wanted])
+        ctx.grads = (grad_hidden, *[next(it) if w else None for w in wanted])
+        return value
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        grads, ctx.grads = ctx.grads, None  # used once
+        if grads is None:
+            raise RuntimeError("chunked_loss: a second backward through the same loss is not supported")
+        scaled = [None if g is None else g * grad.to(g.dtype) for g in grads]
+        return (None, scaled[0], None, *scaled[1:])

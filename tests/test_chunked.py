@@ -1,5 +1,5 @@
-"""``ef.chunked_loss``: the LM head and its loss over token chunks, each rebuilt in the backward, equal
-to the unchunked loss for any chunk count, with one chunk of logits alive at a time."""
+"""``ef.chunked_loss``: the LM head and its loss over token chunks, each differentiated as the forward
+makes it, equal to the unchunked loss for any chunk count, with one chunk of logits alive at a time."""
 
 import functools
 
@@ -158,3 +158,25 @@ def test_in_a_sweep_at_run_time_the_gradients_are_autograds():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-10, atol=1e-13, msg=n)
     with pytest.raises(ValueError, match=r"loss: it depends on tensors that require grad besides the chain's output"):
         ef.grad(model, params, ids, ids, loss=loss, split_at=["layers.*"], capture="graph")
+
+
+def test_the_head_runs_once_per_chunk_and_the_backward_only_scales():
+    """Where a backward follows, each chunk is differentiated as the forward makes it: the head runs
+    ``chunks`` times in all (not again in the backward), the loss's scale reaches the gradients, a
+    second backward is refused; without grad the forward differentiates nothing."""
+    head, hidden, labels = _case(12, 7, 5, 0, 0.3)
+    calls = []
+    head.register_forward_hook(lambda *a: calls.append(1))
+    loss = ef.chunked_loss(head, chunks=3)
+    value = loss(hidden, labels)
+    want = _grads(F.cross_entropy(head(hidden).flatten(0, 1), labels.flatten()) * 2.5, hidden, head)
+    calls.clear()
+    got = torch.autograd.grad(value * 2.5, [hidden, *head.parameters()], retain_graph=True)
+    assert not calls  # the backward ran no head
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match="a second backward through the same loss"):
+        torch.autograd.grad(value, [hidden])
+    with torch.no_grad(), LiveBytes() as live:
+        loss(hidden, labels)
+    assert live.peak < 12 * 7 * 8 + 12 * 5 * 8  # a chunk's logits, no gradient of the hidden states

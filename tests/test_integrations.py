@@ -86,8 +86,11 @@ def test_eae_trainer_with_the_head_in_chunks_trains_as_trainer_does(tmp_path, ex
     assert len(logs) == len(eae_logs) == 3
     for (loss, norm), (eae_loss, eae_norm) in zip(logs, eae_logs):
         assert abs(loss - eae_loss) <= 1e-6 * abs(loss) and abs(norm - eae_norm) <= 1e-5 * abs(norm)
+    # the chunks' gradients are formed in the forward and scaled by 1 / num_items in the backward, where
+    # the model's loss scales before its matrix products: last-bit differences, which AdamW's division by
+    # their own size makes visible on gradients that are zero up to rounding (measured: 4.9e-6 at lr 1e-3)
     worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), eae_model.parameters()))
-    assert worst <= 1e-6, worst
+    assert worst <= 1e-5, worst
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "bad"), report_to=[], use_cpu=True)
     with pytest.raises(ValueError, match=r"eae_loss_chunks must be a positive int"):
         EAETrainer(model=model, args=args, eae_loss_chunks=0)
