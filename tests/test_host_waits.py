@@ -87,6 +87,61 @@ def test_a_sweep_reads_no_tensor_value_on_the_host(reads, update):
     assert not reads, dict(reads)
 
 
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.1)) for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("path", ["sweep", "sweep fused", "sweep bf16 boundaries", "enable", "enable fused"])
+def test_run_time_cuts_and_the_switch_read_no_tensor_value_on_the_host(path):
+    """Run-time cuts (``ef.sweep`` of a module with ``split_at``) and an enabled model's backward, with
+    the passes, a fused step and stored boundaries: no read of a tensor's value, no ``torch.equal``,
+    no ``nonzero``, over several steps."""
+    torch.manual_seed(0)
+    model = Residual()
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    passes = ef.compose(P.clip_by_global_norm(1.0), P.int8(), P.gaussian_noise(1e-3), P.stats())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = {"update": opt} if "fused" in path else {}
+    if "bf16" in path:
+        options["boundary_dtype"] = torch.bfloat16
+    if path.startswith("enable"):
+        ef.enable(model, split_at=["blocks.*"], passes=passes, **options)
+    with spying() as counts, pytest.MonkeyPatch.context() as patch:
+        for owner, name in ((torch, "equal"), (torch.Tensor, "nonzero"), (torch, "nonzero")):
+            real = getattr(owner, name)
+
+            def spy(*args, _name=name, _real=real, **kwargs):
+                counts[_name] += 1
+                return _real(*args, **kwargs)
+
+            patch.setattr(owner, name, spy)
+        state = None
+        for _ in range(3):
+            if path.startswith("enable"):
+                (model(x) - y).square().mean().backward()
+                if "fused" in path:
+                    with pytest.warns(UserWarning, match="finds no gradient") if _ == 0 else contextlib.nullcontext():
+                        opt.step()
+                model.zero_grad()
+            else:
+                params = dict(model.named_parameters())
+                loss = lambda out, y: (out - y).square().mean()  # noqa: E731
+                res = ef.sweep(model, params, x, y, loss=loss, split_at=["blocks.*"], passes=passes,
+                               pass_state=state, **options)  # fmt: skip
+                state = res.pass_state
+    if path.startswith("enable"):
+        ef.disable(model)
+    assert not counts, dict(counts)
+
+
 # ----------------------------------------------------------------------------- a pipeline over 2 ranks
 
 
