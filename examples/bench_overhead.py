@@ -7,6 +7,10 @@ is left is each method's Python and dispatch cost per stage. One step is forward
     autograd     loss.backward() through the whole model
     checkpoint   torch.utils.checkpoint.checkpoint(stage, h, use_reentrant=False) per stage
     eae_func     ef.value_and_grad(chain, params, x) (and with compose(int8, clip_by_global_norm))
+    run-time cuts  ef.value_and_grad(model, dict(model.named_parameters()), x, loss=..., split_at=["*"])
+    ef.enable    the model enabled (split_at=["*"]), then loss.backward()
+    eae-runtime  eae_runtime 0.1.1's EAERuntime(model, None, RuntimeConfig(memory="none",
+                 enable_profiler=False)).compute_gradients(x, loss): the peer's leanest engine
 
 The methods alternate step by step (interleaved), and the table gives the median microseconds
 per stage over ``--reps`` rounds. Then tokens/s of a training forward + gradient step of
@@ -21,6 +25,7 @@ also eae_func's top functions by own time, cProfile's own listing).
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import io
 import pstats
@@ -41,10 +46,29 @@ def tiny(depth: int) -> tuple[nn.Sequential, torch.Tensor]:
     return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(depth)]), torch.randn(4, 16)
 
 
-def methods(model: nn.Module, x: torch.Tensor, loss_fn, *loss_args) -> dict:
-    """One gradient step per method, as a function of nothing."""
+def methods(model: nn.Module, x: torch.Tensor, loss_fn, *loss_args, peers: bool = False) -> dict:
+    """One gradient step per method, as a function of nothing (``peers``: also run-time cuts, the
+    switch and eae-runtime, for a ``Sequential`` whose children are the stages)."""
     chain, params = ef.from_module(model, loss=loss_fn)
     passes = ef.compose(P.int8(), P.clip_by_global_norm(1.0))
+    more = {}
+    if peers:
+        from eae_runtime import EAERuntime, RuntimeConfig
+
+        runtime = EAERuntime(model, None, RuntimeConfig(memory="none", enable_profiler=False))
+        enabled = copy.deepcopy(model)
+        ef.enable(enabled, split_at=["*"])
+        named = dict(model.named_parameters())
+
+        def switched():
+            enabled.zero_grad(set_to_none=True)
+            loss_fn(enabled(x), *loss_args).backward()
+
+        more = {
+            "run-time cuts": lambda: ef.value_and_grad(model, named, x, *loss_args, loss=loss_fn, split_at=["*"]),
+            "ef.enable": switched,
+            "eae-runtime": lambda: runtime.compute_gradients(x, lambda out: loss_fn(out, *loss_args)),
+        }
 
     def autograd():
         model.zero_grad(set_to_none=True)
@@ -62,6 +86,7 @@ def methods(model: nn.Module, x: torch.Tensor, loss_fn, *loss_args) -> dict:
         "checkpoint": checkpointed,
         "eae_func": lambda: ef.value_and_grad(chain, params, x, *loss_args),
         "eae_func + int8, clip": lambda: ef.value_and_grad(chain, params, x, *loss_args, passes=passes),
+        **more,
     }
 
 
@@ -121,7 +146,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for depth in args.depths:
         model, x = tiny(depth)
-        med = interleaved(methods(model, x, lambda out: out.square().mean()), args.reps)
+        med = interleaved(methods(model, x, lambda out: out.square().mean(), peers=True), args.reps)
         for name, t in med.items():
             print(
                 f"| {depth} | {name} | {t / depth * 1e6:.0f} | {t / med['autograd']:.2f}x | "
