@@ -25,6 +25,21 @@ every β that does not depend on the probes, and, per stage, ``E‖ĝ − g‖²
     (λ = ``decay``). The sums are a value: ``cv = cv.observe(res)`` after a sweep returns the
     estimator with them updated from ``res.stats`` (β = 1 before any); a sweep never changes the
     estimator, so every microbatch of a step uses the β of earlier steps.
+Shrinkage (``shrink=``), for an estimator allowed a little bias:
+
+    ĝ_λ = β s + λ (1/n) Σ_i u_i (u_i·g − β u_i·s)
+
+λ = 1 is the control variate above, λ = 0 the twin alone (β s; with β = 1, ``E.twin``'s costate).
+Its bias is (1 − λ)(g − βs) and its variance λ² v ‖g − βs‖², v the wrapped estimator's error factor
+((d + 1)/n gaussian, (d − 1)/n rademacher and sphere, d/n − 1 orthogonal, n halved for antithetic
+pairs; d the dimension one scalar probes: a position's features for zbp and direct, a sample's
+coordinates over every physical stage for np). Training averages the variance over the optimizer's
+horizon of h steps (h ≈ 1/(1 − momentum)) but never the bias, so the error of the averaged estimate
+is (1 − λ)² + λ² v / h times ‖g − βs‖², least at λ* = h / (h + v) (= n h / (n h + d ± 1)): ``"auto"``
+takes that λ*, from the probe kind, n and d, with ``horizon=h`` (1: one step's error). ``shrink``
+is stated in the stats as ``shrink``, with the estimated ``shrink_bias`` (1 − λ)² ρ² and
+``shrink_variance`` λ² v ρ² / h, ρ² the ``cv_residual`` squared: shares of ‖g‖².
+
 A fit of β on a set of probes is ``<g̃, s> / ‖s‖²``, ``g̃ = s + (1/m) Σ u_i (u_i·g − u_i·s)`` (the
 β = 1 estimate from those m probes); an exact twin fits 1.
 
@@ -65,7 +80,7 @@ from .local import (
     unflatten_params,
     where,
 )
-from .model_level import ModelLevel, Prepared
+from .model_level import ModelLevel, NodePerturbation, Prepared
 from .twin import Twins, twin_vjp
 from .zbp import ZBP
 
@@ -113,9 +128,12 @@ class Sums:
         s = self.s.double()
         return (s * (s + (a.double() - b.double()) / count)).sum()
 
-    def estimate(self, beta: Any, past: tuple | None, n: int, prefix: str) -> tuple[torch.Tensor, dict]:
-        """``ĝ = β̄ s + (a − Σ_h β_h b_h) / n`` (``β̄ = Σ_h n_h β_h / n``) for ``beta`` (a number,
-        "xfit", or "ema" with the running sums ``past``), and its stats."""
+    def estimate(
+        self, beta: Any, past: tuple | None, n: int, prefix: str, shrink: tuple[float, float, float] | None = None
+    ) -> tuple[torch.Tensor, dict]:
+        """``ĝ = β̄ s + λ (a − Σ_h β_h b_h) / n`` (``β̄ = Σ_h n_h β_h / n``) for ``beta`` (a number,
+        "xfit", or "ema" with the running sums ``past``) and ``shrink = (λ, v, h)`` (``None``: λ = 1),
+        and its stats."""
         s, norm = self.s, (self.s.double() ** 2).sum()
         if beta == "xfit":  # each half weighed by the other's fit
             betas = [ratio(self.fit(self.parts[1 - h], self.b[1 - h], self.counts[1 - h]), norm) for h in range(2)]
@@ -124,20 +142,29 @@ class Sums:
             betas = [1.0 if past is None else ratio(*past).to(s.dtype)]
         else:
             betas = [float(beta)]
+        lam = 1.0 if shrink is None else shrink[0]
         if self.halves == 1:
             mean = betas[0]
-            estimate = mean * s + (self.a - mean * self.b[0]) / n
+            residual = self.a - mean * self.b[0]
         else:
             mean = sum(c * bh for c, bh in zip(self.counts, betas)) / n
-            estimate = mean * s + (self.a - sum(bh * b_h for bh, b_h in zip(betas, self.b))) / n
+            residual = self.a - sum(bh * b_h for bh, b_h in zip(betas, self.b))
+        estimate = mean * s + (residual / n if lam == 1.0 else residual * (lam / n))
         gg, ee, es, ss = self.sums.unbind(-1)
         off = 1 - torch.stack([torch.as_tensor(bh, dtype=torch.float64, device=s.device) for bh in betas])
-        return estimate, {
+        rho2 = (ee + 2 * off * es + off**2 * ss).sum()
+        stats = {
             f"{prefix}beta": Ratio(torch.as_tensor(mean, dtype=torch.float64), 1.0),
-            f"{prefix}cv_residual": Ratio((ee + 2 * off * es + off**2 * ss).sum(), gg.sum(), 0.5),
+            f"{prefix}cv_residual": Ratio(rho2, gg.sum(), 0.5),
             f"{prefix}twin_error": Ratio(ee.sum(), gg.sum(), 0.5),
             f"{prefix}beta_fit": Ratio(self.fit(self.a, torch.stack(self.b).sum(0), n), norm),
         }
+        if shrink is not None:
+            lam, v, h = shrink
+            stats[f"{prefix}shrink"] = Ratio(lam, 1.0)
+            stats[f"{prefix}shrink_bias"] = Ratio((1 - lam) ** 2 * rho2, gg.sum())
+            stats[f"{prefix}shrink_variance"] = Ratio(lam**2 * v / h * rho2, gg.sum())
+        return estimate, stats
 
 
 def ratio(num: Any, den: Any) -> torch.Tensor:
@@ -156,6 +183,8 @@ class ControlVariate:
         beta: float | str = 1.0,
         twin_directional: str = "exact",
         decay: float = 0.9,
+        shrink: float | str | None = None,
+        horizon: float = 1.0,
     ):
         if not isinstance(estimator, ZBP | ModelLevel):
             raise TypeError(
@@ -173,6 +202,16 @@ class ControlVariate:
             )
         if not isinstance(decay, numbers.Real) or isinstance(decay, bool) or not 0 <= decay <= 1:
             raise ValueError(f"control_variate: decay must be a number in [0, 1], got {decay!r}")
+        if (
+            shrink is not None
+            and shrink != "auto"
+            and not (isinstance(shrink, numbers.Real) and not isinstance(shrink, bool) and 0 <= float(shrink) <= 1)
+        ):
+            raise ValueError(f"control_variate: shrink must be None, a number in [0, 1] or 'auto', got {shrink!r}")
+        if isinstance(horizon, bool) or not isinstance(horizon, numbers.Real) or not 1 <= horizon < float("inf"):
+            raise ValueError(f"control_variate: horizon must be a finite number of steps >= 1, got {horizon!r}")
+        if horizon != 1 and shrink != "auto":
+            raise ValueError("control_variate: horizon= sets shrink='auto''s lambda; give shrink='auto' with it")
         probes = estimator.probes
         if beta == "xfit" and (probes.kind == "orthogonal" or probes.n < (4 if probes.antithetic else 2)):
             raise ValueError(
@@ -180,6 +219,7 @@ class ControlVariate:
                 f"non-empty halves of independent probes, got {probes!r}; use another kind or more probes"
             )
         self.estimator, self.beta, self.twin_directional, self.decay = estimator, beta, twin_directional, float(decay)
+        self.shrink, self.horizon = (shrink if shrink in (None, "auto") else float(shrink)), float(horizon)
         self.scope = estimator.scope
         self.state: Mapping[tuple[str, str], tuple] = MappingProxyType({})
 
@@ -194,9 +234,10 @@ class ControlVariate:
         return wrapped.method == "fd" if isinstance(wrapped, ZBP) else wrapped.form == "fd"
 
     def __repr__(self) -> str:
+        shrink = "" if self.shrink is None else f", shrink={self.shrink!r}, horizon={self.horizon:g}"
         return (
             f"control_variate({self.estimator!r}, {self.twins!r}, beta={self.beta!r}, "
-            f"twin_directional={self.twin_directional!r}, decay={self.decay:g})"
+            f"twin_directional={self.twin_directional!r}, decay={self.decay:g}{shrink})"
         )
 
     def observe(self, res: Any) -> ControlVariate:
@@ -219,8 +260,22 @@ class ControlVariate:
     def sums(self, s: torch.Tensor) -> Sums:
         return Sums(s, 2 if self.beta == "xfit" else 1, self.estimator.probes.antithetic)
 
-    def estimate(self, sums: Sums, name: str, space: str) -> tuple[torch.Tensor, dict]:
-        return sums.estimate(self.beta, self.state.get((name, space)), self.estimator.probes.n, PREFIX[space])
+    def variance_factor(self, d: int) -> float:
+        """v: the wrapped estimator's ``E‖ĝ − g‖² / ‖g‖²`` for one scalar over dimension ``d``."""
+        probes = self.estimator.probes
+        n = probes.n / 2 if probes.antithetic else probes.n  # a pair is one independent direction
+        if probes.kind == "orthogonal":
+            return max(d / n - 1, 0.0)
+        return (d + 1) / n if probes.kind == "gaussian" else (d - 1) / n
+
+    def estimate(self, sums: Sums, name: str, space: str, d: int | None = None) -> tuple[torch.Tensor, dict]:
+        """The estimate from ``sums``; ``d``: the dimension one scalar probes (default: ``s``'s last)."""
+        shrink = None
+        if self.shrink is not None:
+            v = self.variance_factor(sums.s.shape[-1] if d is None else d)
+            lam = self.horizon / (self.horizon + v) if self.shrink == "auto" else float(self.shrink)
+            shrink = (lam, v, self.horizon)
+        return sums.estimate(self.beta, self.state.get((name, space)), self.estimator.probes.n, PREFIX[space], shrink)
 
     def prepare(self, problem: Problem) -> Any:
         wrapped = self.estimator
@@ -254,8 +309,11 @@ class ControlVariate:
                     sums[i] = self.sums(s[i])
                 sums[i].add(u, ug, us)
         costs, estimates = wrapped.costs(problem), {}
+        # the dimension one scalar probes: np's is a sample's over every probed stage, direct's a position's
+        per_sample = sum(s[j][(0,) * (s[j].ndim - 1)].numel() * positions(s[j]) for j in s)
         for i, acc in sums.items():
-            estimates[i], stats = self.estimate(acc, problem.chain.names[i], "input")
+            d = per_sample if isinstance(wrapped, NodePerturbation) else None
+            estimates[i], stats = self.estimate(acc, problem.chain.names[i], "input", d)
             costs[i] = {**costs[i], **stats}
         return Prepared(estimates, costs)
 
@@ -328,6 +386,11 @@ class ControlVariate:
         return unflatten_params(problem, i, total), {**cost, "param_queries": 2 * wrapped.probes.n}
 
 
+def positions(s: torch.Tensor) -> int:
+    """Positions per sample of a ``(batch, *positions, d)`` costate vector (1 without positions)."""
+    return int(torch.Size(s.shape[1:-1]).numel()) if s.ndim > 2 else 1
+
+
 def tiled_add(out: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """``out + offset``, the offset repeated over copies folded into the leading dim of ``out``."""
     if out.ndim and out.shape[0] != offset.shape[0]:
@@ -346,6 +409,8 @@ def control_variate(
     beta: float | str = 1.0,
     twin_directional: str = "exact",
     decay: float = 0.9,
+    shrink: float | str | None = None,
+    horizon: float = 1.0,
 ) -> ControlVariate:
     """``ĝ = β s + (1/n) Σ u_i (u_i·g − β u_i·s)``: a probe estimator (``E.zbp`` at the stage level,
     ``E.node_perturbation`` or ``E.direct`` at the model level) with the twins' costates ``s`` as a
@@ -353,5 +418,7 @@ def control_variate(
     ``twin``: ``fn(params, h)`` for every physical stage, or a mapping from stage name to function;
     ``beta``: a number, ``"xfit"`` (cross-fitted halves) or ``"ema"`` (from earlier steps: thread
     it with ``cv = cv.observe(res)``; decay ``decay``); ``twin_directional``: ``"exact"`` or ``"fd"``
-    (the twin measured as the stage is, at the same ±εu). See the module doc for its stats."""
-    return ControlVariate(estimator, twin, beta, twin_directional, decay)
+    (the twin measured as the stage is, at the same ±εu); ``shrink``: ``None`` (unbiased), λ in [0, 1]
+    (``β s + λ (ĝ − β s)``: 0 is the twin, 1 the control variate) or ``"auto"`` (λ* = h / (h + v) for
+    ``horizon=h`` steps); see the module doc for the math and its stats."""
+    return ControlVariate(estimator, twin, beta, twin_directional, decay, shrink, horizon)
