@@ -35,8 +35,8 @@ B MB above the weights and optimizer state, found by doubling then bisection on 
     python examples/bench_train_hf.py --family gpt2
     python examples/bench_train_hf.py --layers 4 --hidden 512 --vocab 512 --batch 2 --seq 64
     python examples/bench_train_hf.py --budget-mb 200
-    python examples/bench_train_hf.py --seqs 128 256 512 1024 --methods autograd hf-checkpoint "+ chunked head" \
-        --rounds 3 --plot docs/figures/bench_train_hf.png     # memory and time against the sequence length
+    python examples/bench_train_hf.py --seqs 128 256 512 1024 --methods autograd hf-checkpoint \
+        "ef.enable update= + chunks" --rounds 2            # memory and time against the sequence length
     python examples/bench_train_hf.py --quick               # a smoke run
 """
 
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import pathlib
 import statistics
 import time
 import warnings
@@ -57,7 +56,7 @@ from torch import nn
 import eae_func as ef
 
 from bench_memory import LiveBytes
-from extras import OUT, extra
+from extras import add_out, extra, pyplot, save
 
 MB = 2**20
 METHODS = (
@@ -274,8 +273,6 @@ def measure(args: argparse.Namespace, seq: int, methods: tuple) -> tuple[dict, d
 
 def plot(args: argparse.Namespace, methods: tuple) -> None:
     """Peak memory and step time against the sequence length (``--seqs``), one line per method."""
-    from extras import pyplot
-
     plt = pyplot()
     rows = {seq: measure(args, seq, methods) for seq in args.seqs}
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
@@ -284,6 +281,10 @@ def plot(args: argparse.Namespace, methods: tuple) -> None:
         right.plot(args.seqs, [rows[s][0][m] for s in args.seqs], marker="o", label=m)
     left.set(xlabel="sequence length", ylabel="step peak above weights + AdamW state (MB)", xscale="log")
     right.set(xlabel="sequence length", ylabel="step time (s)", xscale="log", yscale="log")
+    for ax in (left, right):
+        ax.set_xticks(args.seqs, [str(s) for s in args.seqs])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
     left.legend(fontsize=8)
     fig.suptitle(
         f"{args.family}, {args.layers} layers x {args.hidden}, vocab {args.vocab}, batch {args.batch}, fp32, "
@@ -291,9 +292,7 @@ def plot(args: argparse.Namespace, methods: tuple) -> None:
         fontsize=9,
     )
     fig.tight_layout()
-    args.plot.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.plot, dpi=110)
-    print(f"plot: {args.plot}")
+    save(fig, args.out, "bench_train_hf.png", dpi=110)
     for seq in args.seqs:
         t, p, _, _ = rows[seq]
         print(f"seq {seq}: " + ", ".join(f"{m} {p[m] / MB:.1f} MB {t[m]:.3f} s" for m in methods))
@@ -314,7 +313,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-seq", type=int, default=8192)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="METHOD")
     parser.add_argument("--seqs", type=int, nargs="+", help="plot memory and time against these sequence lengths")
-    parser.add_argument("--plot", type=pathlib.Path, default=OUT / "bench_train_hf.png", help="where --seqs plots")
+    add_out(parser)
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 layers, width 64, vocab 512, 2 x 64")
     args = parser.parse_args(argv)
     if args.quick:

@@ -6,7 +6,7 @@ describe and writes its plots into ``docs/figures/`` (run alone, every example w
     python examples/make_figures.py --quick --out /tmp/figures          # every script's smoke run, elsewhere
 
 Needs the ``examples`` extra (matplotlib, scikit-learn, LightPipes, tqdm) and, for ``bench_train``,
-the ``bench`` one.
+the ``bench`` one; ``bench_train_hf`` the ``hf`` one.
 """
 
 from __future__ import annotations
@@ -25,6 +25,11 @@ FIGURES = [  # script, the arguments of the docs' run -> the plots it writes
     ("train_optics", []),  # train_optics_cosine.png (--quick: no plot)
     ("train_lm", []),  # train_lm_loss.png, train_lm_costates.png
     ("bench_train", ["--depths", "12", "--steps", "7", "--blocks", "--curve"]),  # bench_train_curve.png
+    (  # bench_train_hf.png
+        "bench_train_hf",
+        ["--seqs", "128", "256", "512", "1024", "--methods", "autograd", "hf-checkpoint", "ef.enable update= + chunks"]
+        + ["--rounds", "2"],
+    ),
 ]
 SCRIPTS = list(dict.fromkeys(name for name, _ in FIGURES))
 

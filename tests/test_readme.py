@@ -97,6 +97,7 @@ def test_the_figures_command_writes_only_where_told(tmp_path):
     assert git_status() == before, "make_figures.py --out elsewhere changed the checkout"
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "bench_train_curve.png",
+        "bench_train_hf.png",
         "estimators_cosine.png",
         "train_lm_costates.png",
         "train_lm_loss.png",
