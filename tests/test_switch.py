@@ -333,3 +333,19 @@ def test_each_backward_of_a_submodules_forward_is_a_sweep_of_its_own():
             ce(model.body(ids), labels).backward()
             got = list(ef.records(model).values())
             assert [(a.index, a.key) for a in got] == [(a.index, a.key) for a in want]
+
+
+def test_the_switch_holds_what_ef_grad_holds_to_the_byte():
+    """An enabled model's ``loss.backward()`` peaks at exactly ``ef.grad``'s live bytes on the same
+    model and batch: the switch adds nothing to a run-time sweep."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)), nn.Linear(64, 3))
+    x, y = torch.randn(256, 64), torch.randint(0, 3, (256,))
+    with LiveBytes() as swept:
+        grads = ef.grad(
+            model, dict(model.named_parameters()), x, y, loss=F.cross_entropy, split_at=["0", "1", "2", "3"]
+        )
+    del grads
+    with ef.enable(model, split_at=["0", "1", "2", "3"]), LiveBytes() as switched:
+        F.cross_entropy(model(x), y).backward()
+    assert switched.peak == swept.peak, (switched.peak, swept.peak)
