@@ -28,7 +28,7 @@ FIGURES = [  # script, the arguments of the docs' run -> the plots it writes
     (  # bench_train_hf.png
         "bench_train_hf",
         ["--seqs", "128", "256", "512", "1024", "--methods", "autograd", "hf-checkpoint", "ef.enable update= + chunks"]
-        + ["--rounds", "2"],
+        + ["--rounds", "3"],
     ),
 ]
 SCRIPTS = list(dict.fromkeys(name for name, _ in FIGURES))
