@@ -40,6 +40,8 @@ import eae_func as ef
 from eae_func import passes as P
 from eae_func.models import lm_loss, transformer_lm
 
+from extras import extra
+
 
 def tiny(depth: int) -> tuple[nn.Sequential, torch.Tensor]:
     torch.manual_seed(0)
@@ -53,7 +55,8 @@ def methods(model: nn.Module, x: torch.Tensor, loss_fn, *loss_args, peers: bool 
     passes = ef.compose(P.int8(), P.clip_by_global_norm(1.0))
     more = {}
     if peers:
-        from eae_runtime import EAERuntime, RuntimeConfig
+        with extra("bench"):
+            from eae_runtime import EAERuntime, RuntimeConfig
 
         runtime = EAERuntime(model, None, RuntimeConfig(memory="none", enable_profiler=False))
         enabled = copy.deepcopy(model)
