@@ -267,7 +267,8 @@ def shrinkage_table(keys: int, d: int = 64, n: int = 8, batch: int = 8, horizon:
     """The shrinkage control variate s + λ(ĝ_cv − s) beside zbp, PAT and the control variate on one
     stage (d 64, n 8 gaussian probes, exact directional derivatives), twin errors 0.075 / 0.44 / 1.2:
     one step's MSE and the MSE of the mean of ``horizon`` estimates at fixed parameters, over ``keys``
-    keys, relative to ‖g‖²; λ = "auto" for one step (λ* = n/(n + d + 1)) and for ``horizon`` steps."""
+    keys, relative to ‖g‖²; λ = "auto" for one step (λ* = n/(n + d + 1)) and for ``horizon`` steps; and
+    twin-guided probes (``E.guided``: one probe along the twin's costate, the rest orthogonal to it)."""
     chain, params, x, y, make_twin = one_stage(d, batch)
     g = ef.sweep(chain, params, x, y, estimator=E.exact()).adjoints[-1].value.double()
     g2 = (g * g).sum().item()
@@ -284,9 +285,10 @@ def shrinkage_table(keys: int, d: int = 64, n: int = 8, batch: int = 8, horizon:
         f"MSE / ‖g‖², one step and the mean of {horizon} (h = {horizon})\n"
     )
     print(
-        f"| twin r | zbp | PAT | control variate | shrink auto (h = 1) | shrink auto (h = {horizon}) | λ (h = 1 / {horizon}) |"
+        f"| twin r | zbp | PAT | control variate | shrink auto (h = 1) | shrink auto (h = {horizon}) | "
+        f"λ (h = 1 / {horizon}) | guided probes (vs zbp) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in (0.075, 0.44, 1.2):
         twin, s, r = twin_at(chain, params, x, y, g, make_twin, r)
         pat = ((s.double() - g) ** 2).sum().item() / g2
@@ -295,6 +297,7 @@ def shrinkage_table(keys: int, d: int = 64, n: int = 8, batch: int = 8, horizon:
         many = E.control_variate(zbp, twin, shrink="auto", horizon=horizon)
         lam = [float(ef.sweep(chain, params, x, y, estimator=e).stats["medium"]["shrink"]) for e in (one, many)]
         one_s, many_s = draws(chain, params, x, y, one, keys)[0], draws(chain, params, x, y, many, keys)[0]
+        guided = mse(draws(chain, params, x, y, E.guided(zbp, twin), keys)[0], 1)
         cells = [
             f"{mse(zbp_samples, 1):.3f} / {mse(zbp_samples, horizon):.3f}",
             f"{pat:.4f}",
@@ -302,6 +305,7 @@ def shrinkage_table(keys: int, d: int = 64, n: int = 8, batch: int = 8, horizon:
             f"{mse(one_s, 1):.4f} ({mse(one_s, 1) / min(pat, mse(cv, 1), mse(zbp_samples, 1)):.2f}x the best)",
             f"{mse(many_s, horizon):.4f} ({mse(many_s, horizon) / min(pat, mse(cv, horizon), mse(zbp_samples, horizon)):.2f}x)",
             f"{lam[0]:.3f} / {lam[1]:.3f}",
+            f"{guided:.4f} ({guided / mse(zbp_samples, 1):.3f}x)",
         ]
         print(f"| {r:.3f} | " + " | ".join(cells) + " |")
     print("\n(zbp and the control variate: one step / the mean of h; PAT's bias does not average.)")

@@ -6,12 +6,14 @@
 backprop, stage by stage. ``node_perturbation`` / ``direct``: model-level
 estimates of every physical stage's input costate from the loss, then replayed.
 ``twin``: physics-aware training through a differentiable twin; ``control_variate``: zbp with
-the twin as a control variate (unbiased); ``frozen``: no costate upstream (readout only). ``suggest_eps``: a finite-difference step from the measured noise.
+the twin as a control variate (unbiased); ``guided``: zbp with one probe along the twin's costate
+and the rest orthogonal to it (unbiased); ``frozen``: no costate upstream (readout only). ``suggest_eps``: a finite-difference step from the measured noise.
 """
 
 from .base import Estimator, Problem
 from .control import control_variate
 from .exact import exact
+from .guided import guided
 from .model_level import direct, node_perturbation
 from .noise import NoiseEstimate, suggest_eps
 from .probes import Probes
@@ -27,6 +29,7 @@ __all__ = [
     "direct",
     "exact",
     "frozen",
+    "guided",
     "node_perturbation",
     "suggest_eps",
     "twin",

@@ -93,20 +93,27 @@ class ZBP:
         )
 
     def directional(
-        self, problem: Problem, i: int, h_in: Any, costate: Any, fn: Callable | None = None
+        self,
+        problem: Problem,
+        i: int,
+        h_in: Any,
+        costate: Any,
+        fn: Callable | None = None,
+        draw: Callable | None = None,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(u, <J u, p>)`` chunk by chunk: stage i's input probes ``u: (k, *batch_shape, d)`` (its
         ``"input"`` stream) and the directional derivatives of its output along them against the
         costate ``p``, per batch position ``(k, *batch_shape)``, measured by ``method``; with
         ``fn(params, h)`` in place of the stage (a twin: the same probes and ±εu, not a call of the
-        stage). Nothing when the input has no differentiable leaf."""
+        stage); with ``draw(seed, batch_shape, d, dtype, device)``, the chunks of directions it yields
+        in place of the probes'. Nothing when the input has no differentiable leaf."""
         floats, rebuild, _ = B.split(h_in, f"input of {where(problem, i)}")
         flat = Flat(floats, self.probes.batch_dims, f"input of {where(problem, i)}")
         if not flat.d:
             return
         x = flat.vector(floats)
         stage = OutputLeaves(problem, i, fn)
-        for u in self.probes.chunks(problem.probe_seed(i), flat.batch_shape, flat.d, x.dtype, x.device):
+        for u in (draw or self.probes.chunks)(problem.probe_seed(i), flat.batch_shape, flat.d, x.dtype, x.device):
             k = u.shape[0]
             if self.method == "jvp":
                 if fn is None:
