@@ -26,7 +26,8 @@ the step's peak above the weights and the optimizer state: on the CPU counted ex
 allocated before the step. Times are medians over ``--rounds`` rounds in which the methods alternate
 step by step (each step after ``torch.manual_seed(round)``, so dropout draws alike). Ratios are to
 ``hf-checkpoint``. The "loss" column is each method's loss at its last step and "max |dw|" the
-largest difference of its weights from autograd's after the same steps (float32 rounding).
+largest difference of its weights from autograd's after the same steps (float32 rounding); "1st step"
+the first (warm-up) step's time over the median (what a first call costs: no capture at run time).
 
 ``--budget-mb B`` adds, per method, the longest sequence (a multiple of 64) whose step peak fits in
 B MB above the weights and optimizer state, found by doubling then bisection on live bytes.
@@ -214,25 +215,31 @@ def step_peak(step: Callable, ids: torch.Tensor) -> int:
     return live.peak
 
 
-def setup(args: argparse.Namespace, seq: int, methods: tuple) -> tuple[dict, dict, torch.Tensor]:
-    """Each method's model (the same weights) and step, warmed up twice, and the ids."""
+def setup(args: argparse.Namespace, seq: int, methods: tuple) -> tuple[dict, dict, torch.Tensor, dict]:
+    """Each method's model (the same weights) and step, warmed up twice, the ids, and each method's
+    first step's seconds."""
     model, body, layers = build(args.family, args.layers, args.hidden, args.vocab, seq)
     model.to(args.device)
     models = {m: copy.deepcopy(model) for m in methods}
     steps = {m: make_step(m, models[m], body, layers) for m in methods}
     ids = torch.randint(args.vocab, (args.batch, seq), generator=torch.Generator().manual_seed(0)).to(args.device)
+    first = {}
     for k in range(2):
         for m in methods:
             torch.manual_seed(k)
+            start = time.perf_counter()
             steps[m](ids)
-    return models, steps, ids
+            if ids.is_cuda:
+                torch.cuda.synchronize()
+            first.setdefault(m, time.perf_counter() - start)
+    return models, steps, ids, first
 
 
 def longest(args: argparse.Namespace, method: str) -> int:
     """The longest multiple of 64 tokens whose step peak of ``method`` fits ``--budget-mb``."""
 
     def fits(seq: int) -> bool:
-        _, steps, ids = setup(args, seq, (method,))
+        _, steps, ids, _ = setup(args, seq, (method,))
         return step_peak(steps[method], ids) <= args.budget_mb * MB
 
     lo, hi = 0, 64
@@ -246,10 +253,11 @@ def longest(args: argparse.Namespace, method: str) -> int:
     return lo
 
 
-def measure(args: argparse.Namespace, seq: int, methods: tuple) -> tuple[dict, dict, dict, dict]:
-    """Per method at ``seq`` tokens: the median step seconds, the step's peak bytes, the last loss and
-    the largest weight difference from the first method's after the same steps."""
-    models, steps, ids = setup(args, seq, methods)
+def measure(args: argparse.Namespace, seq: int, methods: tuple) -> tuple[dict, dict, dict, dict, dict]:
+    """Per method at ``seq`` tokens: the median step seconds, the step's peak bytes, the last loss,
+    the largest weight difference from the first method's after the same steps, and the first step's
+    seconds."""
+    models, steps, ids, first = setup(args, seq, methods)
     times: dict[str, list] = {m: [] for m in methods}
     losses = {}
     for r in range(args.rounds):
@@ -268,7 +276,7 @@ def measure(args: argparse.Namespace, seq: int, methods: tuple) -> tuple[dict, d
         peaks[m] = step_peak(steps[m], ids)
     reference = dict(models[methods[0]].named_parameters())
     drift = {m: max((p - reference[n]).abs().max().item() for n, p in models[m].named_parameters()) for m in methods}
-    return {m: statistics.median(t) for m, t in times.items()}, peaks, losses, drift
+    return {m: statistics.median(t) for m, t in times.items()}, peaks, losses, drift, first
 
 
 def plot(args: argparse.Namespace, methods: tuple) -> None:
@@ -294,7 +302,7 @@ def plot(args: argparse.Namespace, methods: tuple) -> None:
     fig.tight_layout()
     save(fig, args.out, "bench_train_hf.png", dpi=110)
     for seq in args.seqs:
-        t, p, _, _ = rows[seq]
+        t, p, *_ = rows[seq]
         print(f"seq {seq}: " + ", ".join(f"{m} {p[m] / MB:.1f} MB {t[m]:.3f} s" for m in methods))
 
 
@@ -324,18 +332,21 @@ def main(argv=None) -> None:
     if args.seqs:
         plot(args, methods)
         return
-    times, peaks, losses, drift = measure(args, args.seq, methods)
+    times, peaks, losses, drift, first = measure(args, args.seq, methods)
     base = "hf-checkpoint" if "hf-checkpoint" in methods else methods[0]
     t0, p0 = times[base], peaks[base]
     print(
         f"{args.family}: {args.layers} layers x {args.hidden}, vocab {args.vocab}, batch {args.batch} x "
         f"{args.seq}, fp32, {args.device}, AdamW; medians of {args.rounds} interleaved rounds; ratios to {base}"
     )
-    print(f"{'method':28} {'step s':>8} {'ratio':>7} {'peak MB':>9} {'ratio':>7} {'loss':>9} {'max |dw|':>9}")
+    print(
+        f"{'method':28} {'step s':>8} {'ratio':>7} {'peak MB':>9} {'ratio':>7} {'loss':>9} {'max |dw|':>9} "
+        f"{'1st step':>9}"
+    )
     for m in methods:
         print(
             f"{m:28} {times[m]:8.3f} {times[m] / t0:6.2f}x {peaks[m] / MB:9.1f} {peaks[m] / p0:6.2f}x "
-            f"{losses[m]:9.5f} {drift[m]:9.2e}"
+            f"{losses[m]:9.5f} {drift[m]:9.2e} {first[m] / times[m]:8.2f}x"
         )
     if args.budget_mb is not None:
         print(f"longest sequence (multiple of 64, at most {args.max_seq}) whose step fits {args.budget_mb:g} MB:")
