@@ -723,7 +723,7 @@ def piece(run: Sweep, model: nn.Module, mb: M.Microbatch, loss: Callable, inputs
     if value.requires_grad:
         beside = update.outside if update is not None else []
         given = [t for t in pytree.tree_leaves((mb.x, mb.loss_args)) if isinstance(t, torch.Tensor)]
-        outside = F.closed_over([value], [*inputs, *beside, *given, run.anchor])
+        outside = F.closed_over([value], [*inputs, *beside, *given, run.anchor], data=given)
         if outside is not None:
             raise ValueError(
                 f"sweep: the loss depends on tensors that require grad outside params (shapes {outside}), such as "

@@ -387,14 +387,16 @@ def check_closed_over(chain: Chain, i: int, outputs: list, own: Sequence[torch.T
     )
 
 
-def closed_over(outputs: Sequence, own: Sequence[torch.Tensor] = ()) -> list | None:
+def closed_over(outputs: Sequence, own: Sequence[torch.Tensor] = (), data: Sequence[torch.Tensor] = ()) -> list | None:
     """The shapes of up to three leaf tensors requiring grad, other than ``own``, that ``outputs``
-    depend on (``[]``: some, unknown; ``None``: none). A leaf that is a view (``x[:, None]`` made to
-    require grad inside a forward, as HuBERT's feature encoder does) is not counted: no caller holds it."""
+    depend on (``[]``: some, unknown; ``None``: none). A view of one of the ``data`` tensors (the
+    inputs) made a leaf that requires grad inside the forward (``x[:, None]``, as HuBERT's feature
+    encoder makes) is not counted: no caller holds it."""
     grad_fns = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
     if not grad_fns:
         return None
     mine = {id(t) for t in own}
+    inputs = {t.untyped_storage().data_ptr() for t in data if isinstance(t, torch.Tensor)}
     leaves, seen, todo = [], set(), [f for f in grad_fns if f is not None]
     while todo and len(leaves) < 3:
         fn = todo.pop()
@@ -402,7 +404,11 @@ def closed_over(outputs: Sequence, own: Sequence[torch.Tensor] = ()) -> list | N
             continue
         seen.add(fn)
         variable = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf tensor
-        if variable is not None and id(variable) not in mine and variable._base is None:
+        if (
+            variable is not None
+            and id(variable) not in mine
+            and not (variable._base is not None and variable.untyped_storage().data_ptr() in inputs)
+        ):
             leaves.append(tuple(variable.shape))
         todo += [f for f, _ in fn.next_functions if f is not None]
     return None if mine and not leaves else leaves

@@ -768,3 +768,34 @@ def test_a_costate_changing_pass_at_the_cuts_gives_the_gradients_computed_by_han
         h.remove()
     assert [bool(a.meta["clipped"]) for a in clipped.adjoints] == [True, False, False]
     assert_exact(clipped.grads, reference, rel=1e-6)
+
+
+class Encoder(nn.Module):
+    """A feature encoder that makes a view of its input require grad, as HuBERT's does, then blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2))
+
+    def forward(self, x):
+        h = x[:, None]
+        h.requires_grad = True  # a leaf of its own inside the forward: nobody outside holds it
+        h = h.squeeze(1)
+        for block in self.blocks:
+            h = h + block(h)
+        return h
+
+
+def test_a_view_leaf_the_forward_makes_is_its_own_but_a_callers_view_leaf_is_refused():
+    """The loss check tells a leaf the forward made from its input (HuBERT's) from a tensor the caller
+    made a leaf of and reads beside the model, a view too (``w.detach()[:4].requires_grad_()``), whose
+    gradient the sweep would drop: the first is autograd's, the second refused."""
+    torch.manual_seed(0)
+    model, x = Encoder(), torch.randn(3, 4)
+    want = torch.autograd.grad(model(x).square().mean(), list(model.parameters()))
+    got = ef.grad(model, dict(model.named_parameters()), x, loss=lambda h: h.square().mean(), split_at=["blocks.*"])
+    for g, (n, _) in zip(want, model.named_parameters()):
+        torch.testing.assert_close(got[n], g, rtol=1e-6, atol=1e-7, msg=n)
+    scale = torch.randn(8, 4).detach()[:4].requires_grad_()  # a view, and a leaf the caller holds
+    with pytest.raises(ValueError, match=r"outside params \(shapes \[\(4, 4\)\]\)"):
+        ef.grad(model, dict(model.named_parameters()), x, loss=lambda h: (h @ scale).sum(), split_at=["blocks.*"])
