@@ -9,9 +9,9 @@ The forward runs each chunk of tokens through ``head`` and ``ell`` and, where a 
 gradients; the chunk's logits are dropped before the next. The backward only scales what the forward
 found by the incoming gradient (a loss is linear in its own scale), so nothing is computed twice, as in
 Liger's fused linear cross-entropy. So a training step holds one chunk of logits (and their gradient)
-where an unchunked head holds all N x V of them: at a 32k vocabulary and 8k tokens, 1 GiB in fp32. The head's parameters are inputs of the one autograd node,
-so autograd accumulates their gradients as for any glue parameter (a tied embedding gets the sum of
-both uses). Logits of a 16-bit dtype are upcast to float32 before ``ell``, as Hugging Face's causal-LM
+where an unchunked head holds all N x V of them: at a 32k vocabulary and 8k tokens, 1 GiB in fp32.
+The head's parameters are inputs of the one autograd node, so autograd accumulates their gradients
+as for any glue parameter (a tied embedding gets the sum of both uses). Logits of a 16-bit dtype are upcast to float32 before ``ell``, as Hugging Face's causal-LM
 loss does.
 """
 
@@ -81,7 +81,8 @@ def _shape(t: Any) -> str:
 
 class _Plan:
     """What the node needs besides tensors: the head, its parameter names, the per-token loss, the
-    number of chunks and the count of tokens the mean divides by (``None``: a sum)."""
+    number of chunks, the count of tokens the mean divides by (``None``: a sum) and whether the
+    forward differentiates (a backward will follow)."""
 
     def __init__(self, head: nn.Module, names: tuple, per_token: Callable, chunks: int, count: Any):
         self.head, self.names, self.per_token, self.chunks, self.count = head, names, per_token, chunks, count

@@ -135,7 +135,7 @@ def chunked_causal_loss(trainer: Trainer, model: nn.Module, chunks: int, cache: 
             raise ValueError(f"{where}: the batch has no labels; give the causal LM its labels")
         labels = inputs["labels"]
         rest = {k: v for k, v in inputs.items() if k != "labels"}
-        hidden = body(**rest, **cache).last_hidden_state
+        hidden = body(**{**rest, **cache}).last_hidden_state
         total = summed(hidden[:, :-1], labels[:, 1:])
         n = num_items_in_batch if num_items_in_batch is not None else (labels[:, 1:] != -100).sum()
         return total / n
