@@ -412,7 +412,8 @@ class Sweep:
 def cutting(sweep_of: Callable[[], Sweep | None], name: str, module: nn.Module, forward: Callable) -> Callable:
     """``module``'s forward cut: a call with grad enabled is the next stage of ``sweep_of()``; one
     inside another cut's call (its forward or rebuild) or without grad runs as written (and is noted
-    in the sweep's ``ungraded``, if ``sweep_of()`` gives one then)."""
+    in the sweep's ``ungraded``, if ``sweep_of()`` gives one then). Under ``torch.compile`` the cut call
+    is a graph break: it and its reverse step run as Python, the glue between cuts is compiled."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
         if getattr(_ACTIVE, "depth", 0):  # inside a cut: part of its call
@@ -422,10 +423,13 @@ def cutting(sweep_of: Callable[[], Sweep | None], name: str, module: nn.Module, 
             if sweep is not None:
                 sweep.ungraded.add(name)
             return forward(*args, **kwargs)
+        if torch.compiler.is_compiling():  # torch.compile around the model: the call runs as Python
+            return eager(*args, **kwargs)
         sweep = sweep_of()
         assert sweep is not None  # one is made for every call with grad enabled
         return sweep.stage(name, module, forward, args, kwargs)
 
+    eager = torch.compiler.disable(call, recursive=True)
     return call
 
 

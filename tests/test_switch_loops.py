@@ -167,9 +167,21 @@ def test_ddp_with_no_sync_accumulation_on_two_ranks():
     assert all(torch.equal(a, b) for a, b in zip(ranks[0][1], ranks[1][1]))  # the replicas agree
 
 
+class Unrolled(Net):
+    """``Net`` with its blocks called one by one: dynamo gives up on a frame whose loop breaks the graph."""
+
+    def forward(self, x):
+        h = self.stem(x)
+        h = h + self.blocks[0](h)
+        h = h + self.blocks[1](h)
+        h = h + self.blocks[2](h)
+        return self.head(h)
+
+
 def test_torch_compile_of_an_enabled_model_breaks_at_the_cuts_and_trains_as_eager():
     """``torch.compile(model)`` on an enabled model: dynamo breaks the graph at each cut call (which
-    runs eagerly, its reverse step too) and compiles the glue; the weights after the loop equal eager
+    runs eagerly, its reverse step too: dynamo never traces eae_func's own code, whose guards on its
+    bookkeeping would be wrong) and compiles the glue; the weights after the loop equal eager
     autograd's."""
 
     def train(model, run):
@@ -180,10 +192,14 @@ def test_torch_compile_of_an_enabled_model_breaks_at_the_cuts_and_trains_as_eage
             opt.zero_grad()
         return model
 
-    eager = Net()
+    eager = Unrolled()
     want = train(eager, eager)
-    model = Net()
+    model = Unrolled()
     with ef.enable(model, split_at=["blocks.*"]):
+        torch._dynamo.reset()
+        seen = torch._dynamo.explain(model)(batches(1)[0][0])
+        assert seen.graph_count == 4 and seen.graph_break_count == 3
+        assert all("torch.compiler.disable" in b.reason for b in seen.break_reasons)
         torch._dynamo.reset()
         got = train(model, torch.compile(model))
         assert list(ef.records(model)) == ["blocks.2", "blocks.1", "blocks.0"]
