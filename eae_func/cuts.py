@@ -37,6 +37,7 @@ from . import boundary as B
 from . import early_stop as ES
 from . import fold as F
 from . import microbatch as M
+from . import physical_cuts as PC
 from . import vjp as V
 from .adjoint import AdjointState, Measurements, fold_in
 from .capture import as_call, canonical_names, matches
@@ -44,6 +45,7 @@ from .chain import Slots, module_lock, through_hooks, trainable_names
 from .in_backward import InBackward
 from .options import Options
 from .passes import Context
+from .physical import Meter
 
 _ACTIVE = threading.local()  # .depth: > 0 while a cut module runs (its forward or its rebuild) on this thread
 
@@ -51,9 +53,8 @@ _ACTIVE = threading.local()  # .depth: > 0 while a cut module runs (its forward 
 def needs_graph(opts: Options) -> list[str]:
     """The options set in ``opts`` that only a chain (graph capture) implements, as ``name=``."""
     default = Options()
-    given = [f"{n}=" for n in ("estimator", "budget", "compile") if getattr(opts, n) != getattr(default, n)]
-    if opts.physical:
-        given.append("physical=")
+    given = ["compile="] if opts.compile != default.compile else []
+    given += PC.needs_graph(opts)
     if opts.recompute != default.recompute:
         given.append("recompute=")
     if opts.update is not None and opts.data_parallel not in (None, False):
@@ -98,7 +99,8 @@ class Call:
     parameters it trains (``trained``: inputs of its node, so autograd accumulates their gradients
     after its reverse step, and a fused update steps them only then) and their versions; with a
     boundary policy (``boundary_dtype=``, ``offload=``), the positions of the inputs kept as it
-    stores them (``stored``) and their ``layout`` as computed."""
+    stores them (``stored``) and their ``layout`` as computed; for a physical cut, its place in the
+    sweep's roster of them (``physical``); the shape, dtype and device of each output of its node (``outs``)."""
 
     index: int
     name: str
@@ -124,11 +126,14 @@ class Call:
     trained_versions: list = dataclasses.field(default_factory=list)
     stored: tuple = ()
     layout: Any = None
+    physical: int | None = None
+    outs: list = dataclasses.field(default_factory=list)
 
 
 class Sweep:
     """One sweep over a model with run-time cuts (one microbatch's forward and backward): the cut
-    modules' forwards replaced for its duration, the calls so far, the pass state, the trace and the stats."""
+    modules' forwards replaced for its duration, the calls so far, the pass state, the trace and the
+    stats; the physical cut modules by name (their place in the roster) and the ``meter`` of their rows."""
 
     def __init__(
         self,
@@ -138,12 +143,18 @@ class Sweep:
         pass_state: Any,
         device: Any,
         names: Mapping[str, nn.Module] | None = None,
+        meter: Meter | None = None,
     ):
         self.opts, self.pass_state, self.device = opts, pass_state, device
         self.policy = opts.boundary
         self.stores = self.policy.dtype is not None or self.policy.offload
         self.prefetch = B.Prefetcher(self.policy, device) if self.stores else None
         self.names, self.split_at = dict(names or cut_modules(model, split_at)), list(split_at)
+        roster = PC.roster(opts, self.names)  # the physical cut modules, checked before anything runs
+        self.physical = {} if roster is None else {s.name: k for k, s in enumerate(roster.stages)}
+        self.meter = (
+            meter if meter is not None or roster is None else Meter(roster, tuple(self.physical.values()), opts.budget)
+        )
         self.calls: dict[str, int] = {}
         self.ungraded: set[str] = set()
         self.count = 0
@@ -194,6 +205,7 @@ class Sweep:
             F.modes_of(module),
         )
         call.host = F.HOST.before((type(module), module.training))
+        call.physical = self.physical.get(name)
         call.versions = [t._version if isinstance(t, torch.Tensor) else -1 for t in call.leaves]
         call.trained = list(
             {id(p): p for p in call.params.values() if p.requires_grad and B.is_differentiable(p)}.values()
@@ -228,6 +240,8 @@ class Sweep:
         args, kwargs = pytree.tree_unflatten(call.leaves, call.spec)
         stats = self.stats.setdefault(call.name, {})
         copies = WRITES.before(call)
+        if call.physical is not None:
+            PC.charge_forward(self.meter, call.physical, call)
         _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
         seed = torch.initial_seed()
         try:
@@ -239,6 +253,11 @@ class Sweep:
                     f"cut {call.name!r} writes into its input {leaf_name(call, call.written[0])} in place, and "
                     f"boundary_dtype= / offload= keep a copy of it: the write would miss the caller's tensor. "
                     f"Write out of place in the module, or leave out boundary_dtype= and offload="
+                )
+            if call.physical is not None and call.written:
+                raise ValueError(
+                    f"physical cut {call.name!r} writes into its input {leaf_name(call, call.written[0])} in place, "
+                    f"and its estimator runs it again on shifted inputs: write out of place in the module"
                 )
             for i, t in call.stored:
                 call.leaves[i], call.versions[i] = t, -1  # the kept copy, its own: nothing to watch
@@ -333,6 +352,12 @@ class Sweep:
                 f"step, or an in-place update between the forward and the backward), and its rebuild needs the "
                 f"values the call ran with: update the parameters after the backward"
             )
+        if all(
+            c is None for c in costates
+        ):  # no costate reaches the call (E.frozen() downstream): no step, as on a chain
+            self.trace.append(AdjointState(None, call.index, call.name, fold_in(self.opts.key, call.index)))
+            return [None] * (len(call.inputs) + len(call.trained))
+        costates = [torch.zeros(s, dtype=d, device=v) if c is None else c for c, (s, d, v) in zip(costates, call.outs)]
         dirty = [i for i in call.written if i in call.inputs]  # the outputs after the module's own
         costates = self.passes(call, costates[: len(costates) - len(dirty)]) + costates[len(costates) - len(dirty) :]
         stats = self.stats.setdefault(call.name, {})
@@ -342,6 +367,8 @@ class Sweep:
             assert self.prefetch is not None
             for i, t in zip(positions, self.prefetch.get(call.index, list(kept), call.layout)):
                 leaves[i] = t
+        if call.physical is not None:
+            return self.estimate(call, leaves, costates)
         local = {n: own.setdefault(id(p), p.detach().requires_grad_(p.requires_grad)) for n, p in call.params.items()}
         inputs = [leaves[i].requires_grad_() for i in call.inputs]  # detached when kept
         args, kwargs = pytree.tree_unflatten(leaves, call.spec)
@@ -408,6 +435,45 @@ class Sweep:
         # (Reformer's reversible layers run torch.autograd.backward on their parameters, as under autograd)
         return [*grads[: len(inputs)], *(M.add(g, p.grad) for g, p in zip(grads[len(inputs) :], trained))]
 
+    def estimate(self, call: Call, leaves: list, costates: list) -> list:
+        """A physical cut's reverse step from the estimator (``physical_cuts``): the call run again at
+        the inputs and parameters the estimator gives, its modes and autocast replayed, its randomness
+        drawn afresh, as a chain's physical stage."""
+        names = [param_name(call, p) for p in call.trained]
+        # the inputs that require grad; with none (the data), the first tensor, as a chain's first stage has it
+        probed = call.inputs or [next(i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor))]
+
+        def run(params: dict, h: tuple) -> tuple:
+            fed = list(leaves)
+            for i, t in zip(probed, h):
+                fed[i] = t
+            args, kwargs = pytree.tree_unflatten(fed, call.spec)
+            held = {**call.params, **params, **{n: b.clone() for n, b in call.buffers.items()}}
+            _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1  # a cut inside it is part of its call
+            try:
+                with F.in_modes(call.modes), replay_autocast(call.autocast), module_lock(call.module):
+                    with holding(call.module, held):
+                        out = call.forward(*args, **kwargs)
+            finally:
+                _ACTIVE.depth -= 1
+            flat = pytree.tree_leaves(out)
+            return tuple(flat[i] for i in call.through)
+
+        stats = self.stats.setdefault(call.name, {})
+        h = tuple(leaves[i] for i in probed)
+        params = {n: call.params[n].detach() for n in names}
+        assert call.physical is not None  # a physical call's
+        try:
+            with F.timer(self.opts, stats, "vjp_s", f"eae/{call.name}/estimate"):
+                g_in, grads, cost = PC.estimate(
+                    call.name.split("#")[0], call.index, run, h, params, costates, self.opts, self.meter, call.physical
+                )
+        except Exception as e:
+            F.note(e, f"the estimator at physical cut {call.name!r}")
+            raise
+        stats.update(cost)
+        return [*g_in[: len(call.inputs)], *(grads.get(n) for n in names)]
+
 
 def cutting(sweep_of: Callable[[], Sweep | None], name: str, module: nn.Module, forward: Callable) -> Callable:
     """``module``'s forward cut: a call with grad enabled is the next stage of ``sweep_of()``; one
@@ -442,9 +508,11 @@ class StageCall(torch.autograd.Function):
     def forward(ctx: Any, sweep: Sweep, call: Call, anchor: torch.Tensor, *inputs: torch.Tensor) -> Any:  # type: ignore[override]
         tensors = sweep.run_forward(call)
         ctx.sweep, ctx.call = sweep, call
-        if not call.written:
-            return tuple(tensors)
+        ctx.set_materialize_grads(False)  # an output no costate reaches gets None, not zeros: it pulls nothing back
         dirty = [t for i, t in zip(call.inputs, inputs) if i in call.written]  # as autograd records x.mul_(2)
+        call.outs = [(t.shape, t.dtype, t.device) for t in (*tensors, *dirty)]
+        if not dirty:
+            return tuple(tensors)
         ctx.mark_dirty(*dirty)
         return (*tensors, *dirty)
 
@@ -634,6 +702,8 @@ def sweep_model(
     if wrong:
         raise ValueError(f"buffers: {wrong[:5]} are not buffers of {type(model).__name__} (named_buffers' names)")
     replicas = replicas_of(opts.data_parallel, params)
+    roster = PC.roster(opts, cut_modules(model, split_at))
+    meter = None if roster is None else Meter(roster, tuple(range(len(roster))), opts.budget)  # over every piece
     leaves = {n: p.detach().requires_grad_(n in trainable and B.is_differentiable(p)) for n, p in params.items()}
     wanted = [n for n, t in leaves.items() if t.requires_grad]
     hooked = {first[n]: p for n, p in own_params if p._backward_hooks}  # p.register_hook(fn): run on the sum
@@ -658,6 +728,7 @@ def sweep_model(
                     opts if mb.key == opts.key else dataclasses.replace(opts, key=mb.key),
                     state,
                     device,
+                    meter=meter,
                 )
                 if update is not None and j == len(pieces) - 1:
                     handles = update.install(leaves)
@@ -676,6 +747,10 @@ def sweep_model(
                 h.remove()
     value = values[0] if len(values) == 1 else torch.stack(values).sum()
     stats, trace = M.sum_stats(all_stats), M.join_adjoints(traces)
+    for k, counts in (meter.counts if meter is not None else {}).items():  # the physical modules' rows, all pieces
+        assert roster is not None
+        name = roster.stages[k].name
+        stats[name] = M.merge_counters(stats.get(name, {}), counts)
     if update is not None:
         pure = update.spec.fn is not None
         new = {n: update.params.get(n, t) for n, t in params.items()} if pure else None

@@ -44,6 +44,9 @@ class Problem:
                              stage's inputs and everything downstream of one are the black box's), from
                              the tape: every stage of the range in ``prepare``, until the reverse fold
                              hands the stage's entry out; ``None`` where no tape is at hand.
+    first:                   the sweep's number of stage 0 (a physical module cut at run time is a
+                             one-stage problem, its call numbered as a chain of the cut modules numbers
+                             its stages): probe streams derive from ``first + i``.
     """
 
     chain: Chain
@@ -60,6 +63,7 @@ class Problem:
     feed: Callable[[int, Any], Any] | None = None
     drawn: frozenset[int] = frozenset()
     state: Callable[[int], Any] | None = None
+    first: int = 0
 
     def call(self, i: int, params: Any, h: Any) -> Any:
         """Stage i on ``h`` at ``params`` as the forward ran it (its buffer updates discarded)."""
@@ -77,7 +81,7 @@ class Problem:
         draws from it the very probes those estimators draw."""
         if stream not in STREAMS:
             raise ValueError(f"Problem.probe_seed: stream must be one of {tuple(STREAMS)}, got {stream!r}")
-        return probe_seed(self.key, i, STREAMS[stream])
+        return probe_seed(self.key, self.first + i, STREAMS[stream])
 
     def charge(self, i: int, rows: int, kind: str = "forward_calls") -> None:
         """Count a call of stage i on ``rows`` rows (raises, before it runs, past the budget)."""
