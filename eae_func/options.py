@@ -60,7 +60,8 @@ class Options:
     physical: Any = None  # Sequence[int | str] | None; bound: tuple[int, ...]
     """Names or indices of the physical stages (``None``: those made with ``physical=True`` or
     ``ef.black_box``); they need an estimator (``E.exact()`` differentiates a torch simulation
-    exactly). After ``bind``, their sorted indices."""
+    exactly). After ``bind``, their sorted indices. On a model cut at run time: names of cut
+    modules (``physical_cuts``)."""
     budget: int | None = None
     """Rows the physical stages may be run on in one call, forward included; a call that would
     exceed it raises before it runs (``None``: no limit)."""
