@@ -38,6 +38,7 @@ from . import early_stop as ES
 from . import fold as F
 from . import microbatch as M
 from . import physical_cuts as PC
+from . import remat as R
 from . import vjp as V
 from .adjoint import AdjointState, Measurements, fold_in
 from .capture import as_call, canonical_names, matches
@@ -55,8 +56,6 @@ def needs_graph(opts: Options) -> list[str]:
     default = Options()
     given = ["compile="] if opts.compile != default.compile else []
     given += PC.needs_graph(opts)
-    if opts.recompute != default.recompute:
-        given.append("recompute=")
     if opts.update is not None and opts.data_parallel not in (None, False):
         given.append("update= with data_parallel= (each stage's gradients averaged as the fold has them)")
     return given
@@ -100,7 +99,10 @@ class Call:
     after its reverse step, and a fused update steps them only then) and their versions; with a
     boundary policy (``boundary_dtype=``, ``offload=``), the positions of the inputs kept as it
     stores them (``stored``) and their ``layout`` as computed; for a physical cut, its place in the
-    sweep's roster of them (``physical``); the shape, dtype and device of each output of its node (``outs``)."""
+    sweep's roster of them (``physical``); the shape, dtype and device of each output of its node
+    (``outs``); where ``recompute=`` keeps its graph from the forward, ``(output, inputs, parameters)``
+    of that graph (``graph``), and where it keeps some ops' outputs, the context that replays them
+    in the rebuild (``cached``)."""
 
     index: int
     name: str
@@ -128,6 +130,8 @@ class Call:
     layout: Any = None
     physical: int | None = None
     outs: list = dataclasses.field(default_factory=list)
+    graph: tuple | None = None
+    cached: Any = None
 
 
 class Sweep:
@@ -152,6 +156,8 @@ class Sweep:
         self.names, self.split_at = dict(names or cut_modules(model, split_at)), list(split_at)
         roster = PC.roster(opts, self.names)  # the physical cut modules, checked before anything runs
         self.physical = {} if roster is None else {s.name: k for k, s in enumerate(roster.stages)}
+        self.plan = opts.recompute.plan()  # recompute=: which calls keep their graph (remat), this forward
+        self.graphs: dict[int, Call] = {}  # the calls whose graphs are kept from the forward, by stage
         self.meter = (
             meter if meter is not None or roster is None else Meter(roster, tuple(self.physical.values()), opts.budget)
         )
@@ -245,8 +251,9 @@ class Sweep:
         _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
         seed = torch.initial_seed()
         try:
-            with F.timer(self.opts, stats, "forward_s", f"eae/{call.name}/forward"), torch.no_grad():
+            with F.timer(self.opts, stats, "forward_s", f"eae/{call.name}/forward"), self.remat(call) as keep:
                 out = call.forward(*args, **kwargs)
+            keep(out)
             WRITES.after(call, copies)
             if call.stored and call.written:
                 raise ValueError(
@@ -281,7 +288,45 @@ class Sweep:
             )
         call.constants = [None if k is not None else t for t, k in zip(leaves, call.routes)]
         # an input the module returns as it is: the node's output must be a tensor of its own
-        return [leaves[i].clone() if any(leaves[i] is t for t in call.leaves) else leaves[i] for i in call.through]
+        return [
+            leaves[i].clone() if any(leaves[i] is t for t in call.leaves) else leaves[i].detach() for i in call.through
+        ]
+
+    @contextlib.contextmanager
+    def remat(self, call: Call):
+        """The forward of ``call`` as ``recompute=`` plans it, as stage ``call.index - 1`` of a chain of
+        the cut calls: without a graph (rebuilt in the reverse step), keeping some ops' outputs for
+        the rebuild (``remat.save``), or with its graph from the forward at local parameters and
+        inputs (kept in ``call.graph``; with a byte budget only while it fits); yields
+        ``keep(output)``, to call on the forward's output."""
+        k, plan = call.index - 1, self.plan
+        if call.physical is not None or plan.rebuilds(k, call.name):
+            saving = None if call.physical is not None else plan.saving(k, call.name)
+            call.cached = None if saving is None else saving[1]
+            with torch.no_grad(), saving[0] if saving is not None else contextlib.nullcontext():
+                yield lambda out: None
+            return
+        own: dict = {}
+        local = {n: own.setdefault(id(p), p.detach().requires_grad_(p.requires_grad)) for n, p in call.params.items()}
+        inputs = [call.leaves[i].requires_grad_() for i in call.inputs]  # the call's own detached leaves
+        saved = R.SavedBytes([*own.values(), *inputs]) if plan.counts else None
+
+        def keep(out: Any) -> None:
+            if saved is None or plan.kept(k, saved.bytes):
+                call.graph = (out, inputs, [own[id(p)] for p in call.trained])
+                self.graphs[k] = call
+            for j in plan.evicted():  # a later graph took its place in the byte budget: rebuilt instead
+                self.graphs.pop(j).graph = None
+
+        try:
+            with torch.enable_grad(), holding(call.module, local), saved.hooks() if saved else contextlib.nullcontext():
+                yield keep
+        except RuntimeError as e:
+            e.add_note(
+                f"(eae_func: recompute= keeps the graph of cut {call.name!r} from its forward, where its inputs "
+                f"are leaves, which a write in place into them breaks: rebuild this cut instead)"
+            )
+            raise
 
     def kind(self, call: Call) -> Hashable | None:
         """The kind of the call's rebuild for ``early_stop`` (``None``: it runs in full: the option is
@@ -352,16 +397,15 @@ class Sweep:
                 f"step, or an in-place update between the forward and the backward), and its rebuild needs the "
                 f"values the call ran with: update the parameters after the backward"
             )
-        if all(
-            c is None for c in costates
-        ):  # no costate reaches the call (E.frozen() downstream): no step, as on a chain
+        if all(c is None for c in costates):  # no costate reaches the call (E.frozen() downstream): no step
+            call.graph = None
             self.trace.append(AdjointState(None, call.index, call.name, fold_in(self.opts.key, call.index)))
             return [None] * (len(call.inputs) + len(call.trained))
         costates = [torch.zeros(s, dtype=d, device=v) if c is None else c for c, (s, d, v) in zip(costates, call.outs)]
         dirty = [i for i in call.written if i in call.inputs]  # the outputs after the module's own
         costates = self.passes(call, costates[: len(costates) - len(dirty)]) + costates[len(costates) - len(dirty) :]
         stats = self.stats.setdefault(call.name, {})
-        leaves, own = list(call.leaves), {}
+        leaves = list(call.leaves)
         if call.stored:
             positions, kept = zip(*call.stored)
             assert self.prefetch is not None
@@ -369,9 +413,31 @@ class Sweep:
                 leaves[i] = t
         if call.physical is not None:
             return self.estimate(call, leaves, costates)
+        if call.graph is not None:  # kept from the forward (recompute=): used once and let go
+            (out, inputs, trained), written, call.graph = call.graph, (), None
+        else:
+            out, written, inputs, trained = self.rebuild(call, leaves, stats)
+        rebuilt = pytree.tree_leaves(out)
+        edges = V.places(
+            [rebuilt[i] for i in call.through] + [t for i, t in zip(call.written, written) if i in call.inputs]
+        )
+        del out, rebuilt, written  # an output the graph does not save is freed now
+        with F.timer(self.opts, stats, "vjp_s", f"eae/{call.name}/vjp"):
+            grads = V.pull_back(edges, costates, [*inputs, *trained])
+        # the parameters' gradients, plus what a custom Function's own backward accumulated into .grad
+        # (Reformer's reversible layers run torch.autograd.backward on their parameters, as under autograd)
+        return [*grads[: len(inputs)], *(M.add(g, p.grad) for g, p in zip(grads[len(inputs) :], trained))]
+
+    def rebuild(self, call: Call, leaves: list, stats: dict) -> tuple[Any, tuple, list, list]:
+        """The call's module run again with its graph at the params it ran with, on ``leaves`` (its
+        inputs as the forward had them), RNG, modes, Python's generators and autocast replayed, the
+        ops' outputs the forward kept (``remat.save``) reused: ``(output, the leaves it wrote into,
+        the inputs and the parameters its graph starts from)``."""
+        own: dict = {}
         local = {n: own.setdefault(id(p), p.detach().requires_grad_(p.requires_grad)) for n, p in call.params.items()}
         inputs = [leaves[i].requires_grad_() for i in call.inputs]  # detached when kept
         args, kwargs = pytree.tree_unflatten(leaves, call.spec)
+        cached, call.cached = call.cached, None
 
         def rebuild(run: Callable) -> Any:
             with (
@@ -383,6 +449,7 @@ class Sweep:
                 replay_autocast(call.autocast),
                 module_lock(call.module),
                 holding(call.module, {**local, **{n: b.clone() for n, b in call.buffers.items()}}),
+                cached if cached is not None else contextlib.nullcontext(),
             ):
                 if not call.written:
                     return run(call.forward, *args, **kwargs), ()
@@ -394,7 +461,7 @@ class Sweep:
 
         _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
         try:
-            out, written = ES.rebuilt(self.kind(call), rebuild)
+            out, written = ES.rebuilt(self.kind(call) if cached is None else None, rebuild)
         except Exception as e:
             F.note(e, f"the rebuild of cut {call.name!r}")
             e.add_note(
@@ -411,7 +478,7 @@ class Sweep:
                 f"their dropout) and its rebuild came to other outputs than its forward: its gradients would "
                 f"belong to other random numbers. Cut a module that does not reseed, or turn its randomness off"
             )
-        rebuilt, spec = pytree.tree_flatten(out)
+        spec = pytree.tree_structure(out)
         if spec != call.out_spec:
             raise ValueError(
                 f"cut {call.name!r}: its rebuild returned another structure than its forward ({spec} vs "
@@ -424,16 +491,7 @@ class Sweep:
                     f"that depends on its parameters: the caller's tensor cannot take that gradient. Write out "
                     f"of place in the module, or pass it a tensor that requires grad"
                 )
-        edges = V.places(
-            [rebuilt[i] for i in call.through] + [t for i, t in zip(call.written, written) if i in call.inputs]
-        )
-        del out, rebuilt, written  # an output the graph does not save is freed now
-        trained = [own[id(p)] for p in call.trained]
-        with F.timer(self.opts, stats, "vjp_s", f"eae/{call.name}/vjp"):
-            grads = V.pull_back(edges, costates, [*inputs, *trained])
-        # the parameters' gradients, plus what a custom Function's own backward accumulated into .grad
-        # (Reformer's reversible layers run torch.autograd.backward on their parameters, as under autograd)
-        return [*grads[: len(inputs)], *(M.add(g, p.grad) for g, p in zip(grads[len(inputs) :], trained))]
+        return out, written, inputs, [own[id(p)] for p in call.trained]
 
     def estimate(self, call: Call, leaves: list, costates: list) -> list:
         """A physical cut's reverse step from the estimator (``physical_cuts``): the call run again at

@@ -69,7 +69,9 @@ class Options:
     """The remat policy (``eae_func.remat``): ``True`` rebuilds each stage's graph from its saved
     input; ``False`` keeps every graph from the forward (memory like plain autograd); a predicate
     ``(index, name) -> bool`` rebuilds the stages it is true for; an int is a byte budget for the
-    graphs kept. Same results at every setting."""
+    graphs kept. Same results at every setting. On a model cut at run time, the k-th cut call of a
+    forward is stage ``k - 1`` and its name the call's (``"blocks.0#2"`` for a second call); a byte
+    budget may build a graph it then drops (the forward's peak up to one graph above the budget's)."""
     keep_costates: bool = True
     """``False`` returns the trace records with ``value=None`` (history and meta kept), saving L
     costates of memory (``grad`` and ``value_and_grad``'s default)."""
