@@ -196,6 +196,7 @@ class Sweep:
         self.count += 1
         leaves, spec = pytree.tree_flatten((args, kwargs))
         refuse_caches(name, leaves, self.split_at)
+        params, buffers, modes = walk(module)
         call = Call(
             self.count,
             name if k == 1 else f"{name}#{k}",
@@ -204,11 +205,11 @@ class Sweep:
             [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves],
             spec,
             [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad],
-            dict(module.named_parameters(remove_duplicate=False)),
-            {n: b.detach().clone() for n, b in module.named_buffers(remove_duplicate=False)},
+            params,
+            buffers,
             F.rng_state(self.device),
             autocast_state(self.device),
-            F.modes_of(module),
+            modes,
         )
         call.host = F.HOST.before((type(module), module.training))
         call.physical = self.physical.get(name)
@@ -548,13 +549,18 @@ def cutting(sweep_of: Callable[[], Sweep | None], name: str, module: nn.Module, 
                 sweep.ungraded.add(name)
             return forward(*args, **kwargs)
         if torch.compiler.is_compiling():  # torch.compile around the model: the call runs as Python
-            return eager(*args, **kwargs)
+            return _eager(call, args, kwargs)
         sweep = sweep_of()
         assert sweep is not None  # one is made for every call with grad enabled
         return sweep.stage(name, module, forward, args, kwargs)
 
-    eager = torch.compiler.disable(call, recursive=True)
     return call
+
+
+@torch.compiler.disable(recursive=True)
+def _eager(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` as Python under ``torch.compile``: a graph break."""
+    return fn(*args, **kwargs)
 
 
 class StageCall(torch.autograd.Function):
@@ -583,6 +589,19 @@ class StageCall(torch.autograd.Function):
                 "through the same graph (retain_graph=True) is not supported at the cuts; run the forward again"
             )
         return (None, None, None, *ctx.sweep.reverse(call, list(costates)))
+
+
+def walk(module: nn.Module) -> tuple[dict, dict, tuple]:
+    """In one walk of ``module``: its parameters by name (aliases included, as
+    ``named_parameters(remove_duplicate=False)``), clones of its buffers by name, its modes
+    (``fold.modes_of``)."""
+    params, buffers, modes = {}, {}, []
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        modes.append((m, m.training))
+        dot = f"{prefix}." if prefix else ""
+        params.update((dot + n, p) for n, p in m._parameters.items() if p is not None)
+        buffers.update((dot + n, b.detach().clone()) for n, b in m._buffers.items() if b is not None)
+    return params, buffers, tuple(modes)
 
 
 def routes(leaves: list, call: Call) -> tuple[tuple, tuple]:
