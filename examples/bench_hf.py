@@ -50,6 +50,9 @@ its early stop (``torch.utils.checkpoint.set_checkpoint_early_stop(False)``): it
 each layer to its end, as eae_func's rebuild does, where by default it stops at the layer's last
 saved tensor and skips the matrix product after it (Llama's ``down_proj``).
 
+``--loops`` runs ``bench_loops.py``: ``ef.enable`` against HF checkpointing inside a plain loop,
+Accelerate, Lightning and DDP.
+
 ``--capture-check`` times what a graph capture (``capture="graph"``) checks on every call to
 know the model is unchanged since it was captured, on the small-width 12-layer GPT-2: the full
 ``capture.fingerprint`` walk and the ``capture.Watch`` identity pass that replaces it.
@@ -354,6 +357,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--no-early-stop", action="store_true", help="--regimes: HF checkpointing recomputes each layer to its end"
     )
     parser.add_argument("--capture-check", action="store_true", help="what the graph capture's staleness check costs")
+    parser.add_argument("--loops", action="store_true", help="ef.enable in training loops (bench_loops.py)")
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     defaults = dict(layers=2, batch=2, seq=32, steps=1) if args.quick else dict(layers=12, batch=8, seq=256, steps=3)
@@ -376,6 +380,11 @@ def main(argv=None) -> None:
         return
     if args.capture_check:
         capture_check(args)
+        return
+    if args.loops:
+        import bench_loops
+
+        bench_loops.main(bench_loops.parse_args(["--quick"] if args.quick else []))
         return
     import torch
 
