@@ -126,7 +126,7 @@ def accelerate(args: argparse.Namespace) -> dict:
 def lightning(args: argparse.Namespace) -> dict:
     import torch
 
-    with extra("bench"):
+    with extra("lightning"):
         import lightning.pytorch as pl
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)  # its tips and device lines
