@@ -375,8 +375,12 @@ class Sweep:
                     f"{[tuple(c.shape) for c in costates]}, got {type(adj.value).__name__}"
                 )
             costates = got
-        self.trace.append(adj if self.opts.keep_costates else adj.replace(value=None))
+        self.record(adj)
         return costates
+
+    def record(self, adj: AdjointState) -> None:
+        """The trace's record of a boundary (its costate dropped unless ``keep_costates``)."""
+        self.trace.append(adj if self.opts.keep_costates else adj.replace(value=None))
 
     def reverse(self, call: Call, costates: list) -> list:
         """The call's reverse step: the passes on its output costate, the module rebuilt at the
@@ -400,7 +404,7 @@ class Sweep:
             )
         if all(c is None for c in costates):  # no costate reaches the call (E.frozen() downstream): no step
             call.graph = None
-            self.trace.append(AdjointState(None, call.index, call.name, fold_in(self.opts.key, call.index)))
+            self.record(AdjointState(None, call.index, call.name, fold_in(self.opts.key, call.index)))
             return [None] * (len(call.inputs) + len(call.trained))
         costates = [torch.zeros(s, dtype=d, device=v) if c is None else c for c, (s, d, v) in zip(costates, call.outs)]
         dirty = [i for i in call.written if i in call.inputs]  # the outputs after the module's own

@@ -150,8 +150,9 @@ class Switch:
             )
 
     def on_costate(self, fn: Callable[[AdjointState], Any]) -> Callable[[], None]:
-        """Call ``fn(record)`` with each boundary's record (after the passes) as the backward makes it;
-        returns a function that removes it."""
+        """Call ``fn(record)`` with each boundary's record as the backward makes it, its ``value`` the
+        costate after the passes (whatever ``keep_costates`` keeps in ``ef.records``): read what to log
+        there, keep no reference to it; returns a function that removes it."""
         self.listeners.append(fn)
         return lambda: self.listeners.remove(fn)
 
@@ -183,13 +184,13 @@ class Step(cuts.Sweep):
     def pass_state(self, value: Any) -> None:
         self.switch.pass_state = value
 
-    def passes(self, call: cuts.Call, costates: list) -> list:
+    def record(self, adj: AdjointState) -> None:
+        """The record kept (``ef.records``), and each listener called with it whole, its costate too."""
         if not self.trace:
             self.switch.last = self  # its reverse steps are the latest
-        out = super().passes(call, costates)
+        super().record(adj)
         for fn in list(self.switch.listeners):
-            fn(self.trace[-1])
-        return out
+            fn(adj)
 
 
 def enable(model: nn.Module, split_at: Sequence[str], **options: Unpack[SweepOptions]) -> Switch:
@@ -206,6 +207,8 @@ def enable(model: nn.Module, split_at: Sequence[str], **options: Unpack[SweepOpt
         raise ValueError(f"enable: {type(model).__name__} is already enabled; ef.disable(model) first")
     opts = make("enable", options, keep_costates=False, timers=False)
     owned = [f"{n}=" for n in ("microbatches", "data_parallel") if getattr(opts, n) != getattr(Options(), n)]
+    if opts.capture not in (None, "run"):
+        owned.append(f"capture={opts.capture!r} (an enabled model is cut at run time, where it calls the modules)")
     if opts.update is not None and opts.update.fn is not None:
         owned.append("update= with a pure function (its new parameters come back from ef.sweep alone)")
     refused = owned + cuts.needs_graph(opts)

@@ -190,17 +190,25 @@ def test_on_costate_sees_each_record_and_options_the_loop_owns_are_refused():
     torch.manual_seed(0)
     model = Net()
     ids, labels = batch()
-    with ef.enable(model, split_at=["blocks.*"], keep_costates=True) as switch:
+    want = {
+        a.stage: a.value
+        for a in ef.sweep(model, dict(model.named_parameters()), ids, labels, loss=ce, split_at=["blocks.*"]).adjoints
+    }
+    with ef.enable(model, split_at=["blocks.*"]) as switch:  # keep_costates=False: the records drop them
         seen = []
-        remove = switch.on_costate(lambda a: seen.append((a.stage, a.value.norm())))
+        remove = switch.on_costate(lambda a: seen.append((a.stage, a.value)))
         ce(model(ids), labels).backward()
         remove()
         assert [s for s, _ in seen] == ["blocks.0#2", "blocks.2", "blocks.1", "blocks.0"]
+        assert all(torch.equal(value, want[stage]) for stage, value in seen)  # the listener sees the costate
         assert list(ef.records(model)) == [s for s, _ in seen]
+        assert all(a.value is None for a in ef.records(model).values())
         with pytest.raises(ValueError, match="already enabled"):
             ef.enable(model, split_at=["blocks.*"])
     with pytest.raises(ValueError, match=r"enable: microbatches=.*ef.sweep"):
         ef.enable(model, split_at=["blocks.*"], microbatches=2)
+    with pytest.raises(ValueError, match=r"enable: capture='graph' \(an enabled model is cut at run time"):
+        ef.enable(model, split_at=["blocks.*"], capture="graph")
     assert ef.enabled(model) is None
     with pytest.raises(ValueError, match="not enabled"):
         ef.disable(model)
