@@ -323,10 +323,11 @@ class Sweep:
             with torch.enable_grad(), holding(call.module, local), saved.hooks() if saved else contextlib.nullcontext():
                 yield keep
         except RuntimeError as e:
-            e.add_note(
-                f"(eae_func: recompute= keeps the graph of cut {call.name!r} from its forward, where its inputs "
-                f"are leaves, which a write in place into them breaks: rebuild this cut instead)"
-            )
+            if "leaf Variable" in str(e):  # autograd refuses a write into a leaf that requires grad
+                e.add_note(
+                    f"(eae_func: recompute= keeps the graph of cut {call.name!r} from its forward, where its "
+                    f"inputs are leaves, which a write in place into them breaks: rebuild this cut instead)"
+                )
             raise
 
     def kind(self, call: Call) -> Hashable | None:

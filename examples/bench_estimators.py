@@ -385,11 +385,18 @@ def token_table(keys: int, n: int = 8, off: float = 0.05) -> None:
 
 
 def plot_control_variate(chain, params, x, y, g, make_twin, zbp, base, theory, keys, plt, out) -> None:
-    """MSE / zbp's against the twin's error r for PAT and the control variate (β 1 and "ema"),
-    measured over ``keys`` keys, beside the formulas r² / ((d−1)/n) (PAT), r² (β = 1) and
-    ‖g − β*s‖² / ‖g‖² (the best β, which "ema" estimates), into ``out/control_variate_mse.png``."""
+    """MSE / zbp's against the twin's error r for PAT, the control variate (β 1 and "ema"), the
+    shrinkage control variate (λ "auto", one step) and twin-guided probes, measured over ``keys``
+    keys, beside the formulas r² / ((d−1)/n) (PAT), r² (β = 1) and ‖g − β*s‖² / ‖g‖² (the best β,
+    which "ema" estimates), into ``out/control_variate_mse.png``."""
     rs = [0.05, 0.1, 0.2, 0.4, 0.7, 1.0, 1.4, 2.0]
-    measured: dict = {"PAT": [], "control variate β=1.0": [], "control variate β=ema": []}
+    estimators = {
+        "control variate β=1.0": lambda twin: E.control_variate(zbp, twin),
+        "control variate β=ema": lambda twin: E.control_variate(zbp, twin, "ema"),
+        "shrinkage cv (λ auto)": lambda twin: E.control_variate(zbp, twin, shrink="auto"),
+        "guided probes": lambda twin: E.guided(zbp, twin),
+    }
+    measured: dict = {"PAT": [], **{name: [] for name in estimators}}
     actual, best = [], []
     for target in rs:
         twin, s, r = twin_at(chain, params, x, y, g, make_twin, target)
@@ -397,11 +404,17 @@ def plot_control_variate(chain, params, x, y, g, make_twin, zbp, base, theory, k
         s = s.double()
         best.append(((g - (g * s).sum() / (s * s).sum() * s) ** 2).sum().item() / (g * g).sum().item())
         measured["PAT"].append(((s.double() - g) ** 2).sum().item() / base)
-        for beta in (1.0, "ema"):
-            samples = draws(chain, params, x, y, E.control_variate(zbp, twin, beta), keys)[0]
-            measured[f"control variate β={beta}"].append(((samples - g) ** 2).sum().item() / keys / base)
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    colors = {"PAT": "tab:red", "control variate β=1.0": "tab:blue", "control variate β=ema": "tab:green"}
+        for name, make in estimators.items():
+            samples = draws(chain, params, x, y, make(twin), keys)[0]
+            measured[name].append(((samples - g) ** 2).sum().item() / keys / base)
+    fig, ax = plt.subplots(figsize=(6, 4.4))
+    colors = {
+        "PAT": "tab:red",
+        "control variate β=1.0": "tab:blue",
+        "control variate β=ema": "tab:green",
+        "shrinkage cv (λ auto)": "tab:purple",
+        "guided probes": "tab:orange",
+    }
     for name, values in measured.items():
         ax.plot(actual, values, marker="o", linestyle="none", color=colors[name], label=f"{name} (measured)")
     grid = torch.linspace(min(actual), max(actual), 100)
