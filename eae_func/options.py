@@ -103,7 +103,7 @@ class Options:
     """How a model (an ``nn.Module``) with ``split_at`` is cut: ``"run"`` (its forward runs as
     written, each call of a matched module one stage: ``eae_func.cuts``), ``"graph"`` (a chain
     captured by ``torch.export``), or ``None``: ``"run"``, unless an option only a chain implements
-    is set (``cuts.needs_graph``). Given, it is never overridden: ``"run"`` with such an option is
+    is set (``model_sweep.needs_graph``). Given, it is never overridden: ``"run"`` with such an option is
     refused, naming it. Both cut the model at the same boundaries, the cuts' outputs in call order,
     and pass the same records to the passes."""
 

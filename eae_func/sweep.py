@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import capture, cuts, fsdp, function
+from . import capture, fsdp, function, model_sweep
 from . import fold as F
 from . import microbatch as M
 from .adjoint import Measurements
@@ -210,7 +210,7 @@ def reducer_of(group: Any, chain: Chain, params: tuple, groups: list) -> Any:
     """The ``Reducer`` of ``data_parallel=group`` (``None``: none), once the replicas agree on the chain
     (``data_parallel.agree``); a multi-process run without ``data_parallel=`` is warned that its
     gradients are this rank's alone (``False`` says so on purpose)."""
-    if group is None and cuts.multi_process():
+    if group is None and model_sweep.multi_process():
         from .distributed.data_parallel import warn_local_gradients
 
         warn_local_gradients("sweep")
@@ -300,7 +300,7 @@ def _on_model(
     buffers: Sequence | None,
     opts: Options,
 ) -> SweepResult:
-    """``sweep`` of a model: cut at run time (``eae_func.cuts``), or its chain, params per stage from a
+    """``sweep`` of a model: cut at run time (``eae_func.model_sweep``), or its chain, params per stage from a
     flat dict, results back in its structure."""
     if split_at is not None and at_run_time(model, params, opts):
         assert isinstance(model, nn.Module) and isinstance(params, Mapping)  # at_run_time checked them
@@ -308,7 +308,7 @@ def _on_model(
             raise TypeError(f"sweep: a model ({type(model).__name__}) needs loss=loss_fn(output, *loss_args)")
         if buffers is not None and not isinstance(buffers, Mapping):
             raise TypeError("sweep: with a flat params dict, buffers= is a flat {name: tensor} dict too")
-        out = cuts.sweep_model(model, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
+        out = model_sweep.sweep_model(model, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
         opts.passes.check_stages(dict.fromkeys(a.stage for a in out.trace))  # the cuts' names, known once they ran
         return SweepResult(
             out.loss,
@@ -335,7 +335,7 @@ def _on_model(
     if split_at is not None and opts.data_parallel is not None and isinstance(params, Mapping):
         # the replicas agree on the model before each captures it: one whose model differs (and whose
         # capture may fail on it) names the difference, as every other replica does
-        cuts.replicas_of(opts.data_parallel, params)
+        model_sweep.replicas_of(opts.data_parallel, params)
     example = x if split_at is None else _piece_of(x, opts, "a model cut with split_at")
     chain, qualified = chain_of(model, loss, split_at, example)
     flat = isinstance(params, Mapping)
@@ -378,7 +378,7 @@ def at_run_time(model: nn.Module | Sequence, params: Sequence | Mapping, opts: O
     ``"run"`` given where something needs a chain is refused, naming it."""
     if opts.capture == "graph" or not isinstance(model, nn.Module):  # chain_of names what a list lacks
         return False
-    needs = cuts.needs_graph(opts)
+    needs = model_sweep.needs_graph(opts)
     if not isinstance(params, Mapping):
         needs.append("params as one dict per stage (run-time cuts take dict(model.named_parameters()))")
     if fsdp.holds_shards(model):

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import cuts
+from . import cuts, model_sweep
 from . import fold as F
 from .adjoint import AdjointState
 from .boundary import is_differentiable
@@ -123,7 +123,7 @@ class Switch:
         """The sweep a cut call with grad enabled belongs to (``None`` without grad: nothing kept)."""
         if not torch.is_grad_enabled():
             return None
-        if self.update is not None and cuts.multi_process():
+        if self.update is not None and model_sweep.multi_process():
             raise ValueError(
                 f"enable: update= steps {type(self.model).__name__} inside its backward, before DDP or FSDP "
                 f"average the gradients, so each replica would train on its own: leave update= out under "
@@ -211,7 +211,7 @@ def enable(model: nn.Module, split_at: Sequence[str], **options: Unpack[SweepOpt
         owned.append(f"capture={opts.capture!r} (an enabled model is cut at run time, where it calls the modules)")
     if opts.update is not None and opts.update.fn is not None:
         owned.append("update= with a pure function (its new parameters come back from ef.sweep alone)")
-    refused = owned + cuts.needs_graph(opts)
+    refused = owned + model_sweep.needs_graph(opts)
     if refused:
         raise ValueError(
             f"enable: {', '.join(refused)} cannot be switched on in the model: the training loop owns the step "
