@@ -18,7 +18,7 @@ Methods, each trained with AdamW for ``--epochs`` and tested on the (noisy) hard
     control variate      zbp's probes with the twin as a control variate (E.control_variate, β "ema",
                          the twin's own central differences): zbp's rows, unbiased
     shrinkage cv         the same, shrunk toward the twin: βs + λ(ĝ − βs), λ* = h / (h + v) for an
-                         averaging horizon h (``--cv-horizon``, AdamW's β1 = 0.9: h = 10): a little
+                         averaging horizon h (``--cv-horizon``, default 1: one step's MSE): a little
                          bias for much less variance (E.control_variate(..., shrink="auto"))
     frozen               readout only: no costate passes the optics (E.frozen)
 
@@ -213,7 +213,7 @@ def main(argv=None):
         "--cv-directional", choices=("fd", "exact"), default="fd", help="control variate's twin_directional"
     )
     parser.add_argument(
-        "--cv-horizon", type=float, default=10.0, help="shrinkage cv's averaging horizon h (AdamW's 1/(1 - β1))"
+        "--cv-horizon", type=float, default=1.0, help="shrinkage cv's averaging horizon h (1: one step's MSE)"
     )
     parser.add_argument("--no-cosines", action="store_true", help="skip the cosine-against-n curves and plot")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny data, one epoch, no plot")
