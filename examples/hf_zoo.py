@@ -393,8 +393,9 @@ def lm_case(kind: str, class_name: str, causal: bool) -> tuple:
     return model, inputs_of(model), lambda out: out.loss
 
 
-def check(case, split_at=None, sweeps: int = 1) -> tuple[str, str]:
-    """The row of the model, inputs and loss ``case()`` gives, cut at ``split_at`` (default: ``layers_of``)."""
+def check(case, split_at=None, sweeps: int = 1, recompute=True) -> tuple[str, str]:
+    """The row of the model, inputs and loss ``case()`` gives, cut at ``split_at`` (default: ``layers_of``),
+    with the remat policy ``recompute``."""
     import torch
 
     import eae_func as ef
@@ -416,7 +417,9 @@ def check(case, split_at=None, sweeps: int = 1) -> tuple[str, str]:
         results = []
         for _ in range(sweeps):
             seed(1)
-            results.append(ef.sweep(model, params, inputs, loss=loss, split_at=split_at, keep_costates=False))
+            results.append(
+                ef.sweep(model, params, inputs, loss=loss, split_at=split_at, keep_costates=False, recompute=recompute)
+            )
     except Exception as e:
         return refused_or_failing(e)
     res = results[-1]
@@ -464,6 +467,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--types", nargs="+", help="model types (default: all)")
     parser.add_argument("--families", action="store_true", help="the table of other families (vision, audio, ...)")
     parser.add_argument("--stop-every-tail", action="store_true", help="every tail stopped early, on a second sweep")
+    parser.add_argument(
+        "--recompute",
+        choices=("rebuild", "keep", "save"),
+        default="rebuild",
+        help="every cut rebuilt (default), every cut's graph kept from the forward, or remat.save's matmuls kept",
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -474,6 +483,9 @@ def main(argv=None) -> dict:
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
     sweeps = 2 if args.stop_every_tail else 1
+    from eae_func import remat
+
+    recompute = {"rebuild": True, "keep": False, "save": remat.save()}[args.recompute]
     if args.families:
         cases = {
             label: (cls, functools.partial(family_case, kind, cls, fields, given), split_at)
@@ -490,7 +502,7 @@ def main(argv=None) -> dict:
     with every_tail_stopped(skipped) if args.stop_every_tail else contextlib.nullcontext():
         for kind in kinds:
             class_name, case, split_at = cases[kind]
-            outcome, note = check(case, split_at, sweeps)
+            outcome, note = check(case, split_at, sweeps, recompute)
             counts[outcome] += 1
             rows.append((kind, class_name, outcome, note))
             print(f"| {kind} | {class_name} | {outcome} | {note} |", flush=True)
