@@ -263,15 +263,17 @@ class Sweep:
     @contextlib.contextmanager
     def remat(self, call: Call):
         """The forward of ``call`` as ``recompute=`` plans it, as stage ``call.index - 1`` of a chain of
-        the cut calls: without a graph (rebuilt in the reverse step), keeping some ops' outputs for
-        the rebuild (``remat.save``), or with its graph from the forward at local parameters and
-        inputs (kept in ``call.graph``; with a byte budget only while it fits); yields
-        ``keep(output)``, to call on the forward's output."""
+        the cut calls: without a graph (rebuilt in the reverse step), or with its graph at local
+        parameters and inputs that require grad, as the rebuild has them: kept (in ``call.graph``;
+        with a byte budget only while it fits), or let go once some ops' outputs are kept for the
+        rebuild (``remat.save``: they are handed out in call order, so the forward must take the ops'
+        paths the rebuild takes, and ``torch.matmul``, for one, picks its kernels by which inputs
+        require grad); yields ``keep(output)``, to call on the forward's output."""
         k, plan = call.index - 1, self.plan
-        if call.physical is not None or plan.rebuilds(k, call.name):
-            saving = None if call.physical is not None else plan.saving(k, call.name)
-            call.cached = None if saving is None else saving[1]
-            with torch.no_grad(), saving[0] if saving is not None else contextlib.nullcontext():
+        rebuilt = call.physical is not None or plan.rebuilds(k, call.name)
+        saving = plan.saving(k, call.name) if rebuilt and call.physical is None else None
+        if rebuilt and saving is None:
+            with torch.no_grad():
                 yield lambda out: None
             return
         own: dict = {}
@@ -280,6 +282,9 @@ class Sweep:
         saved = R.SavedBytes([*own.values(), *inputs]) if plan.counts else None
 
         def keep(out: Any) -> None:
+            if saving is not None:  # its graph was built to run the ops as the rebuild will: let go
+                call.cached = saving.replay  # None where the forward wrote into a kept output
+                return
             if saved is None or plan.kept(k, saved.bytes):
                 call.graph = (out, inputs, [own[id(p)] for p in call.trained])
                 self.graphs[k] = call
@@ -287,7 +292,12 @@ class Sweep:
                 self.graphs.pop(j).graph = None
 
         try:
-            with torch.enable_grad(), holding(call.module, local), saved.hooks() if saved else contextlib.nullcontext():
+            with (
+                torch.enable_grad(),
+                holding(call.module, local),
+                saved.hooks() if saved else contextlib.nullcontext(),
+                saving.forward() if saving is not None else contextlib.nullcontext(),
+            ):
                 yield keep
         except RuntimeError as e:
             if "leaf Variable" in str(e):  # autograd refuses a write into a leaf that requires grad

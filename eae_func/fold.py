@@ -609,9 +609,9 @@ def run_stage(
                 saving = None if i in opts.physical else plan.saving(i, chain.names[i])
                 with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
                     if saving is not None:
-                        with saving[0]:
+                        with saving.forward():
                             out, updated = s.call(params, buffers, h)
-                        cached = saving[1]
+                        cached = saving.replay  # None where the forward wrote into a kept output
                     elif opts.compile is not None and compiled.eligible(s, i, opts, B.Layout.of(h)):
                         out, updated = compiled.forward(s, opts, params, buffers, h)
                     else:

@@ -14,6 +14,7 @@ Every setting gives the same gradients; only memory and time differ.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import numbers
 import typing
@@ -22,7 +23,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 __all__ = ["MATMULS", "Remat", "always", "budget", "never", "save", "where"]
 
@@ -170,13 +173,12 @@ class Plan:
             return self.remat.keep is None or not self.remat.keep(i, name)
         return kind == "always"
 
-    def saving(self, i: int, name: str) -> tuple | None:
-        """For a stage that keeps some ops' outputs (``save``): ``(the context the forward runs under,
-        the context that replays them in the rebuild)``, else ``None``."""
+    def saving(self, i: int, name: str) -> Saving | None:
+        """For a stage that keeps some ops' outputs (``save``): its ``Saving``, else ``None``."""
         remat = self.remat
         if remat.kind != "save" or (remat.predicate is not None and not remat.predicate(i, name)):
             return None
-        return create_selective_checkpoint_contexts(remat.ops)
+        return Saving(remat.ops)
 
     def kept(self, i: int, nbytes: int) -> bool:
         """Keep stage i's graph of ``nbytes`` if it fits in the budget at all, dropping the earliest
@@ -196,6 +198,62 @@ class Plan:
         """The stages whose kept graphs were dropped since the last call (rebuild them instead)."""
         dropped, self.dropped = self.dropped, []
         return dropped
+
+
+class Saving:
+    """``remat.save`` for one stage: ``forward()`` is the context its forward runs under, keeping
+    the chosen ops' outputs (``torch.utils.checkpoint``'s selective checkpointing); ``replay`` then
+    hands them to the rebuild's ops in call order, or is ``None``: the forward wrote into a kept
+    output after it was kept, through an alias autograd does not version (``torch.matmul``'s
+    ``_unsafe_view`` of ``bmm``'s output, which Nystromformer's ``context += conv(v)`` writes), so
+    the rebuild would be handed the changed value and give wrong gradients, as torch's own
+    selective checkpointing does there; it runs in full instead. The forward watches every write
+    into the kept outputs' storage for it (``_Writes``)."""
+
+    def __init__(self, ops: Any):
+        self.kept: set[int] = set()  # the storages of the outputs kept
+        self.written = False
+        chosen = ops if callable(ops) else lambda ctx, op, *args, **kwargs: op in ops
+
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            decision = chosen(ctx, op, *args, **kwargs)
+            if not ctx.is_recompute and decision in (True, CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+                for t in pytree.tree_leaves(ctx.op_output):
+                    if isinstance(t, torch.Tensor):
+                        self.kept.add(t.untyped_storage().data_ptr())
+            return decision
+
+        self._forward, self._replay = create_selective_checkpoint_contexts(policy)
+
+    @contextlib.contextmanager
+    def forward(self):
+        with _Writes(self), self._forward:  # the writes seen after the caching mode, which runs first
+            yield
+
+    @property
+    def replay(self) -> Any:
+        return None if self.written else self._replay
+
+
+class _Writes(TorchDispatchMode):
+    """Marks ``saving.written`` when an op writes into the storage of an output ``saving`` kept."""
+
+    def __init__(self, saving: Saving):
+        super().__init__()
+        self.saving = saving
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        schema = func._schema
+        if schema.is_mutable and self.saving.kept and not self.saving.written:
+            for k, arg in enumerate(schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                value = kwargs.get(arg.name) if arg.kwarg_only or k >= len(args) else args[k]
+                for t in pytree.tree_leaves(value):
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.saving.kept:
+                        self.saving.written = True
+        return func(*args, **kwargs)
 
 
 class SavedBytes:
