@@ -609,8 +609,7 @@ def run_stage(
                 saving = None if i in opts.physical else plan.saving(i, chain.names[i])
                 with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
                     if saving is not None:
-                        with saving.forward():
-                            out, updated = s.call(params, buffers, h)
+                        out, updated = kept_ops(chain, i, params, buffers, h, saving, frozen)
                         cached = saving.replay  # None where the forward wrote into a kept output
                     elif opts.compile is not None and compiled.eligible(s, i, opts, B.Layout.of(h)):
                         out, updated = compiled.forward(s, opts, params, buffers, h)
@@ -631,6 +630,36 @@ def run_stage(
             f"sweep keeps each stage's input to recompute it: use the out-of-place form"
         )
     return out, flat, closure, rng if drew(rng, device) else None, cached, updated
+
+
+def kept_ops(
+    chain: Chain, i: int, params: Any, buffers: Mapping, h: Any, saving: remat.Saving, frozen: frozenset[str]
+) -> tuple[Any, Mapping]:
+    """Stage i run as its rebuild will run it (its parameters and inputs requiring grad, as
+    ``vjp.local_vjp`` makes them; ``torch.matmul`` picks its kernels by them), the ops ``remat.save``
+    names keeping their outputs for the rebuild; its graph let go: ``(detached output, updated buffers)``."""
+
+    def call(p: Any, x: Any) -> tuple:
+        with saving.forward():  # the stage's own ops alone, as ``replaying`` hands them back
+            return chain.stages[i].call(p, buffers, x)
+
+    floats, rebuild, _ = B.split(h, f"input of {chain.where(i)}")
+    check = lambda o, own: check_closed_over(chain, i, o, own)
+    out, _, updated = V.local_vjp(call, params, floats, rebuild, frozen, check=check, has_aux=True)
+    return optree.tree_map(torch.Tensor.detach, out, namespace=NAMESPACE), updated
+
+
+def replaying(cached: Any, run: Callable) -> Callable:
+    """``run`` (``early_stop``'s) with ``remat.save``'s kept outputs handed to the stage's own ops,
+    nothing around them (``cached``: the replaying context, ``None``: none)."""
+    if cached is None:
+        return run
+
+    def replayed(fn: Callable, *args: Any) -> Any:
+        with cached:
+            return run(fn, *args)
+
+    return replayed
 
 
 def kept_graph(
@@ -850,9 +879,9 @@ def rebuilt_closure(
             replay_rng(entry.rng, device),
             in_modes(entry.modes),
             autocast(opts.autocast, device),
-            entry.cached or NULL,
         ):
-            return rebuilt_vjp(s, params, entry.buffers, floats, rebuild, entry.frozen, params_too, inputs_too, run)
+            step = replaying(entry.cached, run)
+            return rebuilt_vjp(s, params, entry.buffers, floats, rebuild, entry.frozen, params_too, inputs_too, step)
 
     kind = None  # the rebuild's kind for early_stop (None: in full)
     if (

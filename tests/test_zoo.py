@@ -70,3 +70,22 @@ def test_kept_graphs_and_kept_matmuls_are_exact_where_they_once_failed(capsys, r
         torch.set_num_threads(threads)
     table = capsys.readouterr().out
     assert all(outcome == "exact" for outcome in outcomes.values()), table
+
+
+@pytest.mark.parametrize("kind", ["llama", "t5", "qwen2", "funnel", "convbert"])
+def test_remat_save_on_a_captured_chain_is_exact(kind):
+    """``remat.save()`` on the chain graph capture makes of a Hugging Face model: the stage's forward runs
+    its ops as the rebuild does (was: refused mid-backward, "aten.view ... not found in storage", as the
+    forward ran without the rebuild's grads and the replay covered the boundary's own views)."""
+    import eae_func as ef
+    from eae_func import remat
+    from eae_func.integrations.transformers import layers_of
+
+    cls, causal = hf_zoo.mappings()[kind]
+    model, inputs, loss = hf_zoo.lm_case(kind, cls, causal)
+    params, split_at = dict(model.named_parameters()), layers_of(model)
+    hf_zoo.seed(1)
+    want = ef.sweep(model, params, inputs, loss=loss, split_at=split_at).grads
+    hf_zoo.seed(1)
+    got = ef.sweep(model, params, inputs, loss=loss, split_at=split_at, capture="graph", recompute=remat.save()).grads
+    assert hf_zoo.relative(got, want) <= 1e-12
