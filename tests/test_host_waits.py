@@ -17,6 +17,7 @@ import eae_func as ef
 import eae_func.distributed as D
 from eae_func import estimators as E
 from eae_func import passes as P
+from eae_func import remat
 from eae_func.tree import NAMESPACE
 
 READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
@@ -99,11 +100,23 @@ class Residual(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("path", ["sweep", "sweep fused", "sweep bf16 boundaries", "enable", "enable fused"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "sweep",
+        "sweep fused",
+        "sweep bf16 boundaries",
+        "sweep kept graphs",
+        "sweep graph budget",
+        "sweep remat.save",
+        "enable",
+        "enable fused",
+    ],
+)
 def test_run_time_cuts_and_the_switch_read_no_tensor_value_on_the_host(path):
     """Run-time cuts (``ef.sweep`` of a module with ``split_at``) and an enabled model's backward, with
-    the passes, a fused step and stored boundaries: no read of a tensor's value, no ``torch.equal``,
-    no ``nonzero``, over several steps."""
+    the passes, a fused step, stored boundaries and every kind of remat policy: no read of a tensor's
+    value, no ``torch.equal``, no ``nonzero``, over several steps."""
     torch.manual_seed(0)
     model = Residual()
     x, y = torch.randn(8, 8), torch.randn(8, 4)
@@ -112,6 +125,11 @@ def test_run_time_cuts_and_the_switch_read_no_tensor_value_on_the_host(path):
     options = {"update": opt} if "fused" in path else {}
     if "bf16" in path:
         options["boundary_dtype"] = torch.bfloat16
+    options["recompute"] = {
+        "sweep kept graphs": False,
+        "sweep graph budget": 3000,
+        "sweep remat.save": remat.save(),
+    }.get(path, True)
     if path.startswith("enable"):
         ef.enable(model, split_at=["blocks.*"], passes=passes, **options)
     with spying() as counts, pytest.MonkeyPatch.context() as patch:
