@@ -124,6 +124,7 @@ class Sweep:
         roster = PC.roster(opts, self.names)  # the physical cut modules, checked before anything runs
         self.physical = {} if roster is None else {s.name: k for k, s in enumerate(roster.stages)}
         self.plan = opts.recompute.plan()  # recompute=: which calls keep their graph (remat), this forward
+        self.rebuilt_all = opts.recompute.kind == "always"
         self.graphs: dict[int, Call] = {}  # the calls whose graphs are kept from the forward, by stage
         self.meter = (
             meter if meter is not None or roster is None else Meter(roster, tuple(self.physical.values()), opts.budget)
@@ -219,9 +220,12 @@ class Sweep:
         _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
         seed = torch.initial_seed()
         try:
-            with F.timer(self.opts, stats, "forward_s", f"eae/{call.name}/forward"), self.remat(call) as keep:
-                out = call.forward(*args, **kwargs)
-            keep(out)
+            planned = self.rebuilt_all or call.physical is not None  # no graph: the common case, at no cost
+            with F.timer(self.opts, stats, "forward_s", f"eae/{call.name}/forward"):
+                with torch.no_grad() if planned else self.remat(call) as keep:
+                    out = call.forward(*args, **kwargs)
+            if keep is not None:
+                keep(out)
             WRITES.after(call, copies)
             if call.stored and call.written:
                 raise ValueError(
