@@ -347,7 +347,7 @@ def token_model(batch: int = 4, tokens: int = 6, width: int = 8, vocab: int = 16
 
 def token_table(keys: int, n: int = 8, off: float = 0.05) -> None:
     """np and direct (jvp form, n rademacher probes per sample, tokens × features in one probe) with
-    and without the twins as a control variate (β = 1) on ``token_model``: MSE over ``keys`` keys of
+    and without the twins as a control variate (β = 1, and shrunk: λ "auto") on ``token_model``: MSE over ``keys`` keys of
     both physical stages' input costates and of the upstream parameter gradients (embedding and
     digital1), relative to the wrapped estimator's, at the same rows of the black boxes."""
     chain, params, ids, y, twins = token_model(off=off)
@@ -359,7 +359,7 @@ def token_table(keys: int, n: int = 8, off: float = 0.05) -> None:
         for i in (2, 4)
     ]
 
-    def errors(estimator) -> tuple[list, int]:
+    def errors(estimator, keys: int = keys) -> tuple[list, int]:
         total, rows = [0.0] * 4, 0
         for k in range(keys):
             res = ef.sweep(chain, params, ids, y, estimator=estimator, key=k)
@@ -375,13 +375,15 @@ def token_table(keys: int, n: int = 8, off: float = 0.05) -> None:
     )
     print("| estimator | rows / step | MSE ratio: p_in physical1 | p_in physical2 | grad embedding | grad digital1 |")
     print("|---|---:|---:|---:|---:|---:|")
+    twin_errors, twin_rows = errors(E.twin(twins), 1)  # deterministic: its bias alone
     for name, make in (("np", E.node_perturbation), ("direct", E.direct)):
         wrapped = make(E.Probes(n, "rademacher"), form="jvp")
         base, rows = errors(wrapped)
-        mine, cv_rows = errors(E.control_variate(wrapped, twins))
-        ratios = " | ".join(f"{m / b:.4f}" for m, b in zip(mine, base))
         print(f"| {name} | {rows} | 1 | 1 | 1 | 1 |")
-        print(f"| {name} + control variate | {cv_rows} | {ratios} |")
+        print(f"| PAT (E.twin) | {twin_rows} | " + " | ".join(f"{m / b:.4f}" for m, b in zip(twin_errors, base)) + " |")
+        for label, kw in (("control variate", {}), ('shrinkage cv (λ "auto")', {"shrink": "auto"})):
+            mine, cv_rows = errors(E.control_variate(wrapped, twins, **kw))
+            print(f"| {name} + {label} | {cv_rows} | " + " | ".join(f"{m / b:.4f}" for m, b in zip(mine, base)) + " |")
 
 
 def plot_control_variate(chain, params, x, y, g, make_twin, zbp, base, theory, keys, plt, out) -> None:
