@@ -109,15 +109,14 @@ def sweep_model(
     if wrong:
         raise ValueError(f"buffers: {wrong[:5]} are not buffers of {type(model).__name__} (named_buffers' names)")
     replicas = replicas_of(opts.data_parallel, params)
-    roster = PC.roster(opts, cut_modules(model, split_at))
+    names = cut_modules(model, split_at)  # walked once for every piece
+    roster = PC.roster(opts, names)
     meter = None if roster is None else Meter(roster, tuple(range(len(roster))), opts.budget)  # over every piece
     leaves = {n: p.detach().requires_grad_(n in trainable and B.is_differentiable(p)) for n, p in params.items()}
     wanted = [n for n, t in leaves.items() if t.requires_grad]
     hooked = {first[n]: p for n, p in own_params if p._backward_hooks}  # p.register_hook(fn): run on the sum
     update = (
-        None
-        if opts.update is None
-        else InBackward.prepare(opts.update, model, params, wanted, list(cut_modules(model, split_at)), hooked)
+        None if opts.update is None else InBackward.prepare(opts.update, model, params, wanted, list(names), hooked)
     )
     fresh = {n: b.detach().clone() for n, b in {**kept, **(buffers or {})}.items()}
     given = {**leaves, **fresh}
@@ -135,6 +134,7 @@ def sweep_model(
                     opts if mb.key == opts.key else dataclasses.replace(opts, key=mb.key),
                     state,
                     device,
+                    names,
                     meter=meter,
                 )
                 if update is not None and j == len(pieces) - 1:
