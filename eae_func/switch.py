@@ -73,6 +73,7 @@ class Switch:
         self.originals: list[tuple[nn.Module, Any]] = []
         self.handles: list[Any] = []
         self.update: InBackward | None = None
+        self.caching: list[Any] = []  # the configs whose use_cache it turned off
         self.warned = False
         if opts.update is not None:  # every parameter found in the optimizer before anything is installed
             params = dict(model.named_parameters())
@@ -98,10 +99,12 @@ class Switch:
         if self.update is not None:
             self.handles += self.update.install(dict(self.model.named_parameters()))
             self.handles += [o.register_step_pre_hook(self.stepping) for o in self.update.spec.optimizers]
-        config = getattr(self.model, "config", None)
-        self.use_cache = getattr(config, "use_cache", None)
-        if self.use_cache:  # a Hugging Face model: the KV cache its forward fills would be read again by the rebuilds
-            config.use_cache = False  # type: ignore[union-attr]
+        # a Hugging Face model: the KV cache its forward fills would be read again by the rebuilds; every
+        # config in it (T5's and BART's stacks hold copies of the model's)
+        configs: list[Any] = [getattr(m, "config", None) for m in self.model.modules()]
+        self.caching = list({id(c): c for c in configs if getattr(c, "use_cache", None)}.values())
+        for config in self.caching:
+            config.use_cache = False
 
     def uninstall(self) -> None:
         for module, own in self.originals:
@@ -111,9 +114,9 @@ class Switch:
                 module.forward = own
         for h in self.handles:
             h.remove()
-        if self.use_cache:
-            self.model.config.use_cache = self.use_cache  # type: ignore[union-attr]
-        self.originals, self.handles, self.update = [], [], None
+        for config in self.caching:
+            config.use_cache = True
+        self.originals, self.handles, self.update, self.caching = [], [], None, []
 
     def new_forward(self, module: nn.Module, args: Any) -> None:
         """A forward of the model starts a sweep of its own (made at its first cut call)."""
@@ -206,12 +209,7 @@ def enable(model: nn.Module, split_at: Sequence[str], **options: Unpack[SweepOpt
     if enabled(model) is not None:
         raise ValueError(f"enable: {type(model).__name__} is already enabled; ef.disable(model) first")
     opts = make("enable", options, keep_costates=False, timers=False)
-    owned = [f"{n}=" for n in ("microbatches", "data_parallel") if getattr(opts, n) != getattr(Options(), n)]
-    if opts.capture not in (None, "run"):
-        owned.append(f"capture={opts.capture!r} (an enabled model is cut at run time, where it calls the modules)")
-    if opts.update is not None and opts.update.fn is not None:
-        owned.append("update= with a pure function (its new parameters come back from ef.sweep alone)")
-    refused = owned + model_sweep.needs_graph(opts)
+    refused = refusals(opts)
     if refused:
         raise ValueError(
             f"enable: {', '.join(refused)} cannot be switched on in the model: the training loop owns the step "
@@ -222,6 +220,17 @@ def enable(model: nn.Module, split_at: Sequence[str], **options: Unpack[SweepOpt
     switch.install()
     _SWITCHES[model] = switch
     return switch
+
+
+def refusals(opts: Options) -> list[str]:
+    """The options set in ``opts`` that a switch cannot serve, as ``name=`` (``[]``: none): those the
+    training loop owns (the accumulation, the replicas, a pure update's results) or a chain needs."""
+    owned = [f"{n}=" for n in ("microbatches", "data_parallel") if getattr(opts, n) != getattr(Options(), n)]
+    if opts.capture not in (None, "run"):
+        owned.append(f"capture={opts.capture!r} (an enabled model is cut at run time, where it calls the modules)")
+    if opts.update is not None and opts.update.fn is not None:
+        owned.append("update= with a pure function (its new parameters come back from ef.sweep alone)")
+    return owned + model_sweep.needs_graph(opts)
 
 
 def disable(model: nn.Module) -> None:

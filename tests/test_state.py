@@ -102,21 +102,33 @@ transformers = pytest.importorskip("transformers")
 
 
 def test_eae_trainer_equals_a_hand_threaded_sweep_loop(tmp_path, monkeypatch):
+    """On the sweep (``data_parallel=False``: an option the switch leaves to the loop), every step is an
+    ``ef.sweep`` given the state the step before returned; on the switch (the default) the same
+    training threads the same state and ends at the same weights."""
     from eae_func.integrations import transformers as integration
 
     from test_integrations import _train
 
     spy = Spy(monkeypatch, integration)
 
-    class Feedback(integration.EAETrainer):
+    class Swept(integration.EAETrainer):
+        def __init__(self, *a, **k):
+            super().__init__(*a, eae={"passes": _feedback(), "data_parallel": False}, **k)
+
+    class Switched(integration.EAETrainer):
         def __init__(self, *a, **k):
             super().__init__(*a, eae={"passes": _feedback()}, **k)
 
-    _, _, trainer = _train(Feedback, tmp_path)
-    assert len(spy.calls) == 3
+    swept, _, trainer = _train(Swept, tmp_path / "swept")
+    assert trainer._switch is None and len(spy.calls) == 3
     state = spy.replay()
     assert trainer.eae_state[0]["residuals"]
     assert all(torch.equal(a, b) for a, b in zip(optree_leaves(state), optree_leaves(trainer.eae_state)))
+    switched, _, trainer = _train(Switched, tmp_path / "switched")
+    assert trainer._switch is not None and len(spy.calls) == 3  # no sweep: loss.backward() ran the steps
+    worst = max((a - b).abs().max().item() for a, b in zip(optree_leaves(state), optree_leaves(trainer.eae_state)))
+    assert worst <= 1e-6, worst
+    assert max((a - b).abs().max().item() for a, b in zip(swept.parameters(), switched.parameters())) <= 1e-6
 
 
 def optree_leaves(tree):

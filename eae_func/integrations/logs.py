@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..adjoint import AdjointState
 from ..lazy import Lazy
 from ..passes import global_norm
 from ..sweep import SweepResult
@@ -36,19 +37,25 @@ def chosen(log: str | Sequence[str], options: Mapping[str, Any], where: str) -> 
 
 
 def boundary_logs(res: SweepResult, log: str | tuple[str, ...]) -> dict[str, Any]:
-    """``{"eae/<stage>/<name>": value}`` for every boundary of ``res``'s trace but the input: ``norm``
-    the costate's 2-norm (a device scalar), any other name the number the passes recorded under it
-    (absent where none did)."""
+    """``{"eae/<stage>/<name>": value}`` for every boundary of ``res``'s trace but the input
+    (``record_logs`` of each)."""
     out: dict[str, Any] = {}
     for adj in res.adjoints:
-        if adj.index == 0:
-            continue
-        meta = res.stats["boundaries"].get(adj.index, {})
-        for name in dict.fromkeys(("norm", *meta) if log == "all" else log):
-            if name == "norm":
-                out[f"eae/{adj.stage}/norm"] = global_norm(adj.value).detach()
-            elif isinstance(value := meta.get(name), numbers.Real | Lazy) or (
-                isinstance(value, torch.Tensor) and value.numel() == 1
-            ):
-                out[f"eae/{adj.stage}/{name}"] = value
+        if adj.index:
+            out.update(record_logs(adj, res.stats["boundaries"].get(adj.index, {}), log))
+    return out
+
+
+def record_logs(adj: AdjointState, meta: Mapping[str, Any], log: str | tuple[str, ...]) -> dict[str, Any]:
+    """``{"eae/<stage>/<name>": value}`` of one boundary's record: ``norm`` the costate's 2-norm (a
+    device scalar), any other name the number the passes recorded under it in ``meta`` (absent where
+    none did)."""
+    out: dict[str, Any] = {}
+    for name in dict.fromkeys(("norm", *meta) if log == "all" else log):
+        if name == "norm":
+            out[f"eae/{adj.stage}/norm"] = global_norm(adj.value).detach()
+        elif isinstance(value := meta.get(name), numbers.Real | Lazy) or (
+            isinstance(value, torch.Tensor) and value.numel() == 1
+        ):
+            out[f"eae/{adj.stage}/{name}"] = value
     return out

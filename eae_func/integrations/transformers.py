@@ -1,11 +1,18 @@
-"""Hugging Face ``Trainer`` with the reverse sweep in place of ``loss.backward()``.
+"""Hugging Face ``Trainer`` with the EAE reverse steps in its backward.
 
     trainer = EAETrainer(model=model, args=args, train_dataset=data, eae=dict(passes=ef.compose(...)))
     trainer.train()
 
-``EAETrainer.training_step`` is ``Trainer.training_step`` with its backward replaced: the model is
-cut at run time at its repeated layers (``split_at``: by default every stack of repeated layers,
-``layers_of``: ``model.layers.*``, or encoder and decoder layers) and the program swept is
+The model is cut at run time at its repeated layers (``split_at``: by default every stack of
+repeated layers, ``layers_of``: ``model.layers.*``, or encoder and decoder layers). Where the switch
+serves every option (``switch.refusals``), ``EAETrainer`` switches the model on (``ef.enable``, it
+stays on: ``ef.disable(trainer.model)``) and its ``training_step`` is ``Trainer.training_step`` itself:
+``compute_loss``, ``accelerator.backward`` (the reverse steps, into ``.grad``), DDP wrapping the
+enabled model, gradient accumulation, clipping, the loss scaler and the optimizer as Trainer runs
+them, and no second copy of the gradients (``write_grads``). Options the switch cannot serve
+(``capture="graph"``, ``compile=``, a model-level estimator, the head in chunks under several
+processes, whose body a call past DDP's forward would hide from its reducer) run each step as an
+``ef.sweep`` instead, whose program is
 ``self.compute_loss(model, inputs, num_items_in_batch=...)`` (Trainer's, or a subclass's override);
 the loss is divided by the gradient accumulation steps where Trainer divides it,
 multiplied by the fp16 loss scaler's scale where ``accelerator.backward`` multiplies it, and the
@@ -51,10 +58,13 @@ try:
 except ModuleNotFoundError as e:
     raise missing(__name__, "hf", e) from e
 
+from ..adjoint import AdjointState
 from ..chain import write_buffers, write_grads
 from ..chunked import chunked_loss
+from ..options import make
 from ..sweep import carries_state, stateful, sweep
-from .logs import DEFAULT, boundary_logs, chosen
+from ..switch import Switch, enable, refusals
+from .logs import DEFAULT, boundary_logs, chosen, record_logs
 
 __all__ = ["EAETrainer", "layers_of"]
 
@@ -162,6 +172,7 @@ class EAETrainer(Trainer):
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
+        self._switch: Switch | None = None
         if eae_loss_chunks is not None and (
             isinstance(eae_loss_chunks, bool) or not isinstance(eae_loss_chunks, int) or eae_loss_chunks < 1
         ):
@@ -177,15 +188,61 @@ class EAETrainer(Trainer):
                 )
         self.split_at = list(split_at) if split_at is not None else None
         self.eae_logs: dict[str, Any] = {}  # the last step's, unread until Trainer logs
-        self.eae_state: Any = None  # the passes' state, threaded from step to step
+        self._logs: dict[str, Any] = {}  # the records' logs of the backward running
+        self._eae_state: Any = None  # the passes' state, threaded from step to step (the sweep's)
         self._swept: ComputedLoss | None = None  # of the model
+        self._chunked: Callable | None = None  # the switch's chunked loss
         if self.split_at is None:
             self.split_at = layers_of(self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False))
             logger.info("EAETrainer: cutting %s at %s", type(self.model).__name__, ", ".join(self.split_at))
+        if not refusals(make("EAETrainer", self.eae)) and not (
+            eae_loss_chunks is not None and self.args.world_size > 1
+        ):
+            assert self.model is not None  # given, or made by model_init
+            self._switch = enable(self.model, split_at=self.split_at, **self.eae)
+            self._switch.on_costate(self._logged)
+
+    @property
+    def eae_state(self) -> Any:
+        """The passes' state (error feedback's residuals), threaded from step to step."""
+        return self._switch.pass_state if self._switch is not None else self._eae_state
+
+    @eae_state.setter
+    def eae_state(self, value: Any) -> None:
+        if self._switch is not None:  # None: the passes start from init(), as a sweep given none
+            self._switch.pass_state = self._switch.opts.passes.init() if value is None else value
+        else:
+            self._eae_state = value
+
+    def _logged(self, adj: AdjointState) -> None:
+        self._logs.update(record_logs(adj, adj.meta, self.eae_log))
+
+    def compute_loss(
+        self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        """Trainer's, or with ``eae_loss_chunks`` on the switch, the causal LM's head and loss in chunks."""
+        if self._switch is None or self.eae_loss_chunks is None or return_outputs or not torch.is_grad_enabled():
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        if self._chunked is None:
+            self._chunked = chunked_causal_loss(self, self._switch.model, self.eae_loss_chunks, {})
+        return self._chunked(inputs, num_items_in_batch)
 
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
+        if self._switch is None:
+            return self._swept_step(model, inputs, num_items_in_batch)
+        self._logs = {}
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.eae_logs = self._logs
+        return loss
+
+    def _swept_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        """One step as an ``ef.sweep`` of ``compute_loss`` (``ComputedLoss``), its gradients added into ``.grad``."""
         model.train()
         inputs = self._prepare_inputs(inputs)
         unwrapped = self.accelerator.unwrap_model(model, keep_fp32_wrapper=False)
@@ -242,8 +299,8 @@ class EAETrainer(Trainer):
         if checkpoint is None:
             return
         path = self._state_file(checkpoint)
-        self.eae_state = torch.load(path, map_location=self.args.device) if os.path.isfile(path) else None
-        if self.eae_state is None and stateful(self.eae.get("passes")):
+        self.eae_state = loaded = torch.load(path, map_location=self.args.device) if os.path.isfile(path) else None
+        if loaded is None and stateful(self.eae.get("passes")):
             logger.warning("EAETrainer: %s holds no pass state; the passes start from init()", checkpoint)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
