@@ -81,16 +81,17 @@ def interleaved(steps: dict, rounds: int) -> dict:
     return {m: statistics.median(t) for m, t in times.items()}
 
 
-def plain(args: argparse.Namespace) -> dict:
+def plain(args: argparse.Namespace, wrap=lambda model: model, seed: int = 0) -> dict:
+    """``loss.backward()``, ``opt.step()``, ``opt.zero_grad()`` on each model as ``wrap`` wraps it."""
     import torch
 
-    made, data = models(args), batches(args, args.rounds + 1)
+    made, data = models(args), batches(args, args.rounds + 1, seed)
 
     def loop(model):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        run, opt = wrap(model), torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def step(r):
-            model(input_ids=data[r], labels=data[r]).loss.backward()
+            run(input_ids=data[r], labels=data[r]).loss.backward()
             opt.step()
             opt.zero_grad()
 
@@ -170,25 +171,11 @@ def lightning(args: argparse.Namespace) -> dict:
 
 
 def ddp_rank(args: argparse.Namespace) -> dict:
-    import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     warnings.filterwarnings("ignore")
-    made, data = models(args), batches(args, args.rounds + 1, seed=dist.get_rank())
-
-    def loop(model):
-        wrapped = DistributedDataParallel(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def step(r):
-            wrapped(input_ids=data[r], labels=data[r]).loss.backward()
-            opt.step()
-            opt.zero_grad()
-
-        return step
-
-    return interleaved({m: loop(model) for m, model in made.items()}, args.rounds)
+    return plain(args, DistributedDataParallel, seed=dist.get_rank())
 
 
 def ddp(args: argparse.Namespace) -> dict:
