@@ -123,7 +123,11 @@ class Sweep:
         self.names, self.split_at = dict(names or cut_modules(model, split_at)), list(split_at)
         roster = PC.roster(opts, self.names)  # the physical cut modules, checked before anything runs
         self.physical = {} if roster is None else {s.name: k for k, s in enumerate(roster.stages)}
-        self.plan = opts.recompute.plan()  # recompute=: which calls keep their graph (remat), this forward
+        # recompute=: which calls keep their graph (remat), this forward; a byte budget reads the graph
+        # sizes earlier forwards of the model measured, so it builds only the graphs it keeps
+        budget = opts.recompute.nbytes  # in the key: a plan under a smaller budget measures fewer graphs
+        sizes = R.sizes(model, (tuple(self.split_at), budget)) if opts.recompute.kind == "budget" else None
+        self.plan = opts.recompute.plan(sizes)
         self.rebuilt_all = opts.recompute.kind == "always"
         self.graphs: dict[int, Call] = {}  # the calls whose graphs are kept from the forward, by stage
         self.meter = (

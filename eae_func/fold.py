@@ -540,7 +540,9 @@ def forward(
     """
     kept, layout = h, B.Layout.of_leaves(*B.leaves(h, f"input of {chain.where(lo)}"))
     measured = (
-        remat.sizes(chain, (lo, hi, layout, opts.autocast, opts.boundary)) if opts.recompute.kind == "budget" else None
+        remat.sizes(chain, (lo, hi, layout, opts.autocast, opts.boundary, opts.recompute.nbytes))
+        if opts.recompute.kind == "budget"
+        else None
     )
     tape, plan = Tape(opts.boundary, device), opts.recompute.plan(measured)
     if lo == 0:  # the caller's input: the first stage runs on a copy, which a write into it cannot leave

@@ -71,7 +71,7 @@ class Options:
     ``(index, name) -> bool`` rebuilds the stages it is true for; an int is a byte budget for the
     graphs kept. Same results at every setting. On a model cut at run time, the k-th cut call of a
     forward is stage ``k - 1`` and its name the call's (``"blocks.0#2"`` for a second call); a byte
-    budget may build a graph it then drops (the forward's peak up to one graph above the budget's)."""
+    budget builds graphs it then drops only on the first forward: later ones know the sizes."""
     keep_costates: bool = True
     """``False`` returns the trace records with ``value=None`` (history and meta kept), saving L
     costates of memory (``grad`` and ``value_and_grad``'s default)."""

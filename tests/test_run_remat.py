@@ -80,7 +80,8 @@ def test_every_policy_gives_the_same_gradients_bitwise(policy):
 def test_the_rebuilt_and_kept_calls_are_the_ones_the_policy_names_and_cost_their_graphs(monkeypatch):
     """Kept graphs skip the rebuild (no ``recompute_s``) and hold their bytes: the peak grows with
     the graphs kept, all of them costing about what autograd's tape costs; a byte budget of two
-    graphs keeps the last two calls'."""
+    graphs keeps the last two calls', and a second forward, which knows the graphs' sizes, builds
+    only those: its peak is the rebuild's plus the budget at most."""
     no_export(monkeypatch)
     model, (x, y) = Net(width=32, depth=4, p=0.0), data(width=32, rows=256)
     peaks, rebuilt = {}, {}
@@ -102,6 +103,10 @@ def test_the_rebuilt_and_kept_calls_are_the_ones_the_policy_names_and_cost_their
     assert rebuilt["two"] == {"blocks.0", "blocks.1", "blocks.2"}  # the last two calls' graphs kept
     assert peaks["all"] < peaks["even"] < peaks["none"]
     assert peaks["two"] < peaks["none"]
+    with LiveBytes() as live:  # again: the sizes measured, only the graphs kept are built
+        res = run(model, x, y, recompute=policy, timers=True)
+    assert {n for n, s in res.stats.items() if n.startswith("blocks") and "recompute_s" in s} == rebuilt["two"]
+    assert live.peak < peaks["two"] and live.peak <= peaks["all"] + policy, (live.peak, peaks, policy)
 
 
 def test_an_enabled_model_keeps_the_graphs_recompute_names():
