@@ -40,8 +40,8 @@ def needs_graph(opts: Options) -> list[str]:
 
 def roster(opts: Options, names: Mapping[str, nn.Module]) -> Chain | None:
     """The physical cut modules as a chain of stages in ``opts.physical``'s order (``None``: none), for
-    the estimator's checks and the meter; refused before anything runs: a name that is no cut module,
-    physical modules without an estimator, one that differentiates a module where it must not."""
+    the estimator's checks (``check(chain, physical)``, a twin mapping that misses one) and the meter;
+    refused before anything runs: a name that is no cut module, physical modules without an estimator."""
     if not opts.physical:
         return None
     wrong = [p for p in opts.physical if not isinstance(p, str) or p not in names]
