@@ -10,6 +10,12 @@ recipe, by post-accumulate-grad hooks, grouped by stage as the fold steps a chai
                            embedding, every microbatch) -> through the model parameter's tensor hooks,
                            kept; once every member of its group has one: clipped by the group's norm
                            (``max_norm``), the group stepped, the gradients dropped
+    with replicas:         each complete group's gradients averaged over them first (the fold's
+                           ``Reducer``: DDP's arithmetic, zeros where a replica has none), the groups
+                           launched in one order every replica shares (outside tensors, then the
+                           groups by their last parameter in ``params``, last first: the backward's
+                           order on a model that registers its modules as it calls them), so the
+                           all_reduces pair up whatever order a replica completes them in
     after the backward:    a group still waiting (a member with no gradient) stepped with what it has;
                            each optimizer's ``step()`` once with no gradient left, so its step hooks and
                            schedulers count one step per sweep (under ``ef.enable``, the loop's own
@@ -54,13 +60,18 @@ class InBackward:
     waiting: dict = dataclasses.field(default_factory=dict)
     stepped: list = dataclasses.field(default_factory=list)
     arrived: set = dataclasses.field(default_factory=set)
+    reducer: Any = None
+    order: list = dataclasses.field(default_factory=list)
+    complete: dict = dataclasses.field(default_factory=dict)
+    launched: int = 0
 
     @classmethod
     def prepare(
         cls, spec: Fused, model: nn.Module, params: Mapping, trained: list[str], cuts: list[str], hooked: Mapping
     ) -> InBackward:
         """The update of ``spec`` for a sweep of ``model`` at ``params`` training ``trained``, cut at the
-        module paths ``cuts``, every parameter found and every state entry checked before any step."""
+        module paths ``cuts``, every parameter found and every state entry checked before any step
+        (``averaging`` then makes it average over replicas)."""
         groups = {n: _group(n, cuts) for n in trained}
         members: dict[str, list] = {}
         for n, g in groups.items():
@@ -80,6 +91,17 @@ class InBackward:
             state = dict(spec.state)
         frozen = {g: frozenset(m) for g, m in members.items()}
         return cls(spec, targets, groups, frozen, hooked, [p for _, p in outside], params, {}, state)
+
+    def averaging(self, reducer: Any) -> None:
+        """Average each group's gradients by ``reducer`` (``data_parallel.Reducer``) before its step."""
+        position = {n: i for i, n in enumerate(self.given)}
+        outside = [g for g, m in self.members.items() if min(m)[0] == "#"]
+        last = {g: max(position[n] for n in m) for g, m in self.members.items() if g not in outside}
+        self.reducer, self.order = reducer, outside + sorted(last, key=last.__getitem__, reverse=True)
+
+    def like(self, group: str) -> dict:
+        """The layout a group's gradients are averaged over: each member's tensor, by name."""
+        return {n: self.targets[n][1] if n[0] == "#" else self.given[n] for n in sorted(self.members[group])}
 
     def install(self, leaves: Mapping[str, torch.Tensor]) -> list:
         """The hooks on the sweep's trained leaves and the outside tensors: handles to remove."""
@@ -102,9 +124,24 @@ class InBackward:
             due = self.waiting.setdefault(group, {})
             due[name] = through_hooks(self.hooked[name], g) if name in self.hooked else g
             if len(due) == len(self.members[group]):
-                self._use(group, self.waiting.pop(group))
+                self._complete(group, self.waiting.pop(group))
 
         return hook
+
+    def _complete(self, group: str, due: dict) -> None:
+        """A group's gradients all here: stepped, or (with replicas) launched in ``order`` as soon as
+        every group before it was, and the groups whose averages arrived stepped."""
+        if self.reducer is None:
+            return self._use(group, due)
+        self.complete[group] = due
+        while self.launched < len(self.order) and self.order[self.launched] in self.complete:
+            self._launch(self.complete.pop(self.order[self.launched]))
+        for k, averaged in self.reducer.ready(wait=False):
+            self._use(self.order[k], averaged)
+
+    def _launch(self, due: dict) -> None:
+        self.reducer.start(self.launched, due, self.like(self.order[self.launched]))
+        self.launched += 1
 
     def _use(self, group: str, due: dict) -> None:
         due = clipped({n: g for n, g in due.items() if g is not None}, self.spec.max_norm)
@@ -134,7 +171,15 @@ class InBackward:
 
     def flush(self) -> None:
         """The groups still waiting (a member with no gradient) stepped with what they have; the next
-        backward may bring every gradient again."""
+        backward may bring every gradient again. With replicas: every group not yet launched is, in
+        ``order`` (one no replica has a gradient of stays unstepped), and each stepped on its average."""
+        if self.reducer is not None:
+            while self.launched < len(self.order):
+                group = self.order[self.launched]
+                self._launch(self.complete.pop(group, None) or self.waiting.pop(group, {}))
+            for k, averaged in self.reducer.ready(wait=True):
+                self._use(self.order[k], averaged)
+            self.launched = 0
         for group in list(self.waiting):
             self._use(group, self.waiting.pop(group))
         self.arrived, self.stepped = set(), []

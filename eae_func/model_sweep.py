@@ -39,15 +39,14 @@ def needs_graph(opts: Options) -> list[str]:
     default = Options()
     given = ["compile="] if opts.compile != default.compile else []
     given += PC.needs_graph(opts)
-    if opts.update is not None and opts.data_parallel not in (None, False):
-        given.append("update= with data_parallel= (each stage's gradients averaged as the fold has them)")
     return given
 
 
-def replicas_of(group: Any, params: Mapping[str, torch.Tensor]) -> Any:
+def replicas_of(group: Any, params: Mapping[str, torch.Tensor], beside: Sequence[torch.Tensor] = ()) -> Any:
     """The process group the gradients are averaged over (``None``: none), once its replicas agree on
-    the model (before the forward, so a replica whose model differs fails there, as every other does);
-    a multi-process run without ``data_parallel=`` is warned that its gradients are this rank's alone."""
+    the model and the tensors a fused update steps ``beside`` it (before the forward, so a replica
+    whose model differs fails there, as every other does); a multi-process run without
+    ``data_parallel=`` is warned that its gradients are this rank's alone."""
     if group is None and multi_process():
         from .distributed.data_parallel import warn_local_gradients
 
@@ -56,7 +55,7 @@ def replicas_of(group: Any, params: Mapping[str, torch.Tensor]) -> Any:
         return None
     from .distributed import data_parallel as DP
 
-    DP.agree(group, DP.model_layout(params))
+    DP.agree(group, DP.model_layout({**params, **{f"beside the model #{k}": t for k, t in enumerate(beside)}}))
     return group
 
 
@@ -108,7 +107,6 @@ def sweep_model(
     wrong = sorted(set(buffers or {}) - set(kept))
     if wrong:
         raise ValueError(f"buffers: {wrong[:5]} are not buffers of {type(model).__name__} (named_buffers' names)")
-    replicas = replicas_of(opts.data_parallel, params)
     names = cut_modules(model, split_at)  # walked once for every piece
     roster = PC.roster(opts, names)
     meter = None if roster is None else Meter(roster, tuple(range(len(roster))), opts.budget)  # over every piece
@@ -118,6 +116,11 @@ def sweep_model(
     update = (
         None if opts.update is None else InBackward.prepare(opts.update, model, params, wanted, list(names), hooked)
     )
+    replicas = replicas_of(opts.data_parallel, params, [] if update is None else update.outside)
+    if replicas is not None and update is not None:
+        from .distributed.data_parallel import Reducer
+
+        update.averaging(Reducer(replicas))
     fresh = {n: b.detach().clone() for n, b in {**kept, **(buffers or {})}.items()}
     given = {**leaves, **fresh}
     device = F.device_of(leaves, x)
@@ -161,6 +164,8 @@ def sweep_model(
     if update is not None:
         pure = update.spec.fn is not None
         new = {n: update.params.get(n, t) for n, t in params.items()} if pure else None
+        if update.reducer is not None:
+            stats["data_parallel"] = dict(update.reducer.stats)
         return Swept(value, None, trace, fresh, state, Measurements(stats), new, update.state if pure else None)
     grads: dict[str, Any] = dict.fromkeys(params)
     for n in wanted:  # what autograd accumulated: the glue's, the cuts', a custom Function's own

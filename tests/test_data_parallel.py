@@ -3,6 +3,7 @@ averaged over the replicas as the fold makes them, bitwise DDP's average; fused 
 on the average; the DDP model trains on normally afterwards; a multi-process sweep without
 ``data_parallel=`` is warned that its gradients are local."""
 
+import contextlib
 import re
 import warnings
 
@@ -83,6 +84,22 @@ def _equivalence():
     replicas = [torch.empty(0)] * 2
     dist.all_gather_object(replicas, [p.detach() for p in fused.parameters()])
     out["replicas_agree"] = all(torch.equal(a, b) for a, b in zip(*replicas))
+    cut = _model()  # the same fused step at run time: each cut's group averaged, then stepped, in its backward
+    opt3 = torch.optim.AdamW(cut.parameters(), lr=0.01)
+    with _no_export():
+        res = ef.sweep(
+            cut,
+            dict(cut.named_parameters()),
+            x,
+            y,
+            loss=F.mse_loss,
+            update=opt3,
+            split_at=["0", "2", "4"],
+            data_parallel=dist.group.WORLD,
+        )
+    stepped = {n[len("module.") :]: p for n, p in unfused.named_parameters()}
+    out["fused run-time"] = _max_error(dict(cut.named_parameters()), stepped)
+    out["fused run-time bytes"] = res.stats["data_parallel"]["bytes_sent"]
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -94,15 +111,31 @@ def _equivalence():
     return out
 
 
+@contextlib.contextmanager
+def _no_export():
+    """torch.export refused: what runs inside is cut at run time, never captured."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError("torch.export was called")
+
+    export, torch.export.export = torch.export.export, refused
+    try:
+        yield
+    finally:
+        torch.export.export = export
+
+
 def test_data_parallel_is_bitwise_ddp_and_a_ddp_model_trains_on():
     for out in D.run(_equivalence, 2, timeout=240, pg_timeout=120):
         assert out["ddp"] == 0.0 and out["data_parallel"] == 0.0 and out["local"] > 1e-3
         assert out["microbatches"] < 1e-12
         assert out["stepped"] == 0.0 and out["ddp_after"] == 0.0
         assert out["fused"] < 1e-12 and out["replicas_agree"]
+        assert out["fused run-time"] < 1e-12
         n_params = sum(p.numel() for p in _model().parameters())
         flags = len(list(_model().parameters()))  # one int32 flag per parameter: used on this rank or not
         assert out["bytes"] == n_params * 8 + flags * 4  # 2 (R-1)/R of every float64 gradient, once
+        assert out["fused run-time bytes"] == out["bytes"]  # the same gradients, sent once, group by group
         # the chain path and run-time cuts warn once each, at the caller's line (not inside torch)
         assert len(out["warnings"]) == 2, out["warnings"]
         for message, filename in out["warnings"]:
@@ -275,9 +308,22 @@ def _routed_grads(unequal):
             out[name] = f"{type(e).__name__}: {e}"
     fused = _routed(unequal)  # a fused SGD step on the average: the weights of DDP's step
     ef.sweep(fused, dict(fused.named_parameters()), x, y, loss=F.mse_loss, update=_sgd(fused), data_parallel=world)
+    cut = _routed(unequal)  # at run time: the ranks complete different experts' groups, in other orders
+    with _no_export():
+        ef.sweep(
+            cut,
+            dict(cut.named_parameters()),
+            x,
+            y,
+            loss=F.mse_loss,
+            update=_sgd(cut),
+            data_parallel=world,
+            split_at=["0.a", "0.b", "0.c", "2"],
+        )
     _sgd(reference).step()
     stepped = {n[len("module.") :]: p for n, p in reference.named_parameters()}
-    out["fused"] = max((p - stepped[n]).abs().max().item() for n, p in fused.named_parameters())
+    for name, model in (("fused", fused), ("fused run-time", cut)):
+        out[name] = max((p - stepped[n]).abs().max().item() for n, p in model.named_parameters())
     return out
 
 
@@ -289,7 +335,7 @@ def _sgd(model):
 def test_replicas_that_use_different_parameters_average_as_ddp_does(unequal):
     for out in D.run(_routed_grads, 2, unequal, timeout=120, pg_timeout=20):
         want = out.pop("want")
-        assert out.pop("fused") < 1e-12
+        assert out.pop("fused") < 1e-12 and out.pop("fused run-time") < 1e-12
         assert (
             want["0.c.weight"] is None
             and want["0.a.weight"] is not None
