@@ -13,7 +13,15 @@ the checks and the fold stay in Python between stages. Random ops run as eager A
 the graphs (inductor's ``fallback_random``), so dropout draws from the global RNG exactly as the
 uncompiled stage does and the recompute replays its masks bit for bit.
 
-Compiled: module and function stages whose graph the remat policy rebuilds, on any boundary of
+At run time (a model cut with ``split_at`` where it calls the cut modules, ``eae_func.cuts``), each
+cut call's forward is compiled (``call``: the module's own ``forward`` on the call's arguments), and
+its rebuild is the same compiled forward with grad, whose backward graph autograd runs for the local
+vjp; the RNG, modes, autocast and the parameters it ran with are replayed around it as without
+``compile=``. Layers of one class on one shape share the graphs (the module's parameters are the
+graph's inputs); a call that writes into its inputs, keeps its graph or some ops' outputs
+(``recompute=``) or is physical runs eager.
+
+On a chain: module and function stages whose graph the remat policy rebuilds, on any boundary of
 tensors in tuples, lists, dicts or namedtuples (the graphs flatten it as ``torch.utils._pytree``
 does; the costates are put back in the fold's order); physical and FSDP stages, kept graphs and
 containers ``torch.utils._pytree`` does not know run as without ``compile=``. A model cut by graph
@@ -88,6 +96,11 @@ def _reverse(target: Any, trainable: dict, frozen: dict, buffers: dict, h: Any, 
     return pullback(cotangents)
 
 
+def _call(forward: Any, args: tuple, kwargs: dict) -> Any:
+    """A cut module's call at run time."""
+    return forward(*args, **kwargs)
+
+
 def _run_graph(graph: Any, args: list) -> tuple:
     """A captured piece's graph on its positional inputs."""
     return graph(*args)
@@ -120,7 +133,7 @@ def _compiled(opts: Any) -> tuple:
         _COMPILED,
         repr(sorted(opts.compile.items())),
         None,
-        lambda: tuple(torch.compile(fn, **options) for fn in (_run, _reverse, _run_graph, _reverse_graph)),
+        lambda: tuple(torch.compile(fn, **options) for fn in (_run, _reverse, _run_graph, _reverse_graph, _call)),
     )
 
 
@@ -138,6 +151,13 @@ def _between(stage: Any) -> Any:
         if piece.graph is not None and piece.user_inputs is None and piece.user_outputs is None:
             return piece
     return None
+
+
+def call(opts: Any, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    """``forward(*args, **kwargs)`` compiled: a cut module's call at run time (with grad: its rebuild,
+    whose backward autograd runs on the compiled backward graph)."""
+    with _eager_random():
+        return _compiled(opts)[4](forward, args, kwargs)
 
 
 def forward(stage: Any, opts: Any, params: Any, buffers: Mapping, h: torch.Tensor) -> tuple[Any, dict]:

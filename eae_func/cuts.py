@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -33,6 +34,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from . import boundary as B
+from . import compiled as C
 from . import early_stop as ES
 from . import fold as F
 from . import microbatch as M
@@ -69,7 +71,8 @@ class Call:
     sweep's roster of them (``physical``); the shape, dtype and device of each output of its node
     (``outs``); where ``recompute=`` keeps its graph from the forward, ``(output, inputs, parameters)``
     of that graph (``graph``), and where it keeps some ops' outputs, the context that replays them
-    in the rebuild (``cached``)."""
+    in the rebuild (``cached``); whether its forward ran compiled (``compile=``: its rebuild does too,
+    unless it wrote into its inputs)."""
 
     index: int
     name: str
@@ -99,6 +102,7 @@ class Call:
     outs: list = dataclasses.field(default_factory=list)
     graph: tuple | None = None
     cached: Any = None
+    compiled: bool = False
 
 
 class Sweep:
@@ -227,7 +231,12 @@ class Sweep:
             planned = self.rebuilt_all or call.physical is not None  # no graph: the common case, at no cost
             with F.timer(self.opts, stats, "forward_s", f"eae/{call.name}/forward"):
                 with torch.no_grad() if planned else self.remat(call) as keep:
-                    out = call.forward(*args, **kwargs)
+                    call.compiled = self.opts.compile is not None and call.physical is None and keep is None
+                    out = (
+                        C.call(self.opts, call.forward, *args, **kwargs)
+                        if call.compiled
+                        else call.forward(*args, **kwargs)
+                    )
             if keep is not None:
                 keep(out)
             WRITES.after(call, copies)
@@ -318,8 +327,9 @@ class Sweep:
     def kind(self, call: Call) -> Hashable | None:
         """The kind of the call's rebuild for ``early_stop`` (``None``: it runs in full: the option is
         off, the call is too small to pay, it reseeds torch's generator and must be checked against
-        its forward, or a forward hook would see its tail: the module's own do not run in it)."""
-        if not self.opts.early_stop or call.sums is not None or not ES.may_pay(call.leaves):
+        its forward, it runs compiled, or a forward hook would see its tail: the module's own do not
+        run in it)."""
+        if not self.opts.early_stop or call.sums is not None or call.compiled or not ES.may_pay(call.leaves):
             return None
         if ES.observed(m for m, _ in call.modes[1:]):
             return None
@@ -429,6 +439,9 @@ class Sweep:
         inputs = [leaves[i].requires_grad_() for i in call.inputs]  # detached when kept
         args, kwargs = pytree.tree_unflatten(leaves, call.spec)
         cached, call.cached = call.cached, None
+        forward = (
+            functools.partial(C.call, self.opts, call.forward) if call.compiled and not call.written else call.forward
+        )
 
         def rebuild(run: Callable) -> Any:
             with (
@@ -443,7 +456,7 @@ class Sweep:
                 cached if cached is not None else contextlib.nullcontext(),
             ):
                 if not call.written:
-                    return run(call.forward, *args, **kwargs), ()
+                    return run(forward, *args, **kwargs), ()
                 fed = list(leaves)  # the leaves it writes into copied again: an attempt may be made twice
                 for i in call.written:
                     fed[i] = leaves[i].clone()

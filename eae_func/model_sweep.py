@@ -36,10 +36,7 @@ from .physical import Meter
 
 def needs_graph(opts: Options) -> list[str]:
     """The options set in ``opts`` that only a chain (graph capture) implements, as ``name=``."""
-    default = Options()
-    given = ["compile="] if opts.compile != default.compile else []
-    given += PC.needs_graph(opts)
-    return given
+    return PC.needs_graph(opts)
 
 
 def replicas_of(group: Any, params: Mapping[str, torch.Tensor], beside: Sequence[torch.Tensor] = ()) -> Any:

@@ -95,8 +95,9 @@ class Options:
     step with a layout checks it (one all_gather of a digest) and every rank raises ``PeerError``
     naming any difference. After ``__post_init__``, the group."""
     compile: Any = None
-    """``torch.compile`` each digital stage's forward and its reverse step (the recompute and the
-    local vjp as one graph; ``eae_func.compiled``): ``True``, a mode string or a dict of
+    """``torch.compile`` each digital stage's forward and its reverse step (on a chain the recompute
+    and the local vjp as one graph; at run time the cut call's forward, rebuilt with grad, and its
+    compiled backward; ``eae_func.compiled``): ``True``, a mode string or a dict of
     ``torch.compile``'s keyword arguments; stages running the same code on the same shapes share
     their graphs. After ``__post_init__``, that dict (``None``: off)."""
     capture: str | None = None

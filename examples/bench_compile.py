@@ -1,6 +1,8 @@
 """torch.compile and the sweep, side by side: eager autograd, eager checkpoint per block,
 ``torch.compile`` + autograd, ``torch.compile`` + checkpoint per block, eae_func eager and eae_func
-``compile=True`` (each stage's forward, and its recompute + local vjp as one graph); and, the
+``compile=True`` on a chain (each stage's forward, and its recompute + local vjp as one graph) and
+on run-time cuts (``split_at``: each cut call's forward compiled, its rebuild the same graph with
+grad and autograd's compiled backward); and, the
 structural baseline of per-stage graphs, "regional compile + checkpoint": each checkpointed block
 compiled by ``torch.compile`` on its own (PyTorch's regional compilation), so no kernel fuses across blocks.
 
@@ -8,7 +10,8 @@ Model: ``--depth`` ``models.Block(256, 8, 4, 1024)`` or (``--model llama``) tran
 ``LlamaDecoderLayer`` of the same width, heads and MLP, seq 128, batch 4, fp32, the loss and every
 parameter gradient. ``--model llama-captured`` takes the whole ``LlamaModel`` (on ``inputs_embeds``)
 instead: checkpoint is Hugging Face's own ``gradient_checkpointing_enable()``, and eae_func cuts the
-model by graph capture (``split_at=["layers.*"]``), its layers sharing their compiled graphs.
+model (``split_at=["layers.*"]``) by graph capture (the "eae_func" rows) or at run time, its layers
+sharing their compiled graphs.
 
 Per method: the one-time compile seconds (the first step's time minus a steady step's), the step
 time interleaved over ``--rounds`` rounds (A B C ... A B C ...), its median as a ratio to eager
@@ -46,6 +49,7 @@ METHODS = (
     "regional compile + checkpoint",
     "eae_func",
     "eae_func compile=",
+    "eae_func compile= run-time",
 )
 
 
@@ -163,6 +167,8 @@ def steps(blocks, x, y, captured: bool = False) -> dict:
 
         return step
 
+    cuts = [str(i) for i in range(len(blocks))]
+
     return dict(
         zip(
             METHODS,
@@ -174,6 +180,7 @@ def steps(blocks, x, y, captured: bool = False) -> dict:
                 autograd(regional),
                 sweep(),
                 sweep(compile=True),
+                sweep(compile=True, split_at=cuts),
             ),
         )
     )
@@ -182,7 +189,7 @@ def steps(blocks, x, y, captured: bool = False) -> dict:
 def captured_steps(model, checkpointed, regional, x, y) -> dict:
     """The methods on a whole Hugging Face model: ``checkpointed`` and ``regional`` are copies with
     its own gradient checkpointing on, ``regional``'s layers compiled one by one; eae_func cuts
-    ``model`` per layer by graph capture."""
+    ``model`` per layer by graph capture, and with ``compile=`` at run time too."""
     import torch
     import torch.nn.functional as F
 
@@ -221,8 +228,9 @@ def captured_steps(model, checkpointed, regional, x, y) -> dict:
                 autograd(torch.compile(model), plain),
                 autograd(torch.compile(checkpointed), ckpt),
                 autograd(regional, list(regional.parameters())),
-                sweep(),
-                sweep(compile=True),
+                sweep(capture="graph"),
+                sweep(compile=True, capture="graph"),
+                sweep(compile=True, capture="run"),
             ),
         )
     )
@@ -298,7 +306,7 @@ def main(argv=None):
         peaks[name] = json.loads(out.strip().splitlines()[-1])["peak_mb"]
     kind = {
         "llama": "LlamaDecoderLayer(256, 8 heads, 4 KV, MLP 1024)",
-        "llama-captured": "layers of LlamaModel(256, 8 heads, 4 KV, MLP 1024), cut by capture",
+        "llama-captured": "layers of LlamaModel(256, 8 heads, 4 KV, MLP 1024)",
         "block": "models.Block(256, 8, 4, 1024)",
     }[args.model]
     heap = ", glibc keeping freed memory mapped" if args.keep_heap else ""
