@@ -103,9 +103,9 @@ class Options:
     capture: str | None = None
     """How a model (an ``nn.Module``) with ``split_at`` is cut: ``"run"`` (its forward runs as
     written, each call of a matched module one stage: ``eae_func.cuts``), ``"graph"`` (a chain
-    captured by ``torch.export``), or ``None``: ``"run"``, unless an option only a chain implements
-    is set (``model_sweep.needs_graph``). Given, it is never overridden: ``"run"`` with such an option is
-    refused, naming it. Both cut the model at the same boundaries, the cuts' outputs in call order,
+    captured by ``torch.export``), or ``None``: ``"run"``, unless params come as one dict per stage
+    or the model holds FSDP2 shards. An option only a chain implements (``model_sweep.needs_graph``)
+    is refused, naming it, unless ``"graph"`` is given: it never captures a model silently. Both cut the model at the same boundaries, the cuts' outputs in call order,
     and pass the same records to the passes."""
 
     early_stop: bool = True

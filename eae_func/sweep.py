@@ -374,24 +374,27 @@ def _on_model(
 
 def at_run_time(model: nn.Module | Sequence, params: Sequence | Mapping, opts: Options) -> bool:
     """Whether a model with ``split_at`` is cut at run time (``capture="run"``) or captured (``"graph"``):
-    as ``capture=`` says, or, with ``capture=None``, at run time unless something needs a chain;
-    ``"run"`` given where something needs a chain is refused, naming it."""
+    as ``capture=`` says, or, with ``capture=None``, at run time unless its params come as one dict
+    per stage or it holds FSDP2 shards. An option only a chain implements is never a reason to
+    capture: it is refused, naming it, unless ``capture="graph"`` is given."""
     if opts.capture == "graph" or not isinstance(model, nn.Module):  # chain_of names what a list lacks
         return False
-    needs = model_sweep.needs_graph(opts)
-    if not isinstance(params, Mapping):
-        needs.append("params as one dict per stage (run-time cuts take dict(model.named_parameters()))")
-    if fsdp.holds_shards(model):
-        needs.append("FSDP2 (fully_shard) modules")
-    if not needs:
-        return True
-    if opts.capture == "run":
+    options = model_sweep.needs_graph(opts)
+    if options:
         raise ValueError(
-            f"sweep: capture='run' cuts {type(model).__name__} at run time, which does not implement "
-            f"{', '.join(needs)}; give capture='graph' (a chain captured by torch.export, the same boundaries "
-            f"and records) or capture=None to choose by the options, or leave out {needs[0]}"
+            f"sweep: {', '.join(options)} runs only on a chain captured by torch.export, and "
+            f"{type(model).__name__} is cut at run time (capture={opts.capture!r}); give capture='graph' to "
+            f"capture it (the same boundaries and records; a capture on the first call), or leave out {options[0]}"
         )
-    return False
+    needs = [] if isinstance(params, Mapping) else ["params as one dict per stage"]
+    needs += ["FSDP2 (fully_shard) modules"] if fsdp.holds_shards(model) else []
+    if needs and opts.capture == "run":
+        raise ValueError(
+            f"sweep: capture='run' cuts {type(model).__name__} at run time, which does not take {needs[0]} "
+            f"(run-time cuts take dict(model.named_parameters())); give capture='graph' (a chain captured by "
+            f"torch.export, the same boundaries and records) or capture=None"
+        )
+    return not needs
 
 
 def _on_ddp(

@@ -170,11 +170,13 @@ def test_what_a_physical_cut_cannot_do_at_run_time_is_refused_by_name():
         ef.sweep(model, params, x, y, physical=["sim"], estimator=E.exact(), **run)
     with pytest.raises(ValueError, match=r"no estimator"):
         ef.sweep(model, params, x, y, physical=["1"], **run)
-    with pytest.raises(ValueError, match=r"scope 'model'.*capture='graph'"):
-        ef.sweep(model, params, x, y, physical=["1"], estimator=E.node_perturbation(E.Probes(4)), **run)
-    with pytest.raises(ValueError, match=r"budget= with update="):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        ef.sweep(model, params, x, y, physical=["1"], estimator=E.exact(), budget=100, update=opt, **run)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for capture in ("run", None):  # left to choose, an option is never a reason to capture
+        run["capture"] = capture
+        with pytest.raises(ValueError, match=r"scope 'model'.*capture='graph'"):
+            ef.sweep(model, params, x, y, physical=["1"], estimator=E.node_perturbation(E.Probes(4)), **run)
+        with pytest.raises(ValueError, match=r"budget= with update=.*capture='graph'"):
+            ef.sweep(model, params, x, y, physical=["1"], estimator=E.exact(), budget=100, update=opt, **run)
 
 
 def test_a_physical_cut_writing_into_its_input_is_refused_naming_it():
