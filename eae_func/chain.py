@@ -602,13 +602,16 @@ def _target(owner: nn.Module, name: str, label: str, value: Any, what: str, kind
     return target
 
 
-def trainable_names(model: nn.Module, params: Mapping[str, Any]) -> frozenset[str]:
+def trainable_names(
+    model: nn.Module, params: Mapping[str, Any], own: Mapping[str, torch.Tensor] | None = None
+) -> frozenset[str]:
     """The names of ``params`` (a flat dict as ``dict(model.named_parameters())`` gives) to
     differentiate: those whose module parameter has ``requires_grad=True``, read from the module,
     never from the given tensor (a detached or computed value is differentiated, as
     ``torch.func.grad`` differentiates what it is given). Refuses a name that is not a parameter of
-    ``model`` and a trainable parameter left out (a frozen one may be: the module's own is used)."""
-    own = dict(model.named_parameters())
+    ``model`` and a trainable parameter left out (a frozen one may be: the module's own is used).
+    ``own``: ``dict(model.named_parameters())``, where the caller has it."""
+    own = dict(model.named_parameters()) if own is None else own
     unknown = sorted(set(params) - set(own))
     missing = [n for n, p in own.items() if p.requires_grad and n not in params]
     if unknown or missing:

@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from . import fold as F
 from . import microbatch as M
 from . import physical_cuts as PC
 from . import remat as R
+from . import tree as T
 from . import vjp as V
 from .adjoint import AdjointState, fold_in
 from .capture import matches
@@ -170,9 +171,9 @@ class Sweep:
         """The next stage: this call of ``module``, run without a graph, its output through one node."""
         k = self.calls[name] = self.calls.get(name, 0) + 1
         self.count += 1
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = T.flatten_call(args, kwargs)
         refuse_caches(name, leaves, self.split_at)
-        params, buffers, modes = walk(module)
+        params, buffers, modes = walk(module.named_modules(remove_duplicate=False))
         call = Call(
             self.count,
             name if k == 1 else f"{name}#{k}",
@@ -198,7 +199,7 @@ class Sweep:
             self.store(call)
         tensors = StageCall.apply(self, call, self.anchor, *[leaves[i] for i in call.inputs], *call.trained)
         out, call.constants = call.constants or [], None  # the call keeps no output of its own
-        return pytree.tree_unflatten([c if k is None else tensors[k] for c, k in zip(out, call.routes)], call.out_spec)
+        return T.unflatten([c if k is None else tensors[k] for c, k in zip(out, call.routes)], call.out_spec)
 
     def store(self, call: Call) -> None:
         """The call's inputs that require grad kept as the boundary policy says (in its dtype, on the
@@ -220,7 +221,7 @@ class Sweep:
 
     def run_forward(self, call: Call) -> list:
         """The call without a graph: its output's tensor leaves."""
-        args, kwargs = pytree.tree_unflatten(call.leaves, call.spec)
+        args, kwargs = T.unflatten(call.leaves, call.spec)
         stats = self.stats.setdefault(call.name, {})
         copies = WRITES.before(call)
         if call.physical is not None:
@@ -264,7 +265,7 @@ class Sweep:
         if call.rng is not None and not F.drew(call.rng, self.device):
             call.rng = None
         call.host = F.HOST.after((type(call.module), call.module.training), call.host)
-        leaves, call.out_spec = pytree.tree_flatten(out)
+        leaves, call.out_spec = T.flatten_output(out)
         call.routes, call.through = routes(leaves, call)
         if not call.through:
             raise TypeError(
@@ -418,7 +419,7 @@ class Sweep:
             (out, inputs, trained), written, call.graph = call.graph, (), None
         else:
             out, written, inputs, trained = self.rebuild(call, leaves, stats)
-        rebuilt = pytree.tree_leaves(out)
+        rebuilt = T.flatten_output(out)[0]
         edges = V.places(
             [rebuilt[i] for i in call.through] + [t for i, t in zip(call.written, written) if i in call.inputs]
         )
@@ -437,7 +438,7 @@ class Sweep:
         own: dict = {}
         local = {n: own.setdefault(id(p), p.detach().requires_grad_(p.requires_grad)) for n, p in call.params.items()}
         inputs = [leaves[i].requires_grad_() for i in call.inputs]  # detached when kept
-        args, kwargs = pytree.tree_unflatten(leaves, call.spec)
+        args, kwargs = T.unflatten(leaves, call.spec)
         cached, call.cached = call.cached, None
         forward = (
             functools.partial(C.call, self.opts, call.forward) if call.compiled and not call.written else call.forward
@@ -460,7 +461,7 @@ class Sweep:
                 fed = list(leaves)  # the leaves it writes into copied again: an attempt may be made twice
                 for i in call.written:
                     fed[i] = leaves[i].clone()
-                fed_args, fed_kwargs = pytree.tree_unflatten(fed, call.spec)
+                fed_args, fed_kwargs = T.unflatten(fed, call.spec)
                 return run(call.forward, *fed_args, **fed_kwargs), tuple(fed[i] for i in call.written)
 
         _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
@@ -482,7 +483,7 @@ class Sweep:
                 f"their dropout) and its rebuild came to other outputs than its forward: its gradients would "
                 f"belong to other random numbers. Cut a module that does not reseed, or turn its randomness off"
             )
-        spec = pytree.tree_structure(out)
+        spec = T.flatten_output(out)[1]
         if spec != call.out_spec:
             raise ValueError(
                 f"cut {call.name!r}: its rebuild returned another structure than its forward ({spec} vs "
@@ -509,7 +510,7 @@ class Sweep:
             fed = list(leaves)
             for i, t in zip(probed, h):
                 fed[i] = t
-            args, kwargs = pytree.tree_unflatten(fed, call.spec)
+            args, kwargs = T.unflatten(fed, call.spec)
             held = {**call.params, **params, **{n: b.clone() for n, b in call.buffers.items()}}
             _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1  # a cut inside it is part of its call
             try:
@@ -518,7 +519,7 @@ class Sweep:
                         out = call.forward(*args, **kwargs)
             finally:
                 _ACTIVE.depth -= 1
-            flat = pytree.tree_leaves(out)
+            flat = T.flatten_output(out)[0]
             return tuple(flat[i] for i in call.through)
 
         stats = self.stats.setdefault(call.name, {})
@@ -594,12 +595,12 @@ class StageCall(torch.autograd.Function):
         return (None, None, None, *ctx.sweep.reverse(call, list(costates)))
 
 
-def walk(module: nn.Module) -> tuple[dict, dict, tuple]:
-    """In one walk of ``module``: its parameters by name (aliases included, as
-    ``named_parameters(remove_duplicate=False)``), clones of its buffers by name, its modes
-    (``fold.modes_of``)."""
+def walk(modules: Iterable[tuple[str, nn.Module]]) -> tuple[dict, dict, tuple]:
+    """Over a cut module's ``named_modules(remove_duplicate=False)``: its parameters by name (aliases
+    included, as ``named_parameters(remove_duplicate=False)``), clones of its buffers by name, its
+    modes (``fold.modes_of``)."""
     params, buffers, modes = {}, {}, []
-    for prefix, m in module.named_modules(remove_duplicate=False):
+    for prefix, m in modules:
         modes.append((m, m.training))
         dot = f"{prefix}." if prefix else ""
         params.update((dot + n, p) for n, p in m._parameters.items() if p is not None)
@@ -705,13 +706,17 @@ def leaf_name(call: Call, i: int) -> str:
     return ("args" if path[0] == pytree.SequenceKey(0) else "kwargs") + pytree.keystr(path[1:])
 
 
-def cut_modules(model: nn.Module, split_at: Sequence[str]) -> dict[str, nn.Module]:
-    """The modules of ``model`` matched by a pattern of ``split_at`` (glob per dotted part)."""
+def cut_modules(
+    model: nn.Module, split_at: Sequence[str], modules: Iterable[tuple[str, nn.Module]] | None = None
+) -> dict[str, nn.Module]:
+    """The modules of ``model`` matched by a pattern of ``split_at`` (glob per dotted part), among
+    ``modules`` (``model.named_modules()``, where the caller has it)."""
     if isinstance(split_at, str) or not split_at or not all(isinstance(p, str) for p in split_at):
         raise TypeError(f"split_at: expected a list of module paths (glob patterns), got {split_at!r}")
-    found = {n: m for n, m in model.named_modules() if n and any(matches(n, p) for p in split_at)}
+    modules = list(model.named_modules() if modules is None else modules)
+    found = {n: m for n, m in modules if n and any(matches(n, p) for p in split_at)}
     if not found:
-        shown = [n for n, _ in model.named_modules() if n][:12]
+        shown = [n for n, _ in modules if n][:12]
         raise ValueError(
             f"split_at: no module of {type(model).__name__} matches {list(split_at)}; its modules include {shown}"
         )
@@ -724,15 +729,17 @@ def autocast_state(device: torch.device) -> tuple:
 
 
 def replay_autocast(state: tuple):
+    """A context with autocast as ``state`` (``autocast_state``) says: nothing to do where it is so."""
     kind, enabled, dtype = state
+    if (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) == (enabled, dtype):
+        return contextlib.nullcontext()
     return torch.autocast(kind, dtype=dtype, enabled=enabled)
 
 
-@contextlib.contextmanager
 def holding(module: nn.Module, tensors: Mapping[str, torch.Tensor]):
-    """``module`` with ``tensors`` in the places of its parameters and buffers of those names."""
+    """A context with ``module`` holding ``tensors`` in the places of its parameters and buffers of
+    those names."""
     slots = Slots.of(module, tuple(tensors))
     if slots is None:
         raise RuntimeError(f"cuts: {type(module).__name__} no longer has the parameters it ran with")
-    with slots.holding(tensors):
-        yield
+    return slots.holding(tensors)

@@ -229,11 +229,12 @@ class HostRandom:
                 self.drawing.add(kind)
         return before if kind in self.drawing else None
 
-    @contextlib.contextmanager
     def replay(self, states: tuple | None):
-        if states is None:
-            yield
-            return
+        """A context in which Python's and numpy's generators are at ``states`` (``None``: as they are)."""
+        return NULL if states is None else self._replayed(states)
+
+    @contextlib.contextmanager
+    def _replayed(self, states: tuple):
         now = self.state()
         random.setstate(states[0])
         np.random.set_state(states[1])

@@ -96,15 +96,21 @@ def sweep_model(
     the last piece's backward steps each stage as its gradients are complete (``in_backward``). With
     ``data_parallel=`` the replicas agree on the model before its forward and ``grads`` are their
     average (``data_parallel.average_model_grads``)."""
-    own_params = list(model.named_parameters(remove_duplicate=False))
-    own_buffers = list(model.named_buffers(remove_duplicate=False))
+    every = list(model.named_modules(remove_duplicate=False))  # the one walk of the model a sweep makes
+    own_params = [(f"{m}.{n}" if m else n, p) for m, mod in every for n, p in mod._parameters.items() if p is not None]
+    own_buffers = [(f"{m}.{n}" if m else n, b) for m, mod in every for n, b in mod._buffers.items() if b is not None]
     first = canonical_names([*own_params, *own_buffers])  # a tied tensor's names -> its first name
-    trainable = trainable_names(model, params)  # the module's flags, not the given tensors'
+    seen: set[int] = set()
+    unique = [(n, m) for n, m in every if not (id(m) in seen or seen.add(id(m)))]  # named_modules()
+    named = {}  # named_parameters(): each tensor under its first name
+    for n, p in own_params:
+        named.setdefault(first[n], p)
+    trainable = trainable_names(model, params, named)  # the module's flags, not the given tensors'
     kept = {n: b for n, b in own_buffers if first[n] == n}
     wrong = sorted(set(buffers or {}) - set(kept))
     if wrong:
         raise ValueError(f"buffers: {wrong[:5]} are not buffers of {type(model).__name__} (named_buffers' names)")
-    names = cut_modules(model, split_at)  # walked once for every piece
+    names = cut_modules(model, split_at, unique)  # once for every piece
     roster = PC.roster(opts, names)
     meter = None if roster is None else Meter(roster, tuple(range(len(roster))), opts.budget)  # over every piece
     leaves = {n: p.detach().requires_grad_(n in trainable and B.is_differentiable(p)) for n, p in params.items()}

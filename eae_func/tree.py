@@ -2,10 +2,13 @@
 ``AdjointState`` is registered), as ``jax.tree_util`` users expect them."""
 
 import functools
+from typing import Any
 
 import optree
+import torch
+import torch.utils._pytree as pytree
 
-__all__ = ["tree_leaves", "tree_map", "tree_structure"]
+__all__ = ["flatten_call", "flatten_output", "tree_leaves", "tree_map", "tree_structure", "unflatten"]
 
 NAMESPACE = "eae_func"
 
@@ -15,3 +18,33 @@ tree_leaves = functools.partial(optree.tree_leaves, namespace=NAMESPACE)
 """``optree.tree_leaves(tree)``, an ``AdjointState``'s tensors among them."""
 tree_structure = functools.partial(optree.tree_structure, namespace=NAMESPACE)
 """``optree.tree_structure(tree)``, ``AdjointState`` a node."""
+
+
+_TENSOR = pytree.tree_structure(torch.empty(0))
+_CALLS: dict[int, Any] = {}  # n -> the spec of a call on n tensors, no keywords
+
+
+def flatten_call(args: tuple, kwargs: dict) -> tuple[list, Any]:
+    """``torch.utils._pytree.tree_flatten((args, kwargs))``; a call on tensors alone (the common
+    case, once per cut call) without walking it."""
+    if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
+        return pytree.tree_flatten((args, kwargs))
+    spec = _CALLS.get(len(args))
+    if spec is None:
+        spec = _CALLS[len(args)] = pytree.tree_structure((args, kwargs))
+    return list(args), spec
+
+
+def flatten_output(out: Any) -> tuple[list, Any]:
+    """``torch.utils._pytree.tree_flatten(out)``; a bare tensor without walking it."""
+    return ([out], _TENSOR) if isinstance(out, torch.Tensor) else pytree.tree_flatten(out)
+
+
+def unflatten(leaves: list, spec: Any) -> Any:
+    """``torch.utils._pytree.tree_unflatten``, at no cost for the specs ``flatten_call`` and
+    ``flatten_output`` make without walking."""
+    if spec is _TENSOR:
+        return leaves[0]
+    if _CALLS.get(len(leaves)) is spec:
+        return tuple(leaves), {}
+    return pytree.tree_unflatten(leaves, spec)

@@ -25,6 +25,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from . import boundary as B
+from . import compat
 from .tree import NAMESPACE
 
 
@@ -45,11 +46,13 @@ def connected(outputs: Sequence, cotangents: Sequence) -> tuple[list, list]:
 def pull_back(outputs: Sequence, cotangents: Sequence, wanted: Sequence[torch.Tensor]) -> Sequence:
     """``Σ_k J_k^T c_k`` with respect to each tensor of ``wanted``, ``J_k`` the Jacobian of output k
     (a tensor or its place; ``None``: not in the graph), by one ``torch.autograd.grad``; ``None`` for
-    a wanted tensor no connected output depends on."""
+    a wanted tensor no connected output depends on. Each cotangent has its output's shape (the
+    callers' costates come from autograd or from passes that keep the shape), so torch's own
+    checks of them are skipped (``compat.pull_back_unchecked``)."""
     graph, cots = connected(outputs, cotangents)
     if not graph or not wanted:
         return [None] * len(wanted)
-    return torch.autograd.grad(graph, wanted, cots, allow_unused=True)
+    return compat.pull_back_unchecked(graph, cots, wanted)
 
 
 def cotangent(costate: list, layout: B.Layout) -> list:
