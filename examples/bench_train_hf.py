@@ -1,7 +1,7 @@
 """A training step with AdamW on a Hugging Face causal LM, side by side: memory and time.
 
 Workload: ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` built from a config (random weights, no download),
-seed 0, fp32, train mode, random token ids (batch x seq); the next-token loss
+seed 0, fp32 (``--dtype bfloat16``: bf16 weights and AdamW state), train mode, random token ids (batch x seq); the next-token loss
 ``cross_entropy(logits[:, :-1], ids[:, 1:])``; one step is forward, backward and ``AdamW.step()``:
 
     autograd               loss.backward(); opt.step()
@@ -39,6 +39,7 @@ B MB above the weights and optimizer state, found by doubling then bisection on 
     python examples/bench_train_hf.py --seqs 128 256 512 1024 --methods autograd hf-checkpoint \
         "ef.enable update= + chunks" --rounds 2            # memory and time against the sequence length
     python examples/bench_train_hf.py --quick               # a smoke run
+    python examples/bench_train_hf.py --shape tinyllama --dtype bfloat16 --device cuda --batch 4 --seq 2048
 """
 
 from __future__ import annotations
@@ -73,8 +74,15 @@ METHODS = (
 )
 
 
-def build(family: str, layers: int, hidden: int, vocab: int, seq: int) -> tuple[nn.Module, str, str]:
-    """``(model, body attribute, layer pattern within the body)``: a random causal LM from a config."""
+TINYLLAMA = dict(layers=22, hidden=2048, intermediate=5632, heads=32, kv_heads=4, vocab=32000)  # its 1.1B shape
+
+
+def build(
+    family: str, layers: int, hidden: int, vocab: int, seq: int, intermediate: int | None = None,
+    heads: int | None = None, kv_heads: int | None = None,
+) -> tuple[nn.Module, str, str]:  # fmt: skip
+    """``(model, body attribute, layer pattern within the body)``: a random causal LM from a config (a
+    Llama's MLP 4 x hidden, a head per 64 and a key/value head per 128 wide, unless given)."""
     with extra("hf"):
         import transformers
 
@@ -86,9 +94,9 @@ def build(family: str, layers: int, hidden: int, vocab: int, seq: int) -> tuple[
         )  # fmt: skip
         return transformers.GPT2LMHeadModel(config).train(), "transformer", "h.*"
     config = transformers.LlamaConfig(
-        hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128), vocab_size=vocab,
-        max_position_embeddings=seq, use_cache=False,
+        hidden_size=hidden, intermediate_size=intermediate or 4 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads or max(1, hidden // 64), num_key_value_heads=kv_heads or max(1, hidden // 128),
+        vocab_size=vocab, max_position_embeddings=seq, use_cache=False,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config).train(), "model", "layers.*"
 
@@ -218,8 +226,12 @@ def step_peak(step: Callable, ids: torch.Tensor) -> int:
 def setup(args: argparse.Namespace, seq: int, methods: tuple) -> tuple[dict, dict, torch.Tensor, dict]:
     """Each method's model (the same weights) and step, warmed up twice, the ids, and each method's
     first step's seconds."""
-    model, body, layers = build(args.family, args.layers, args.hidden, args.vocab, seq)
-    model.to(args.device)
+    shape = TINYLLAMA if getattr(args, "shape", None) == "tinyllama" else {}
+    model, body, layers = build(
+        args.family, args.layers, args.hidden, args.vocab, seq,
+        **{k: shape[k] for k in ("intermediate", "heads", "kv_heads") if k in shape},
+    )  # fmt: skip
+    model.to(args.device, getattr(torch, getattr(args, "dtype", "float32")))
     models = {m: copy.deepcopy(model) for m in methods}
     steps = {m: make_step(m, models[m], body, layers) for m in methods}
     ids = torch.randint(args.vocab, (args.batch, seq), generator=torch.Generator().manual_seed(0)).to(args.device)
@@ -295,7 +307,7 @@ def plot(args: argparse.Namespace, methods: tuple) -> None:
         ax.grid(alpha=0.3)
     left.legend(fontsize=8)
     fig.suptitle(
-        f"{args.family}, {args.layers} layers x {args.hidden}, vocab {args.vocab}, batch {args.batch}, fp32, "
+        f"{args.family}, {args.layers} layers x {args.hidden}, vocab {args.vocab}, batch {args.batch}, {args.dtype}, "
         f"{args.device}, AdamW",
         fontsize=9,
     )
@@ -317,6 +329,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--shape", choices=["tinyllama"], help="TinyLlama's 1.1B shape (sets layers, hidden, vocab)")
     parser.add_argument("--budget-mb", type=float, default=None, help="also find the longest sequence in this budget")
     parser.add_argument("--max-seq", type=int, default=8192)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="METHOD")
@@ -324,6 +338,11 @@ def main(argv=None) -> None:
     add_out(parser)
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 layers, width 64, vocab 512, 2 x 64")
     args = parser.parse_args(argv)
+    if args.shape == "tinyllama":
+        args.family, args.layers, args.hidden, args.vocab = (
+            "llama",
+            *(TINYLLAMA[k] for k in ("layers", "hidden", "vocab")),
+        )
     if args.quick:
         args.layers, args.hidden, args.vocab, args.batch, args.seq, args.rounds = 2, 64, 512, 2, 64, 1
         args.max_seq = min(args.max_seq, 256)
@@ -337,7 +356,7 @@ def main(argv=None) -> None:
     t0, p0 = times[base], peaks[base]
     print(
         f"{args.family}: {args.layers} layers x {args.hidden}, vocab {args.vocab}, batch {args.batch} x "
-        f"{args.seq}, fp32, {args.device}, AdamW; medians of {args.rounds} interleaved rounds; ratios to {base}"
+        f"{args.seq}, {args.dtype}, {args.device}, AdamW; medians of {args.rounds} interleaved rounds; ratios to {base}"
     )
     print(
         f"{'method':28} {'step s':>8} {'ratio':>7} {'peak MB':>9} {'ratio':>7} {'loss':>9} {'max |dw|':>9} "

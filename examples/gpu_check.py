@@ -28,6 +28,11 @@ the live tensor bytes of ``bench_memory.LiveBytes`` on the CPU; the ratios are p
         for identical blocks (one forward and one reverse expected, checked)
     (j) the remat curve at one point: the largest ``recompute=`` byte budget whose peak is within
         ``checkpoint_sequential``'s (3 segments; 2 with ``--quick``), its step beside that one's
+    (k) a training step with AdamW on a Llama of TinyLlama's 1.1B shape (bf16, 4 x 2048; with
+        ``--quick`` and on the CPU a small fp32 one), ``examples/bench_train_hf.py``'s methods one at a
+        time (each alone in memory, so not interleaved): the step and its peak above the weights and
+        optimizer state against HF checkpointing + ``AdamW.step()``; passes where the fused step with the
+        head in chunks peaks below HF checkpointing's and every method's loss is finite
 
     python examples/gpu_check.py                       # on a machine with CUDA
     python examples/gpu_check.py --device cpu --quick  # the same checks' logic on the CPU, small
@@ -592,6 +597,43 @@ def check_remat_curve(device, depth, dim, batch, seq, steps, segments) -> None:
     )
 
 
+def check_train_hf(device, quick: bool) -> None:
+    """(k): bench_train_hf's training step at TinyLlama's shape (a small Llama with --quick), each
+    method measured alone: its median step over 3 steps after two warm-ups, and its step's peak."""
+    import argparse as ap
+
+    import bench_train_hf as T
+
+    name = "(k) a training step on a Llama (1.1B on CUDA): eae_func against HF checkpointing + AdamW"
+    methods = ("hf-checkpoint", "autograd", "hf-checkpoint + in-bw", "eae_func update=", "+ chunked head",
+               "ef.enable update= + chunks")  # fmt: skip
+    small = quick or device.type != "cuda"
+    args = ap.Namespace(
+        family="llama", device=str(device), rounds=3, shape=None if small else "tinyllama",
+        dtype="float32" if small else "bfloat16", **(
+            dict(layers=2, hidden=64, vocab=512, batch=2, seq=64) if small
+            else {**{k: T.TINYLLAMA[k] for k in ("layers", "hidden", "vocab")}, "batch": 4, "seq": 2048}
+        ),
+    )  # fmt: skip
+    rows = {}
+    try:
+        for m in methods:
+            times, peaks, losses, _, _ = T.measure(args, args.seq, (m,))
+            rows[m] = (times[m], peaks[m], losses[m])
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    except Exception as e:  # noqa: BLE001 - the check reports it
+        report(name, False, f"{type(e).__name__}: {e}"[:300])
+        return
+    t0, p0 = rows["hf-checkpoint"][:2]
+    table = "; ".join(
+        f"{m} {t / t0:.2f}x step, {p / p0:.2f}x peak ({p / 2**20:.0f} MB)" for m, (t, p, _) in rows.items()
+    )
+    ok = rows["+ chunked head"][1] < p0 and all(torch.isfinite(torch.tensor(v[2])) for v in rows.values())
+    shape = f"{args.layers} x {args.hidden}, vocab {args.vocab}, {args.batch} x {args.seq}, {args.dtype}"
+    report(name, ok, f"{shape}: {table}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -616,6 +658,7 @@ def main(argv=None) -> int:
     check_fsdp(device, *workload, steps)
     check_compile_against_torch(device, *workload, steps)
     check_remat_curve(device, *workload, steps, segments)
+    check_train_hf(device, args.quick)
     failed = [name for name, ok, _ in RESULTS if not ok]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     print(
