@@ -634,7 +634,10 @@ def write_grads(model: nn.Module | Sequence, grads: Any, accumulate: bool = Fals
     """Set ``.grad`` of ``model``'s parameters from ``grads`` (overwriting, like ``optimizer.zero_grad`` + backward;
     ``accumulate=True``: added to the ``.grad`` there, as ``backward`` does, for gradient accumulation): one dict per
     stage, or a flat ``{name: grad}`` dict as ``ef.grad(model, dict(model.named_parameters()), ...)`` returns. A tied
-    parameter appears in several stages' dicts with the summed gradient; it is written once.
+    parameter appears in several stages' dicts with the summed gradient; it is written once. Overwriting, ``.grad``
+    is the given tensor itself where its dtype and device are the parameter's (no copy, so writing costs no
+    memory: an in-place change of one, as clipping makes, shows in the other); accumulating adds out of place,
+    so it never writes into a tensor the caller holds.
     """
     pairs = [
         (_target(owner, name, label, g, "write_grads", "parameter"), g)
@@ -651,9 +654,9 @@ def write_grads(model: nn.Module | Sequence, grads: Any, accumulate: bool = Fals
             continue
         g = g.detach().to(dtype=p.dtype, device=p.device)
         if accumulate and p.grad is not None:
-            p.grad.add_(g)
+            p.grad = p.grad + g  # out of place: the .grad there may be a tensor the caller holds
         else:
-            p.grad = g.clone()
+            p.grad = g.clone() if accumulate else g
 
 
 def write_buffers(model: nn.Module | Sequence, buffers: Any) -> None:

@@ -20,6 +20,7 @@ refills in place, are not seen).
 
     python examples/bench_data_parallel.py --blocks 8 --width 256 --seq 256 --batch 4 --rounds 7
     python examples/bench_data_parallel.py --where      # where the FSDP rows' peaks go
+    python examples/bench_data_parallel.py --user-step --rounds 3   # FSDP2 with AdamW: the user's step
 """
 
 from __future__ import annotations
@@ -73,9 +74,53 @@ def sharded(blocks: list, wrap=lambda b: b) -> nn.Sequential:
     return fully_shard(model, mesh=mesh)
 
 
+USER_STEPS = (
+    "fsdp2 + checkpoint, opt.step()",
+    "eae on fsdp2, write_back, opt.step()",
+    "eae on fsdp2, update=opt",
+)
+
+
+def user_steps(args, blocks: list, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """The step a user takes, with AdamW (its state made in two warm-up steps), on a fresh FSDP2 model
+    per method: each step's peak of live tensor bytes and of the resident set above the set before it,
+    medians of ``--rounds`` steps. The sweeps keep no costates (``keep_costates=False``, what
+    ``ef.grad`` runs with): a kept costate per stage is as large as a boundary."""
+    from bench_memory import LiveBytes
+
+    out = {}
+    for name in USER_STEPS:
+        net = sharded(blocks, Checkpointed if "checkpoint" in name else lambda b: b)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        params = dict(net.named_parameters())
+
+        def step(net=net, opt=opt, params=params, name=name):
+            if "checkpoint" in name:
+                F.mse_loss(net(x), y).backward()
+            elif "update" in name:
+                ef.sweep(net, params, x, y, loss=F.mse_loss, update=opt, keep_costates=False)
+                return
+            else:
+                ef.write_back(net, ef.sweep(net, params, x, y, loss=F.mse_loss, keep_costates=False))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(2):
+            step()
+        live, rss = [], []
+        for _ in range(args.rounds):
+            with LiveBytes() as counter:
+                step()
+            live.append(counter.peak / 2**20)
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            rss.append(step_peak_mb(step))
+        out[name] = (statistics.median(live), statistics.median(rss))
+    return out
+
+
 def worker(args) -> dict:
     torch.set_num_threads(1)
-    if args.peak_of is not None:
+    if args.peak_of is not None or args.user_step:
         map_tensors_apart()
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -89,6 +134,8 @@ def worker(args) -> dict:
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(args.batch, args.seq, args.width, generator=g), torch.randn(args.batch, args.seq, args.width)
     stats = {}
+    if args.user_step:
+        return {"user": user_steps(args, blocks, x, y)}
 
     def autograd(net):
         net.zero_grad(set_to_none=True)
@@ -180,11 +227,23 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="a smoke run: a tiny model, 1 round")
     parser.add_argument("--where", type=int, nargs="?", const=8, default=0, help="the FSDP peaks' largest parts")
+    parser.add_argument("--user-step", action="store_true", help="FSDP2 with AdamW: the step a user takes")
     parser.add_argument("--peak-of", choices=METHODS, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.blocks, args.width, args.seq, args.batch, args.rounds = 2, 32, 16, 2, 1
     print(f"2 ranks (gloo), {args.blocks} blocks width {args.width}, seq {args.seq}, batch {args.batch}")
+    if args.user_step:
+        results = D.run(worker, 2, args, timeout=1800, pg_timeout=600)
+        base = [r["user"][USER_STEPS[0]] for r in results]
+        print(f"{'method (AdamW)':<38} {'live MB r0 / r1':>16} {'ratio':>6} {'RSS MB r0 / r1':>16} {'ratio':>6}")
+        for name in USER_STEPS:
+            (l0, s0), (l1, s1) = (r["user"][name] for r in results)
+            ratio = max(l0 / base[0][0], l1 / base[1][0]), max(s0 / base[0][1], s1 / base[1][1])
+            print(
+                f"{name:<38} {f'{l0:.1f} / {l1:.1f}':>16} {ratio[0]:5.2f}x {f'{s0:.1f} / {s1:.1f}':>16} {ratio[1]:5.2f}x"
+            )
+        return
     if args.where:
         for name, (peak, parts) in D.run(worker, 2, args, timeout=600)[0]["where"].items():
             print(f"{name}: live peak {peak / 2**20:.1f} MB (rank 0), of which")

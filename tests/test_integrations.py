@@ -290,8 +290,10 @@ def test_write_grads_accumulate_adds_into_grad():
     ef.write_grads(model, first)
     ef.write_grads(model, {"weight": torch.full((2, 3), 2.0), "bias": None}, accumulate=True)
     assert torch.equal(model.weight.grad, torch.full((2, 3), 3.0)) and torch.equal(model.bias.grad, torch.ones(2))
-    ef.write_grads(model, first)  # overwrite
-    assert torch.equal(model.weight.grad, torch.ones(2, 3))
+    ef.write_grads(model, first)  # overwrite: the given tensor itself, no copy
+    assert model.weight.grad.data_ptr() == first["weight"].data_ptr()
+    ef.write_grads(model, first, accumulate=True)  # accumulating onto it makes a new tensor
+    assert torch.equal(model.weight.grad, torch.full((2, 3), 2.0))
     assert first["weight"].equal(torch.ones(2, 3))  # the caller's tensor untouched
 
 
