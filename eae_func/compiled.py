@@ -18,8 +18,8 @@ cut call's forward is compiled (``call``: the module's own ``forward`` on the ca
 its rebuild is the same compiled forward with grad, whose backward graph autograd runs for the local
 vjp; the RNG, modes, autocast and the parameters it ran with are replayed around it as without
 ``compile=``. Layers of one class on one shape share the graphs (the module's parameters are the
-graph's inputs); a call that writes into its inputs, keeps its graph or some ops' outputs
-(``recompute=``) or is physical runs eager.
+graph's inputs); a call that keeps its graph or some ops' outputs (``recompute=``) or is physical
+runs eager.
 
 On a chain: module and function stages whose graph the remat policy rebuilds, on any boundary of
 tensors in tuples, lists, dicts or namedtuples (the graphs flatten it as ``torch.utils._pytree``

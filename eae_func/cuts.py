@@ -73,7 +73,7 @@ class Call:
     (``outs``); where ``recompute=`` keeps its graph from the forward, ``(output, inputs, parameters)``
     of that graph (``graph``), and where it keeps some ops' outputs, the context that replays them
     in the rebuild (``cached``); whether its forward ran compiled (``compile=``: its rebuild does too,
-    unless it wrote into its inputs)."""
+    so a dropout mask is drawn by the same ops)."""
 
     index: int
     name: str
@@ -440,9 +440,7 @@ class Sweep:
         inputs = [leaves[i].requires_grad_() for i in call.inputs]  # detached when kept
         args, kwargs = T.unflatten(leaves, call.spec)
         cached, call.cached = call.cached, None
-        forward = (
-            functools.partial(C.call, self.opts, call.forward) if call.compiled and not call.written else call.forward
-        )
+        forward = functools.partial(C.call, self.opts, call.forward) if call.compiled else call.forward
 
         def rebuild(run: Callable) -> Any:
             with (
@@ -462,7 +460,7 @@ class Sweep:
                 for i in call.written:
                     fed[i] = leaves[i].clone()
                 fed_args, fed_kwargs = T.unflatten(fed, call.spec)
-                return run(call.forward, *fed_args, **fed_kwargs), tuple(fed[i] for i in call.written)
+                return run(forward, *fed_args, **fed_kwargs), tuple(fed[i] for i in call.written)
 
         _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
         try:

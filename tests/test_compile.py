@@ -228,3 +228,29 @@ def test_a_hugging_face_llama_at_run_time_compiles_one_pair_of_graphs_for_its_la
         return counters["stats"]["unique_graphs"] - before
 
     assert graphs_compiled(3) == graphs_compiled(1) == 2
+
+
+def test_a_compiled_cut_that_writes_into_its_input_is_autograd(no_export):
+    """A cut module that writes into its input (``h.mul_(2)``) and draws dropout, under ``compile=``:
+    its forward and its rebuild both compiled, so the rebuild draws the forward's mask; the gradients
+    are autograd's (float64) over two steps."""
+
+    class Writes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.drop = nn.Linear(8, 8), nn.Dropout(0.3)
+
+        def forward(self, h):
+            h.mul_(2)
+            return self.drop(torch.tanh(self.lin(h)))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Writes(), nn.Linear(8, 4)).double().train()
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    for step in range(2):
+        torch.manual_seed(step)
+        got = ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, split_at=["1"], compile=True)
+        model.zero_grad()
+        torch.manual_seed(step)
+        F.mse_loss(model(x), y).backward()
+        assert max((got[n] - p.grad).abs().max().item() for n, p in model.named_parameters()) < 1e-12
