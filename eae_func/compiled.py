@@ -41,6 +41,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.func import functional_call, vjp
 
+from . import compat
 from .cache import kept
 from .capture import CapturedStage
 from .chain import module_lock
@@ -245,10 +246,4 @@ def _lock(stage: Any) -> Any:
 def _eager_random() -> Any:
     """Random ops as eager ATen ops inside the compiled graphs (the same draws as without compile=),
     and room for one graph per kind of stage (the two functions are shared by every stage)."""
-    import torch._dynamo.config as dynamo_config
-    import torch._inductor.config as inductor_config
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(inductor_config.patch(fallback_random=True))
-    stack.enter_context(dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT))
-    return stack
+    return compat.eager_random_compile(RECOMPILE_LIMIT)

@@ -43,11 +43,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.autograd.function import BackwardCFunction
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    _get_current_dispatch_mode,
-    _len_torch_dispatch_stack,  # pyright: ignore[reportPrivateImportUsage]
-)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import compat
 
 R = TypeVar("R")
 aten = torch.ops.aten
@@ -178,18 +176,18 @@ class Rebuild(TorchDispatchMode):
 
     def run(self, f: Callable, *args: Any, **kwargs: Any) -> Any:
         """``f(*args, **kwargs)`` with its saves counted and, from save ``push``, under this mode."""
-        if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # pyright: ignore[reportAttributeAccessIssue]
+        if not compat.saved_hooks_enabled():
             self.missed = "saved-tensor hooks are disabled"
             return f(*args, **kwargs)
         with torch.autograd.graph.saved_tensors_hooks(self.pack, unpack):
-            self.hooks, self.modes = hooks_on_top(), _len_torch_dispatch_stack()
+            self.hooks, self.modes = hooks_on_top(), compat.dispatch_modes_on()
             if self.kind is None or self.kind.push == 0:
                 self.push()
             try:
                 out = f(*args, **kwargs)
             finally:
                 if self.pushed:
-                    if _get_current_dispatch_mode() is not self:
+                    if compat.innermost_dispatch_mode() is not self:
                         raise RuntimeError("early_stop: the stage's forward left a dispatch mode of its own on")
                     self.__exit__(None, None, None)
         returns = tuple(self.number(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
@@ -208,7 +206,7 @@ class Rebuild(TorchDispatchMode):
         self.count += 1
         if self.kind is not None:
             if self.count == self.kind.push and not self.pushed:
-                if _len_torch_dispatch_stack() == self.modes:
+                if compat.dispatch_modes_on() == self.modes:
                     self.push()
                 else:  # pushed now, it would be popped by the model's own mode
                     self.miss("runs under a dispatch mode of the model's own")
@@ -316,8 +314,7 @@ class Rebuild(TorchDispatchMode):
 def hooks_on_top() -> tuple:
     """The ids of the saved-tensor hooks on top (ids, not the hooks: a mode holding its own bound
     ``pack`` would be a reference cycle, its tail's outputs kept until a collection)."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)  # pyright: ignore[reportAttributeAccessIssue]
-    return tuple(map(id, top or ()))
+    return tuple(map(id, compat.saved_hooks_on_top()))
 
 
 def layout(t: torch.Tensor) -> tuple:

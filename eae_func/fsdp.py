@@ -35,6 +35,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from . import boundary as B
+from . import compat
 from .vjp import connected
 
 __all__ = []
@@ -67,7 +68,7 @@ def lazy_init(model: nn.Module) -> None:
     """FSDP's lazy initialisation from ``model`` as its root, as the root's first forward does, so
     that calling its FSDP submodules one by one finds them initialised (not each its own root)."""
     if isinstance(model, FSDPModule):
-        model._get_fsdp_state()._lazy_init()  # what fully_shard's root pre-forward runs first
+        compat.fsdp_lazy_init(model)  # what fully_shard's root pre-forward runs first
 
 
 def holds_shards(model: nn.Module) -> bool:
@@ -250,7 +251,7 @@ _SYNCED: contextvars.ContextVar[Mapping] = contextvars.ContextVar("eae_func_fsdp
 
 
 def _groups(module: nn.Module) -> list:
-    return module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+    return compat.fsdp_param_groups(module)
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ import numpy as np
 import optree
 import torch
 
+from . import compat
 from .chain import Chain, Stage
 from .tree import NAMESPACE
 
@@ -94,7 +95,7 @@ def check_probed(chain: Chain, i: int, out: Any, h: Any) -> None:
 
 def wrapped(t: torch.Tensor) -> bool:
     """Whether ``t`` is a torch.func transform's tensor (jvp, vjp, vmap), not plain data."""
-    return torch._C._functorch.is_functorch_wrapped_tensor(t)  # pyright: ignore[reportAttributeAccessIssue] (not in torch's stubs)
+    return compat.functorch_wrapped(t)
 
 
 def query(fn: Callable, args: Any, repeats: int, piece: Any) -> Any:

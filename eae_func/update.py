@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from . import compat
 from .boundary import is_differentiable
 from .chain import check_same_tensor, through_hooks
 from .ties import InFold
@@ -330,9 +331,8 @@ def step_with(optimizer: torch.optim.Optimizer, targets: list, grads: list) -> N
     are left as they are), without its step hooks: they run once per sweep, at its plain ``step()``."""
     for p, g in zip(targets, grads):
         p.grad = g.to(p.dtype)
-    step = type(optimizer).step
     try:
-        getattr(step, "__wrapped__", step)(optimizer)
+        compat.unhooked_step(optimizer)
     finally:
         for p in targets:
             p.grad = None

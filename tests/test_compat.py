@@ -22,3 +22,72 @@ def test_pull_back_unchecked_is_torch_autograd_grad(rows, cols, seed):
     got = compat.pull_back_unchecked([get_gradient_edge(o) for o in outs], cots, [w, x, unused])
     assert got[2] is None and want[2] is None
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_the_saved_tensor_hook_and_dispatch_mode_internals():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def pack(t):
+        return t
+
+    assert compat.saved_hooks_enabled()
+    before = compat.saved_hooks_on_top()
+    with torch.autograd.graph.saved_tensors_hooks(pack, pack):
+        assert compat.saved_hooks_on_top()[0] is pack
+    with torch.autograd.graph.disable_saved_tensors_hooks("off"):
+        assert not compat.saved_hooks_enabled()
+    assert compat.saved_hooks_on_top() == before
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    n = compat.dispatch_modes_on()
+    with Mode() as mode:
+        assert compat.dispatch_modes_on() == n + 1 and compat.innermost_dispatch_mode() is mode
+    assert compat.dispatch_modes_on() == n
+
+
+def test_functorch_wrapped_tells_a_transform_tensor_from_data():
+    seen = []
+    torch.func.vmap(lambda t: seen.append(compat.functorch_wrapped(t)) or t)(torch.ones(2, 3))
+    assert seen == [True] and not compat.functorch_wrapped(torch.ones(2))
+
+
+def test_unhooked_step_steps_without_the_step_hooks():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.5)
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+    opt.register_step_post_hook(lambda *a: calls.append("post"))
+    p.grad = torch.ones(2)
+    compat.unhooked_step(opt)
+    assert torch.equal(p.detach(), torch.full((2,), 0.5)) and calls == []
+    opt.step()
+    assert calls == ["pre", "post"]
+
+
+def test_eager_random_compile_patches_torch_compile_config():
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    with compat.eager_random_compile(7):
+        assert inductor_config.fallback_random is True and dynamo_config.recompile_limit == 7
+    assert dynamo_config.recompile_limit != 7 or inductor_config.fallback_random is not True
+
+
+def test_the_fsdp_state_internals(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if dist.is_initialized():  # pragma: no cover - a process group from elsewhere
+        return
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model = fully_shard(torch.nn.Sequential(torch.nn.Linear(2, 2)), mesh=init_device_mesh("cpu", (1,)))
+        compat.fsdp_lazy_init(model)
+        groups = compat.fsdp_param_groups(model)
+        assert isinstance(groups, list) and len(groups) == 1
+    finally:
+        dist.destroy_process_group()
