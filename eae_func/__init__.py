@@ -9,6 +9,7 @@ out = ef.apply(chain, params, x)  # the chain's output, its stages run forward
 
 from . import estimators, passes, remat
 from .adjoint import AdjointState, fold_in
+from .cache import clear_caches
 from .chain import Chain, Stage, apply, from_module, stage, write_back, write_buffers, write_grads
 from .chunked import chunked_loss
 from .estimators.base import Estimator, Problem
@@ -35,6 +36,7 @@ __all__ = [
     "SweepResult",
     "apply",
     "chunked_loss",
+    "clear_caches",
     "black_box",
     "compose",
     "cut",

@@ -24,6 +24,7 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
+from .cache import register
 from .tree import NAMESPACE
 
 
@@ -175,3 +176,6 @@ def fold_in(key: int, data: int) -> int:
     cached, since a sweep derives the same boundary keys every step."""
     digest = hashlib.blake2b(f"{int(key)}:{int(data)}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+register("boundary keys", "fold_in(key, index), the 65,536 used last", fold_in.cache_clear)

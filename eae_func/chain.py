@@ -23,6 +23,7 @@ from torch import nn
 from torch.func import functional_call
 
 from . import capture, fsdp
+from .cache import register
 from .tree import NAMESPACE
 
 
@@ -232,6 +233,10 @@ class Slots:
     def put_back(self, own: list) -> None:
         for (store, key, _), tensor in zip(self.places, own):
             store[key] = tensor
+
+
+register("module slots", "where a module keeps the tensors of each set of dotted names (weakly, per module)",
+         lambda: Slots._cache.clear())  # fmt: skip
 
 
 def stage(fn: Callable, name: str | None = None, physical: bool = False, differentiable: bool = True) -> Stage:

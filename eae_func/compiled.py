@@ -42,7 +42,7 @@ import torch.utils._pytree as pytree
 from torch.func import functional_call, vjp
 
 from . import compat
-from .cache import kept
+from .cache import kept, register
 from .capture import CapturedStage
 from .chain import module_lock
 
@@ -123,6 +123,10 @@ def _reverse_graph(graph: Any, args: list, where: tuple, outputs_at: tuple, cota
 
 _COMPILED: dict[str, tuple] = {}
 RECOMPILE_LIMIT = 64  # graphs per compiled function: kinds of stage x shapes
+register(
+    "compiled", "compile=: the compiled functions per torch.compile options (8 sets), and the pytree orders of "
+    "boundary layouts (256)", lambda: (_COMPILED.clear(), _order.cache_clear()),
+)  # fmt: skip
 
 
 def _compiled(opts: Any) -> tuple:

@@ -43,6 +43,7 @@ from . import remat as R
 from . import tree as T
 from . import vjp as V
 from .adjoint import AdjointState, fold_in
+from .cache import register
 from .capture import matches
 from .chain import Slots, module_lock
 from .options import Options
@@ -691,6 +692,8 @@ class InputWrites:
 
 
 WRITES = InputWrites()
+register("input writes", "run-time cuts: which inputs each cut module writes into, per training flag (weakly, "
+         "per module); learned again with copies of every input", lambda: WRITES.seen.clear())  # fmt: skip
 
 
 def param_name(call: Call, p: torch.Tensor) -> str:

@@ -46,6 +46,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import compat
+from .cache import register
 
 R = TypeVar("R")
 aten = torch.ops.aten
@@ -59,6 +60,8 @@ REDUCES = {aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 1, aten.
 # argument's last dimension a matrix product sums over: its multiply-adds are numel(out) times that
 LEARN = object()  # a kind not seen yet
 _KINDS: dict[Hashable, Kind | None] = {}  # what each kind of rebuild learned (None: never stopped)
+register("early_stop", "early_stop=: what each kind of rebuild learned of its tail, by module, call structure "
+         "and modes (the 256 used last)", lambda: _KINDS.clear())  # fmt: skip
 _LOCK = threading.Lock()
 
 

@@ -33,6 +33,7 @@ from . import capture, compiled, fsdp, remat
 from . import early_stop as ES
 from . import vjp as V
 from .adjoint import AdjointState, fold_in
+from .cache import register
 from .chain import Chain
 from .lazy import event_seconds
 from .microbatch import add
@@ -246,6 +247,8 @@ class HostRandom:
 
 
 HOST = HostRandom()
+register("host random", "which kinds of stage draw from Python's or numpy's generator (by module classes and "
+         "training flag); watched again", lambda: (HOST.watched.clear(), HOST.drawing.clear()))  # fmt: skip
 
 
 def host_kind(s: Any, modes: tuple) -> Hashable:

@@ -46,7 +46,7 @@ from torch import nn
 from torch.export.graph_signature import InputKind
 
 from . import capture
-from .cache import kept
+from .cache import kept, register
 from .chain import Stage
 from .tree import NAMESPACE
 
@@ -131,6 +131,8 @@ class Captured:
 
 
 _CAPTURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+register("captured functions", "ef.cut: the graphs captured from a function (weakly), per input layout (the 8 "
+         "used last per function)", lambda: _CAPTURED.clear())  # fmt: skip
 
 
 def captured(fn: Callable, params: Any, inputs: tuple) -> Captured:

@@ -27,6 +27,8 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from .cache import register
+
 __all__ = ["MATMULS", "Remat", "always", "budget", "never", "save", "where"]
 
 aten = torch.ops.aten
@@ -281,6 +283,8 @@ class SavedBytes:
 
 
 _SIZES: dict[int, dict] = {}  # id(chain) -> {what a forward ran on: {stage: graph bytes}}, while the chain lives
+register("remat", "recompute= budgets: the graph bytes forwards of a chain or model measured, per stage range and "
+         "input layout, dropped with the chain or model", lambda: _SIZES.clear())  # fmt: skip
 
 
 def sizes(chain: Any, key: Any) -> dict:

@@ -25,7 +25,7 @@ from . import capture, fsdp, function, model_sweep
 from . import fold as F
 from . import microbatch as M
 from .adjoint import Measurements
-from .cache import kept
+from .cache import kept, register
 from .capture import canonical_names
 from .capture import layout as capture_layout
 from .chain import Chain, from_module, hooked_grads, ordered_children, trainable_names
@@ -230,6 +230,8 @@ def metered(stats: dict, chain: Chain, meter: Meter) -> dict:
 
 
 _CAPTURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+register("captured models", "capture='graph': the chains captured from a model (weakly), per cuts, options and "
+         "input layout (the 8 used last per model)", lambda: _CAPTURED.clear())  # fmt: skip
 
 
 def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Sequence[str] | None, x: Any) -> tuple:

@@ -8,6 +8,8 @@ import optree
 import torch
 import torch.utils._pytree as pytree
 
+from .cache import register
+
 __all__ = ["flatten_call", "flatten_output", "tree_leaves", "tree_map", "tree_structure", "unflatten"]
 
 NAMESPACE = "eae_func"
@@ -22,6 +24,7 @@ tree_structure = functools.partial(optree.tree_structure, namespace=NAMESPACE)
 
 _TENSOR = pytree.tree_structure(torch.empty(0))
 _CALLS: dict[int, Any] = {}  # n -> the spec of a call on n tensors, no keywords
+register("call specs", "run-time cuts: the pytree spec of a call on n tensors, per n", lambda: _CALLS.clear())
 
 
 def flatten_call(args: tuple, kwargs: dict) -> tuple[list, Any]:

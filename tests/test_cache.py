@@ -192,3 +192,40 @@ def test_a_sequential_chain_is_built_once_and_again_after_any_change(steps):
                 torch.testing.assert_close(grads[n], p.grad, rtol=1e-12, atol=1e-12)
             else:
                 assert grads[n] is None
+
+
+def test_clear_caches_empties_every_cache_and_changes_no_result():
+    """``ef.clear_caches()`` empties each registered cache (a captured model, learned early stops and
+    input writes, boundary keys), and the sweeps after it give the same gradients, bit for bit."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    import eae_func as ef
+    from eae_func import adjoint, cuts, early_stop
+    from eae_func.cache import caches
+
+    sweep = importlib.import_module("eae_func.sweep")  # the module, not ef.sweep
+
+    class Doubles(nn.Module):  # writes into its input: learned by run-time cuts
+        def forward(self, h):
+            return torch.tanh(h.mul_(2))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Sequential(nn.Linear(64, 64), Doubles()), nn.Linear(64, 4))
+    x, y = torch.randn(8, 64), torch.randn(8, 4)
+    params = dict(model.named_parameters())
+
+    def both():
+        run = ef.grad(model, params, x, y, loss=F.mse_loss, split_at=["1"])
+        graph = ef.grad(model, params, x, y, loss=F.mse_loss, split_at=["1"], capture="graph")
+        return run, graph
+
+    before = both()
+    assert len(sweep._CAPTURED) and len(cuts.WRITES.seen) and adjoint.fold_in.cache_info().currsize
+    assert {"captured models", "compiled", "early_stop", "input writes", "boundary keys"} <= set(caches())
+    ef.clear_caches()
+    assert not len(sweep._CAPTURED) and not len(cuts.WRITES.seen) and not early_stop._KINDS
+    assert adjoint.fold_in.cache_info().currsize == 0
+    after = both()
+    for got, want in zip(after, before):
+        assert all(torch.equal(got[n], want[n]) for n in want)
