@@ -247,6 +247,8 @@ def disagreeing_later(option):
     theirs = {
         "key": {"key": 1 + dist.get_rank()},
         "passes": {"key": 1, "passes": P.scale(2.0) if dist.get_rank() else None},
+        # one name, "scale(1)", two values: ranks agree on passes by value, not by name
+        "pass value": {"key": 1, "passes": P.scale(1.0 + 1e-9 * dist.get_rank())},
     }
     try:
         pipe.sweep(params, x, y, microbatches=2, **theirs[option])
@@ -288,7 +290,7 @@ def costate_stops_crossing():
 def pipeline_checks():
     """Each rank's results of the checks above, in one process group."""
     out: dict = {case: pipeline_steps(case) for case in ("every pass", "frozen")}
-    out |= {option: disagreeing_later(option) for option in ("key", "passes")}
+    out |= {option: disagreeing_later(option) for option in ("key", "passes", "pass value")}
     out["freezing"] = freezing_a_tied_weight()
     return out | {"stops": costate_stops_crossing()}  # last: rank 0 waits out the timeout
 
@@ -311,11 +313,12 @@ def test_a_tied_weight_frozen_after_the_first_step_is_summed_as_in_one_process(t
         assert checks["freezing"] == [True] * 3, (rank, checks["freezing"])
 
 
-@pytest.mark.parametrize("option", ["key", "passes"])
+@pytest.mark.parametrize("option", ["key", "passes", "pass value"])
 def test_pipeline_ranks_given_different_options_after_agreeing_both_refuse_the_step(two_ranks, option):
     for rank, checks in enumerate(two_ranks):
         message = checks[option]
-        assert "were given different options for this step" in message and f"{option}: " in message, (rank, message)
+        named = {"pass value": "passes"}.get(option, option)
+        assert "were given different options for this step" in message and f"{named}: " in message, (rank, message)
 
 
 def test_a_costate_that_stops_crossing_after_the_first_step_is_refused_by_its_sender(two_ranks):

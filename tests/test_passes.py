@@ -824,3 +824,92 @@ def test_no_host_sync_inside_the_sweep_meta_is_read_when_used(passes):
             m = meta[adj.index]
             assert m["clipped"] == (m["clip_norm"] > 1e-3) and 0 < m["clip_scale"] <= 1
             assert f"{m['norm']:.3e}" == f"{torch.linalg.vector_norm(adj.value.float()).item():.3e}"
+
+
+# ----------------------------------------------------------------------------- passes as values
+
+positive = st.floats(1e-3, 1e3)
+ratio = st.floats(1e-3, 1.0)
+VALUED = {  # each built-in factory, the strategy of its positional arguments
+    "scale": (P.scale, st.tuples(st.floats(-10, 10))),
+    "clip_by_global_norm": (P.clip_by_global_norm, st.tuples(positive)),
+    "clip_by_value": (P.clip_by_value, st.tuples(positive)),
+    "gaussian_noise": (P.gaussian_noise, st.tuples(st.floats(0, 1))),
+    "topk": (P.topk, st.tuples(ratio)),
+    "randk": (P.randk, st.tuples(ratio)),
+    "int8": (P.int8, st.tuples(st.sampled_from(["tensor", "channel"]), st.booleans())),
+    "cast": (P.cast, st.tuples(st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))),
+    "fp8": (P.fp8, st.tuples(st.sampled_from(FP8))),
+    "check_finite": (P.check_finite, st.tuples(st.sampled_from(["raise", "zero", "skip"]))),
+    "synthetic": (
+        P.synthetic,
+        st.tuples(st.floats(1e-3, 1), st.floats(0, 0.99), st.integers(0, 3), st.booleans()),
+    ),
+    "log": (P.log, st.tuples(st.sampled_from(["a", "b"]), st.sampled_from([logging.INFO, logging.DEBUG]))),
+}
+
+
+@st.composite
+def recipes(draw, depth=2):
+    """How to build a built-in pass: ``(kind, arguments)``, combinators nested up to ``depth``."""
+    kind = draw(st.sampled_from(list(VALUED) + (["compose", "only", "error_feedback"] if depth else [])))
+    if kind == "compose":
+        return kind, tuple(draw(st.lists(recipes(depth - 1), max_size=3)))
+    if kind == "error_feedback":
+        return kind, draw(recipes(depth - 1))
+    if kind == "only":
+        return kind, draw(recipes(depth - 1)), tuple(draw(st.lists(st.integers(0, 3), min_size=1, max_size=2)))
+    return kind, draw(VALUED[kind][1])
+
+
+def built(recipe) -> P.Pass:
+    """A fresh pass from its recipe (new closures every time)."""
+    kind = recipe[0]
+    if kind == "compose":
+        return ef.compose(*map(built, recipe[1]))
+    if kind == "error_feedback":
+        return P.error_feedback(built(recipe[1]))
+    if kind == "only":
+        return P.only(built(recipe[1]), indices=recipe[2])
+    return VALUED[kind][0](*recipe[1])
+
+
+def _flat(recipe):
+    """A compose recipe as its flattened members (what ``compose`` keeps), ``identity()`` dropped."""
+    if recipe[0] != "compose":
+        return (recipe,)
+    return tuple(m for part in recipe[1] for m in _flat(part))
+
+
+@given(a=recipes(), b=recipes())
+def test_a_built_in_pass_equals_one_built_alike_and_hashes_alike(a, b):
+    """As a frozen dataclass of its arguments: a pass built twice from one recipe is equal to itself
+    with one hash and one description; passes of other recipes (a compose's flattened members, in
+    order) are other passes."""
+    p, again, q = built(a), built(a), built(b)
+    assert p == again and hash(p) == hash(again) and p.describe() == again.describe()
+    same = _flat(a) == _flat(b)
+    assert (p == q) is same
+    if not same:  # what ranks compare: another value is another text
+        assert p.describe() != q.describe()
+
+
+@given(parts=st.lists(recipes(depth=1), min_size=3, max_size=3))
+def test_compose_is_associative_with_identity_as_its_neutral_element_as_values(parts):
+    a, b, c = map(built, parts)
+    assert ef.compose(a, ef.compose(b, c)) == ef.compose(ef.compose(a, b), c) == ef.compose(a, b, c)
+    assert ef.compose(P.identity(), a) == a == ef.compose(a, P.identity())
+    assert len({ef.compose(a, b), ef.compose(a, b)}) == 1
+
+
+def test_a_pass_of_the_callers_own_functions_is_equal_only_to_itself_and_said_by_qualified_name():
+    def double(adj):
+        return adj.replace(value=2 * adj.value)
+
+    assert P.stateless(double) == P.stateless(double) and P.stateless(double) != P.stateless(lambda adj: adj)
+    assert P.tap(print) == P.tap(print) and P.when(bool, P.scale(2.0)) == P.when(bool, P.scale(2.0))
+    own = P.Pass(lambda: None, lambda adj, s, ctx: (adj, s), "own")
+    assert own == own and own != P.Pass(lambda: None, own.update, "own") and own.describe() == "own"
+    assert P.stateless(double).describe() == f"stateless(<{__name__}.{double.__qualname__}>, 'double')"
+    assert P.scale(1.0 + 1e-9).name == P.scale(1.0).name and P.scale(1.0 + 1e-9) != P.scale(1.0)
+    assert P.scale(1.0 + 1e-9).describe() == "scale(1.000000001)"

@@ -81,8 +81,10 @@ class Codec:
     def as_pass(self) -> Pass:
         """The encode -> decode round trip as a pass, as in a pipeline boundary: appends
         ``"wire:<name>"`` to ``adj.history`` and records ``wire_bytes`` (payload bytes)
-        and ``wire_ratio`` (payload bytes / the costate's own bytes)."""
-        return stateless(lambda adj: round_trip(self, adj)[0], f"wire({self.name})")
+        and ``wire_ratio`` (payload bytes / the costate's own bytes). Two codecs of one kind and
+        settings give equal passes."""
+        wire = stateless(lambda adj: round_trip(self, adj)[0], f"wire({self.name})")
+        return dataclasses.replace(wire, value=("wire", type(self).__name__, *sorted(vars(self).items())))
 
     def __repr__(self) -> str:
         return self.name

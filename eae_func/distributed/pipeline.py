@@ -306,7 +306,7 @@ class Pipeline:
             "key": opts.key,
             "microbatches": opts.microbatches,
             "reduction": opts.reduction,
-            "passes": opts.passes.name,
+            "passes": opts.passes.describe(),
             "boundary_dtype": str(opts.boundary_dtype),
             "autocast": str(opts.autocast),
             "keep_costates": opts.keep_costates,

@@ -9,13 +9,20 @@ A pass is a ``Pass(init, update)`` record, as an optax ``GradientTransformation`
 pass may read besides the costate: the boundary state x_l, the stage whose output
 it is, and the sweep's key. The state is any pytree, threaded by the caller.
 ``stateless(fn)`` lifts a plain ``adj -> adj`` function (its state is ``None``).
+
+A built-in pass is a value, as a frozen dataclass of its arguments is: ``scale(2.0) == scale(2.0)``,
+both hash alike, and a ``compose`` equals another whose members are equal. ``Pass.value`` is that
+value (the factory's name and its arguments, ``valued``); a pass built from ``Pass(init, update)``
+has none and equals only a pass of the same functions.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
-from typing import Any
+import functools
+import inspect
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any, ParamSpec
 
 import optree
 import torch
@@ -38,13 +45,15 @@ class Context:
     key: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Pass:
     """``init() -> state``; ``update(adj, state, ctx) -> (adj, state)``; pure functions.
 
     ``name`` is what ``repr`` shows; ``members`` lists the passes of a ``compose``
     (``()`` for ``identity()``, the empty composition; ``None`` for any other pass); ``stages``:
-    the stage names the pass applies at (``only``'s), which a sweep checks against its own.
+    the stage names the pass applies at (``only``'s), which a sweep checks against its own;
+    ``value``: what the pass is, ``(factory name, arguments...)`` (``valued``), by which it
+    compares and hashes (``None``: by its functions, name, members and stages).
     """
 
     init: Callable[[], Any]
@@ -52,6 +61,30 @@ class Pass:
     name: str = "pass"
     members: tuple | None = None
     stages: frozenset[str] = frozenset()
+    value: tuple | None = None
+
+    def _identity(self) -> Hashable:
+        if self.value is not None:
+            return self.value
+        return (self.init, self.update, self.name, self.members, self.stages)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Pass):
+            return NotImplemented
+        return self is other or self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+    def describe(self) -> str:
+        """The pass as text two processes agree on when they built equal passes: its value with
+        every number in full (``scale(1 + 1e-9)`` is not ``scale(1)``, as its name shows it) and a
+        function by its qualified name (what a process can tell of another's); its name where it
+        has no value."""
+        if self.value is None:
+            return self.name
+        factory, *args = self.value
+        return f"{factory}({', '.join(map(_described, args))})"
 
     def check_stages(self, names: Iterable[str]) -> None:
         """Refuse stage names of ``stages`` that are not among ``names`` (a sweep's boundary records'
@@ -72,6 +105,71 @@ class Pass:
         return self.name
 
 
+P = ParamSpec("P")
+
+
+def valued(factory: Callable[P, Pass]) -> Callable[P, Pass]:
+    """``factory`` whose passes are values: ``(factory name, its arguments, defaults filled in)``,
+    so two passes built from equal arguments are equal and hash alike (``Pass.value``)."""
+    signature = inspect.signature(factory)
+
+    @functools.wraps(factory)
+    def build(*args: P.args, **kwargs: P.kwargs) -> Pass:
+        built = factory(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        value = (factory.__name__, *(_hashable(v) for v in bound.arguments.values()))
+        return dataclasses.replace(built, value=value)
+
+    return build
+
+
+class _Same:
+    """An argument compared by identity (a tensor, or anything that does not hash): what a frozen
+    dataclass holding it would do where ``==`` has no single truth value."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def _hashable(x: Any) -> Hashable:
+    if isinstance(x, (list, tuple)):
+        return tuple(_hashable(v) for v in x)
+    if isinstance(x, (set, frozenset)):
+        return frozenset(_hashable(v) for v in x)
+    if isinstance(x, dict):
+        return frozenset((k, _hashable(v)) for k, v in x.items())
+    if isinstance(x, torch.Tensor):
+        return _Same(x)
+    try:
+        hash(x)
+    except TypeError:
+        return _Same(x)
+    return x
+
+
+def _described(x: Any) -> str:
+    if isinstance(x, Pass):
+        return x.describe()
+    if isinstance(x, tuple):
+        return "(" + ", ".join(map(_described, x)) + ")"
+    if isinstance(x, frozenset):
+        return "{" + ", ".join(sorted(map(_described, x))) + "}"
+    if isinstance(x, _Same):
+        return f"<{type(x.obj).__name__}>"
+    if callable(x) and not isinstance(x, type):
+        return f"<{getattr(x, '__module__', '?')}.{getattr(x, '__qualname__', type(x).__name__)}>"
+    return repr(x)
+
+
 def _no_state() -> None:
     return None
 
@@ -82,7 +180,7 @@ def _unchanged(adj: AdjointState, state: Any, ctx: Context) -> tuple:
 
 def identity() -> Pass:
     """The pass that changes nothing: the empty ``compose()``, its neutral element."""
-    return Pass(_no_state, _unchanged, "identity", members=())
+    return Pass(_no_state, _unchanged, "identity", members=(), value=("identity",))
 
 
 def stateless(fn: Callable[[AdjointState], Any], name: str | None = None) -> Pass:
@@ -104,7 +202,7 @@ def stateless(fn: Callable[[AdjointState], Any], name: str | None = None) -> Pas
             )
         return out, state
 
-    return Pass(_no_state, update, label)
+    return Pass(_no_state, update, label, value=("stateless", _hashable(fn), label))
 
 
 def map_costate(fn: Callable[[torch.Tensor], torch.Tensor], adj: AdjointState) -> Any:

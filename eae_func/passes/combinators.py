@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..adjoint import AdjointState
-from .base import Context, Pass, identity, stateless
+from .base import Context, Pass, identity, stateless, valued
 
 
 def lift(p: Any, where: str = "compose") -> Pass:
@@ -23,7 +23,8 @@ def lift(p: Any, where: str = "compose") -> Pass:
 def compose(*passes: Any) -> Pass:
     """Apply ``passes`` left to right. Plain callables are lifted, nested composes flatten and
     ``identity()`` drops out, so ``compose`` is associative with ``identity()`` as its neutral
-    element. The state is a tuple with one entry per member (``None`` for a stateless one)."""
+    element. The state is a tuple with one entry per member (``None`` for a stateless one); two
+    composes are equal when their members are, in order."""
     members = tuple(m for p in passes for m in _members(lift(p)))
     if not members:
         return identity()
@@ -53,13 +54,15 @@ def compose(*passes: Any) -> Pass:
         return adj, tuple(new_state)
 
     name = f"compose({', '.join(m.name for m in members)})"
-    return Pass(init, update, name, members, frozenset().union(*(m.stages for m in members)))
+    stages = frozenset().union(*(m.stages for m in members))
+    return Pass(init, update, name, members, stages, value=("compose", *members))
 
 
 def _members(p: Pass) -> tuple:
     return (p,) if p.members is None else p.members
 
 
+@valued
 def when(predicate: Callable[[AdjointState], bool], p: Any) -> Pass:
     """``p`` where ``predicate(adj)`` is true, the record unchanged elsewhere (and ``p``'s state too)."""
     if not callable(predicate):
@@ -72,6 +75,7 @@ def when(predicate: Callable[[AdjointState], bool], p: Any) -> Pass:
     return Pass(p.init, update, f"when({p.name})", stages=p.stages)
 
 
+@valued
 def only(p: Any, stages: Any = None, indices: Any = None) -> Pass:
     """``p`` at the boundaries whose ``adj.stage`` is in ``stages`` or whose ``adj.index`` is in
     ``indices`` (a name / int or a collection of them), the record unchanged elsewhere. A stage name
@@ -100,6 +104,7 @@ def _as_set(arg: str, value: Any, kind: type) -> frozenset:
     return frozenset(items)
 
 
+@valued
 def tap(fn: Callable[[AdjointState], Any]) -> Pass:
     """The pass that calls ``fn(adj)`` (to observe: print, plot, collect) and returns ``adj`` unchanged."""
     if not callable(fn):

@@ -10,10 +10,11 @@ import torch
 from ..adjoint import AdjointState
 from ..lazy import Lazy
 from ..tree import NAMESPACE
-from .base import Context, Pass, global_norm
+from .base import Context, Pass, global_norm, valued
 from .combinators import lift
 
 
+@valued
 def error_feedback(compressor: Any) -> Pass:
     """Error feedback (EF-SGD) around a ``compressor`` pass, per boundary index l:
 

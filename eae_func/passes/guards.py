@@ -6,7 +6,7 @@ import torch
 
 from ..adjoint import AdjointState
 from ..lazy import Lazy
-from .base import Pass, map_costate, stateless
+from .base import Pass, map_costate, stateless, valued
 
 _POLICIES = ("raise", "zero", "skip")
 
@@ -17,6 +17,7 @@ def _where(adj: AdjointState) -> str:
     return f"boundary {adj.index} (output of stage {adj.stage!r})"
 
 
+@valued
 def check_finite(policy: str = "raise") -> Pass:
     """Check that every entry of the costate is finite. On a NaN or inf:
     policy="raise": ``FloatingPointError`` naming the boundary and stage (reading the count is

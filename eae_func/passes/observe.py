@@ -8,7 +8,7 @@ import torch
 
 from ..adjoint import AdjointState
 from ..lazy import Lazy
-from .base import Pass, stateless
+from .base import Pass, stateless, valued
 
 _FIELDS = ("mean", "std", "min", "max", "norm")
 
@@ -42,6 +42,7 @@ def costate_statistics(adj: AdjointState) -> dict:
     )
 
 
+@valued
 def stats() -> Pass:
     """Record ``costate_statistics`` in ``meta`` (so they reach ``res.stats["boundaries"][l]``)."""
 
@@ -51,6 +52,7 @@ def stats() -> Pass:
     return stateless(stats_pass, "stats()")
 
 
+@valued
 def log(logger: logging.Logger | str | None = None, level: int | str = logging.INFO) -> Pass:
     """Emit ``costate_statistics`` of every boundary through Python logging, one record per
     boundary, the fields in ``record.eae`` (``extra={"eae": {...}}``: index, stage, history and

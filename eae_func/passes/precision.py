@@ -8,7 +8,7 @@ import torch
 from .. import quantise as Q
 from ..adjoint import AdjointState
 from ..lazy import Lazy
-from .base import Pass, map_costate, map_costate_random, stateless
+from .base import Pass, map_costate, map_costate_random, stateless, valued
 
 _CASTS = (torch.float16, torch.bfloat16)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -21,6 +21,7 @@ def _max_of(values: list) -> Lazy | float:
     return Lazy.of(torch.stack([v.double() for v in values]).max())
 
 
+@valued
 def cast(dtype: torch.dtype) -> Pass:
     """``p <- dtype(p)`` cast back to p's dtype (float16 or bfloat16), as eae-runtime's ``FP16Pass``.
 
@@ -47,6 +48,7 @@ def cast(dtype: torch.dtype) -> Pass:
     return stateless(cast_pass, f"cast({dtype})")
 
 
+@valued
 def fp8(dtype: torch.dtype = torch.float8_e4m3fn) -> Pass:
     """Scaled float8 round trip, per tensor: ``s = max|p| / finfo(dtype).max``,
     ``p <- float(dtype(clamp(p / s))) * s``, through the real float8 dtype; zero tensors unchanged.
@@ -73,6 +75,7 @@ def fp8(dtype: torch.dtype = torch.float8_e4m3fn) -> Pass:
     return stateless(fp8_pass, f"fp8({dtype})")
 
 
+@valued
 def int8(per: str = "tensor", stochastic: bool = False) -> Pass:
     """Symmetric int8 fake quantisation: ``s = max|p| / 127``, ``q = clamp(round(p / s), -127, 127)``,
     ``p <- q * s``, computed in float32 (float64 for a float64 costate) and cast back

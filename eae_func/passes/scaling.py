@@ -7,9 +7,10 @@ import torch
 from ..adjoint import AdjointState
 from ..checks import check_real
 from ..lazy import Lazy
-from .base import Pass, global_norm, map_costate, map_costate_random, stateless
+from .base import Pass, global_norm, map_costate, map_costate_random, stateless, valued
 
 
+@valued
 def clip_by_global_norm(max_norm: float) -> Pass:
     """``p <- p * max_norm / (|p| + 1e-6)`` when ``|p| > max_norm``, else ``p``.
 
@@ -29,6 +30,7 @@ def clip_by_global_norm(max_norm: float) -> Pass:
     return stateless(clip_pass, f"clip_by_global_norm({max_norm:g})")
 
 
+@valued
 def clip_by_value(limit: float) -> Pass:
     """Element-wise ``p <- clamp(p, -limit, limit)``. Records ``clipped_fraction`` (entries changed)."""
     limit = check_real("clip_by_value", "limit", limit, low=0.0, low_open=True)
@@ -52,6 +54,7 @@ def clip_by_value(limit: float) -> Pass:
     return stateless(clip_value_pass, f"clip_by_value({limit:g})")
 
 
+@valued
 def scale(factor: float) -> Pass:
     """``p <- factor * p`` (eae-runtime's ``RegularizationPass(s)`` is ``scale(1 - s)``)."""
     factor = check_real("scale", "factor", factor)
@@ -62,6 +65,7 @@ def scale(factor: float) -> Pass:
     return stateless(scale_pass, f"scale({factor:g})")
 
 
+@valued
 def gaussian_noise(std: float) -> Pass:
     """``p <- p + std * z``, ``z ~ N(0, I)`` drawn from the boundary's key (same key, same noise)."""
     std = check_real("gaussian_noise", "std", std, low=0.0)

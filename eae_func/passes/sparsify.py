@@ -8,9 +8,10 @@ from .. import quantise as Q
 from ..adjoint import AdjointState
 from ..checks import check_ratio
 from ..lazy import Lazy
-from .base import Pass, map_costate, map_costate_random, stateless
+from .base import Pass, map_costate, map_costate_random, stateless, valued
 
 
+@valued
 def topk(ratio: float) -> Pass:
     """Top-k sparsification per tensor: keep the ``k = ceil(ratio * n)`` entries of largest ``|p|``,
     zero the rest (biased; pair it with ``error_feedback``). Records ``topk_kept`` (fraction of
@@ -41,6 +42,7 @@ def topk(ratio: float) -> Pass:
     return stateless(topk_pass, f"topk({ratio:g})")
 
 
+@valued
 def randk(ratio: float) -> Pass:
     """Random-k sparsification per tensor: keep ``k = ceil(ratio * n)`` entries chosen uniformly
     without replacement (from the boundary's key), scaled by ``n / k`` (``~ 1 / ratio``), so

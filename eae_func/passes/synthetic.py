@@ -11,7 +11,7 @@ from ..adjoint import AdjointState
 from ..checks import check_real
 from ..lazy import Lazy
 from ..tree import NAMESPACE
-from .base import Context, Pass
+from .base import Context, Pass, valued
 
 
 def _features(x: torch.Tensor) -> torch.Tensor:
@@ -21,6 +21,7 @@ def _features(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows / rms, rows.new_ones(rows.shape[0], 1)], dim=-1)
 
 
+@valued
 def synthetic(lr: float = 0.5, momentum: float = 0.9, warmup: int = 100, replace: bool = False) -> Pass:
     """A linear synthetic-gradient model per boundary and per costate leaf, trained inside the pass.
 
