@@ -27,6 +27,8 @@ import torch.utils._pytree as torch_pytree
 from .cache import register
 from .tree import NAMESPACE
 
+__all__ = ["AdjointState", "Measurements", "fold_in"]
+
 
 class Measurements(Mapping):
     """An immutable (and picklable) mapping of what passes measured at a boundary."""

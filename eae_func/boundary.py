@@ -13,6 +13,8 @@ import torch
 
 from .tree import NAMESPACE
 
+__all__ = ["Layout", "Policy", "Prefetcher", "flat", "is_differentiable", "leaves", "nbytes", "split", "split_as"]
+
 
 def is_differentiable(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()

@@ -26,6 +26,24 @@ from . import capture, fsdp
 from .cache import register
 from .tree import NAMESPACE
 
+__all__ = [
+    "Chain",
+    "Slots",
+    "Stage",
+    "apply",
+    "check_same_tensor",
+    "from_module",
+    "hooked_grads",
+    "module_lock",
+    "ordered_children",
+    "stage",
+    "through_hooks",
+    "trainable_names",
+    "write_back",
+    "write_buffers",
+    "write_grads",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Stage:

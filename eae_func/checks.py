@@ -7,6 +7,8 @@ import math
 import numbers
 from typing import Any
 
+__all__ = ["check_ratio", "check_real"]
+
 
 def check_real(
     pass_name: str, arg: str, value: Any, *, low: float | None = None, low_open: bool = False, high: float | None = None

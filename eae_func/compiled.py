@@ -46,6 +46,8 @@ from .cache import kept, register
 from .capture import CapturedStage
 from .chain import module_lock
 
+__all__ = ["call", "eligible", "forward", "reverse"]
+
 
 def eligible(stage: Any, i: int, opts: Any, layout: Any) -> bool:
     """Whether stage i runs compiled: ``compile=`` given, a digital module or function stage, on a

@@ -50,6 +50,9 @@ from .options import Options
 from .passes import Context
 from .physical import Meter
 
+__all__ = ["Sweep", "WRITES", "cut_modules", "cutting", "holding"]
+
+
 _ACTIVE = threading.local()  # .depth: > 0 while a cut module runs (its forward or its rebuild) on this thread
 
 

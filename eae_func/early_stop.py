@@ -48,6 +48,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import compat
 from .cache import register
 
+__all__ = ["WORTH", "allocated", "described", "may_pay", "observed", "rebuilt", "whole"]
+
+
 R = TypeVar("R")
 aten = torch.ops.aten
 

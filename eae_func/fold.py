@@ -42,6 +42,33 @@ from .passes import Context
 from .physical import Meter, rows_of
 from .tree import NAMESPACE
 
+__all__ = [
+    "Carry",
+    "Deferred",
+    "HOST",
+    "NULL",
+    "Tape",
+    "autocast",
+    "boundary_condition",
+    "boundary_name",
+    "check_costate",
+    "check_modes",
+    "check_scalar",
+    "closed_over",
+    "device_of",
+    "drew",
+    "forward",
+    "in_modes",
+    "make_step",
+    "note",
+    "replay_rng",
+    "reverse",
+    "rng_state",
+    "timer",
+    "traced",
+]
+
+
 STAGE_COUNTERS = ("forward_s", "recompute_s", "vjp_s", "pass_s", "boundary_bytes")
 
 

@@ -50,6 +50,9 @@ from .cache import kept, register
 from .chain import Stage
 from .tree import NAMESPACE
 
+__all__ = ["capture_function", "captured", "cut"]
+
+
 _MARKS = threading.local()  # .cuts: the names of the cuts seen so far, while a capture runs on this thread
 
 

@@ -38,6 +38,8 @@ from torch import nn
 from .chain import check_same_tensor, through_hooks
 from .update import STEPPED, Fused, clipped, step_with
 
+__all__ = ["InBackward"]
+
 
 @dataclasses.dataclass
 class InBackward:

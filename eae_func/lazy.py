@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["Lazy", "Ratio", "event_seconds"]
+
 
 class Lazy:
     """A number ``read()`` returns, called at most once, when first needed."""

@@ -19,6 +19,8 @@ import torch
 from .adjoint import AdjointState, fold_in
 from .tree import NAMESPACE
 
+__all__ = ["Microbatch", "add", "join_adjoints", "merge_counters", "split", "sum_grads", "sum_stats"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Microbatch:

@@ -30,8 +30,10 @@ from .capture import as_call, canonical_names
 from .chain import module_lock, through_hooks, trainable_names
 from .cuts import Sweep, cut_modules, holding
 from .in_backward import InBackward
-from .options import Options
+from .options import Options, Request
 from .physical import Meter
+
+__all__ = ["multi_process", "needs_graph", "replicas_of", "sweep_model"]
 
 
 def needs_graph(opts: Options) -> list[str]:
@@ -76,18 +78,8 @@ class Swept:
     update_state: dict | None = None
 
 
-def sweep_model(
-    model: nn.Module,
-    params: Mapping[str, torch.Tensor],
-    x: Any,
-    loss_args: tuple,
-    loss: Callable,
-    split_at: Sequence[str],
-    pass_state: Any,
-    buffers: Mapping[str, torch.Tensor] | None,
-    opts: Options,
-) -> Swept:
-    """``model`` cut at run time at ``split_at``, at ``params``, a flat ``{qualified name: tensor}`` dict
+def sweep_model(model: nn.Module, req: Request) -> Swept:
+    """``model`` cut at run time at ``req.split_at``, at ``req.params``, a flat ``{qualified name: tensor}`` dict
     as ``dict(model.named_parameters())`` gives (a frozen parameter it lacks is used as the module holds
     it; a trainable one is differentiated whatever the given tensor's ``requires_grad``:
     ``chain.trainable_names``). ``grads`` has the names of ``params`` and ``buffers`` every buffer's,
@@ -96,6 +88,9 @@ def sweep_model(
     the last piece's backward steps each stage as its gradients are complete (``in_backward``). With
     ``data_parallel=`` the replicas agree on the model before its forward and ``grads`` are their
     average (``data_parallel.average_model_grads``)."""
+    params, x, loss_args, loss, split_at, opts = req.params, req.x, req.loss_args, req.loss, req.split_at, req.opts
+    assert loss is not None and split_at is not None  # sweep checked them
+    pass_state, buffers = req.pass_state, req.buffers
     every = list(model.named_modules(remove_duplicate=False))  # the one walk of the model a sweep makes
     own_params = [(f"{m}.{n}" if m else n, p) for m, mod in every for n, p in mod._parameters.items() if p is not None]
     own_buffers = [(f"{m}.{n}" if m else n, b) for m, mod in every for n, b in mod._buffers.items() if b is not None]

@@ -25,6 +25,9 @@ from .update import Fused, fused
 if TYPE_CHECKING:
     from .chain import Chain
 
+__all__ = ["NAMES", "Options", "Request", "SweepOptions", "make"]
+
+
 REDUCTIONS = ("mean", "sum")
 CAPTURES = ("run", "graph")
 
@@ -279,3 +282,21 @@ def make(where: str, options: Mapping[str, Any], **defaults: Any) -> Options:
             f"the options are {', '.join(NAMES)}"
         )
     return Options(**{**defaults, **options})
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One call of ``sweep``, as its front ends pass it on: what to differentiate (``model``: a
+    ``Chain``, an ``nn.Module``, a DDP model or a function), at ``params``, on ``x`` and
+    ``loss_args``, with ``loss`` and ``split_at`` (a model's), the passes' ``pass_state``,
+    ``buffers`` and the options made (``opts``); fields as ``sweep``'s arguments."""
+
+    model: Any
+    params: Any
+    x: Any
+    loss_args: tuple
+    loss: Callable | None
+    split_at: Sequence[str] | None
+    pass_state: Any
+    buffers: Any
+    opts: Options

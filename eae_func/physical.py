@@ -27,6 +27,8 @@ from . import compat
 from .chain import Chain, Stage
 from .tree import NAMESPACE
 
+__all__ = ["Meter", "black_box", "check_probed", "rows_of"]
+
 
 def rows_of(h: Any) -> int:
     """The rows (leading dim) of a boundary state: the batch a stage is run on."""

@@ -15,6 +15,9 @@ import math
 
 import torch
 
+__all__ = ["fp8_decode", "fp8_encode", "int8_decode", "int8_encode", "kept", "safe", "scatter", "topk_indices"]
+
+
 INT8_MAX = 127.0
 
 

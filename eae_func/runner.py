@@ -30,6 +30,8 @@ from .options import Options
 from .physical import Meter, check_probed
 from .update import Pending, Updater
 
+__all__ = ["Piece", "Range"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Piece:

@@ -29,7 +29,7 @@ from .cache import kept, register
 from .capture import canonical_names
 from .capture import layout as capture_layout
 from .chain import Chain, from_module, hooked_grads, ordered_children, trainable_names
-from .options import Options, make
+from .options import Options, Request, make
 from .passes import compose
 from .physical import Meter
 from .runner import Range
@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from .options import SweepOptions
+
+
+__all__ = ["SweepResult", "carries_state", "grad", "metered", "stateful", "sweep", "value_and_grad"]
 
 
 def _python(entry: Callable) -> Callable:
@@ -109,37 +112,30 @@ def sweep(
     options:        the fields of ``Options`` (``passes``, ``key``, ``recompute``, ``update``, ...),
                     each documented there.
     """
-    return run(chain, params, x, loss_args, loss, split_at, pass_state, buffers, make("sweep", options))
+    return run(Request(chain, params, x, loss_args, loss, split_at, pass_state, buffers, make("sweep", options)))
 
 
-def run(
-    chain: Chain | nn.Module,
-    params: Sequence | Mapping,
-    x: Any,
-    loss_args: tuple,
-    loss: Callable | None,
-    split_at: Sequence[str] | None,
-    pass_state: Any,
-    buffers: Sequence | None,
-    opts: Options,
-) -> SweepResult:
-    """``sweep`` with its options made."""
+def run(req: Request) -> SweepResult:
+    """``sweep`` with its options made: a DDP model, a function or a model passed on to its front end,
+    a chain swept."""
     if torch.is_inference_mode_enabled():
         raise RuntimeError(
             "sweep: called under torch.inference_mode(), which forbids the autograd graphs the reverse sweep "
             "builds stage by stage; call it outside inference_mode (the forward sweep itself runs without a graph)"
         )
+    chain = req.model
     if isinstance(chain, DistributedDataParallel):
-        return _on_ddp(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
+        return _on_ddp(chain, req)
     if isinstance(chain, types.FunctionType | functools.partial | types.MethodType):
-        return _on_function(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
+        return _on_function(chain, req)
     if not isinstance(chain, Chain):
-        return _on_model(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
-    if loss is not None or split_at is not None:
+        return _on_model(chain, req)
+    if req.loss is not None or req.split_at is not None:
         raise TypeError("sweep: loss= and split_at= go with a model (nn.Module); a Chain has its own loss and stages")
-    params = chain.check_params(params)
-    buffers = chain.check_buffers(buffers)
-    opts = opts.bind(chain)
+    x, loss_args, pass_state = req.x, req.loss_args, req.pass_state
+    params = chain.check_params(req.params)
+    buffers = chain.check_buffers(req.buffers)
+    opts = req.opts.bind(chain)
     sharded = any(s.sharded is not None for s in chain.stages)
     if sharded:
         fsdp.check(chain, params, buffers, opts)
@@ -291,26 +287,17 @@ def _names(model: nn.Module | Sequence, chain: Chain, prefixes: list) -> list[di
     return qualified
 
 
-def _on_model(
-    model: nn.Module | Sequence,
-    params: Sequence | Mapping,
-    x: Any,
-    loss_args: tuple,
-    loss: Callable | None,
-    split_at: Sequence[str] | None,
-    pass_state: Any,
-    buffers: Sequence | None,
-    opts: Options,
-) -> SweepResult:
+def _on_model(model: nn.Module | Sequence, req: Request) -> SweepResult:
     """``sweep`` of a model: cut at run time (``eae_func.model_sweep``), or its chain, params per stage from a
     flat dict, results back in its structure."""
+    params, loss, split_at, buffers, opts = req.params, req.loss, req.split_at, req.buffers, req.opts
     if split_at is not None and at_run_time(model, params, opts):
         assert isinstance(model, nn.Module) and isinstance(params, Mapping)  # at_run_time checked them
         if loss is None:
             raise TypeError(f"sweep: a model ({type(model).__name__}) needs loss=loss_fn(output, *loss_args)")
         if buffers is not None and not isinstance(buffers, Mapping):
             raise TypeError("sweep: with a flat params dict, buffers= is a flat {name: tensor} dict too")
-        out = model_sweep.sweep_model(model, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
+        out = model_sweep.sweep_model(model, req)
         opts.passes.check_stages(dict.fromkeys(a.stage for a in out.trace))  # the cuts' names, known once they ran
         return SweepResult(
             out.loss,
@@ -338,7 +325,7 @@ def _on_model(
         # the replicas agree on the model before each captures it: one whose model differs (and whose
         # capture may fail on it) names the difference, as every other replica does
         model_sweep.replicas_of(opts.data_parallel, params)
-    example = x if split_at is None else _piece_of(x, opts, "a model cut with split_at")
+    example = req.x if split_at is None else _piece_of(req.x, opts, "a model cut with split_at")
     chain, qualified = chain_of(model, loss, split_at, example)
     flat = isinstance(params, Mapping)
     if flat:
@@ -350,7 +337,7 @@ def _on_model(
         trainable_names(model, params)  # refuses a name that is not a parameter, and a trainable one left out
         full = {**{q: p.detach() for q, p in model.named_parameters() if q not in params}, **params}  # frozen
         given, params = params, tuple({n: full[q] for n, q in names.items() if q in full} for names in qualified)
-    res = run(chain, params, x, loss_args, None, None, pass_state, buffers, opts)
+    res = run(dataclasses.replace(req, model=chain, params=params, loss=None, split_at=None))
     if not flat:
         return res
 
@@ -399,27 +386,18 @@ def at_run_time(model: nn.Module | Sequence, params: Sequence | Mapping, opts: O
     return not needs
 
 
-def _on_ddp(
-    ddp: DistributedDataParallel,
-    params: Any,
-    x: Any,
-    loss_args: tuple,
-    loss: Callable | None,
-    split_at: Sequence[str] | None,
-    pass_state: Any,
-    buffers: Sequence | None,
-    opts: Options,
-) -> SweepResult:
+def _on_ddp(ddp: DistributedDataParallel, req: Request) -> SweepResult:
     """``sweep`` of a DDP model: its module's, with the gradients averaged over DDP's process group
     (``data_parallel=``) as DDP would; a flat dict may name the parameters as the DDP model does
     (``module.``-prefixed), and the results come back so named."""
+    params, opts = req.params, req.opts
     if opts.data_parallel is None:
         opts = dataclasses.replace(opts, data_parallel=ddp.process_group)
     prefix = "module."
     named = isinstance(params, Mapping) and bool(params) and all(str(k).startswith(prefix) for k in params)
     if named:
         params = {k[len(prefix) :]: v for k, v in params.items()}
-    res = run(ddp.module, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
+    res = run(dataclasses.replace(req, model=ddp.module, params=params, opts=opts))
     if not named:
         return res
 
@@ -445,20 +423,12 @@ def _piece_of(x: Any, opts: Options, what: str) -> Any:
     return pieces[0].x
 
 
-def _on_function(
-    fn: Callable,
-    params: Any,
-    x: Any,
-    loss_args: tuple,
-    loss: Callable | None,
-    split_at: Sequence[str] | None,
-    pass_state: Any,
-    buffers: Sequence | None,
-    opts: Options,
-) -> SweepResult:
+def _on_function(fn: Callable, req: Request) -> SweepResult:
     """``sweep`` of a pure function ``fn(params, x)`` (``loss=`` given) or ``fn(params, x, *loss_args)``
     returning the loss, cut at its ``ef.cut`` marks (``eae_func.function``); ``grads``, ``params`` and a
     pure fused update's state come back in ``params``' structure."""
+    params, x, loss_args, loss, opts = req.params, req.x, req.loss_args, req.loss, req.opts
+    split_at, buffers = req.split_at, req.buffers
     if split_at is not None:
         raise TypeError("sweep: split_at= cuts a model's forward; a function is cut where it calls ef.cut(h, name)")
     if buffers is not None:
@@ -478,7 +448,7 @@ def _on_function(
                 f"{type(spec.state).__name__}: {e}"
             ) from e
         opts = dataclasses.replace(opts, update=dataclasses.replace(spec, fn=_per_leaf(spec.fn), state=state))
-    res = run(chain, per_stage, inputs, rest, None, None, pass_state, None, opts)
+    res = run(Request(chain, per_stage, inputs, rest, None, None, req.pass_state, None, opts))
     flat = captured.spec.flatten_up_to(params)
     if res.update_state is None:
         grads = None if res.grads is None else captured.assemble(res.grads, lambda j: torch.zeros_like(flat[j]))
@@ -530,7 +500,7 @@ def value_and_grad(
     does in JAX); passes that carry state are refused without it, since their state would be lost."""
     opts = make("value_and_grad", options, keep_costates=False, timers=False)
     dropping("value_and_grad", opts, has_state)
-    res = run(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
+    res = run(Request(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts))
     return ((res.loss, res.grads), res.pass_state) if has_state else (res.loss, res.grads)
 
 
@@ -551,7 +521,7 @@ def grad(
     of ``params``; options as ``value_and_grad``. ``has_state=True`` returns ``(grads, pass_state)``."""
     opts = make("grad", options, keep_costates=False, timers=False)
     dropping("grad", opts, has_state)
-    res = run(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts)
+    res = run(Request(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts))
     return (res.grads, res.pass_state) if has_state else res.grads
 
 

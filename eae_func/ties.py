@@ -17,6 +17,8 @@ from .chain import Chain
 from .microbatch import add
 from .tree import NAMESPACE
 
+__all__ = ["InFold", "tie_grads", "tie_groups"]
+
 
 def tie_groups(chain: Chain, params: tuple) -> list:
     """The groups of ``(stage, path)`` (an optree path into that stage's params) that are one tensor:

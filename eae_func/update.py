@@ -29,6 +29,8 @@ from .boundary import is_differentiable
 from .chain import check_same_tensor, through_hooks
 from .ties import InFold
 
+__all__ = ["Fused", "Pending", "STEPPED", "Updater", "clipped", "fused", "step_with"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Fused:

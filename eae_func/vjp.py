@@ -28,6 +28,8 @@ from . import boundary as B
 from . import compat
 from .tree import NAMESPACE
 
+__all__ = ["connected", "cotangent", "local_vjp", "places", "pull_back"]
+
 
 def places(outputs: Sequence[torch.Tensor]) -> list:
     """Each output's place in the graph, ``None`` for one that requires no grad (a constant of the

@@ -32,6 +32,23 @@ from ..chain import Chain
 from .codecs import Codec, Encoded
 from .launch import PeerError
 
+__all__ = [
+    "Mesh",
+    "Reducer",
+    "agree",
+    "average_gradients",
+    "average_model_grads",
+    "averaged",
+    "buckets",
+    "digest",
+    "host_group",
+    "mesh",
+    "model_layout",
+    "replica_differences",
+    "replica_layout",
+    "warn_local_gradients",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Mesh:

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+__all__ = ["Outcome", "PeerError", "default_backend", "free_port", "init", "run", "spawn"]
+
 
 class PeerError(RuntimeError):
     """A transfer between ranks failed or timed out (a peer died, stalled, or disagrees)."""

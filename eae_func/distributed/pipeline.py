@@ -64,6 +64,9 @@ if TYPE_CHECKING:
 
     from ..options import SweepOptions
 
+__all__ = ["Pipeline", "PipelineResult", "SCHEDULES", "balance", "ideal_bubble"]
+
+
 SCHEDULES = {
     "gpipe": pipelining.ScheduleGPipe,
     "1f1b": pipelining.Schedule1F1B,

@@ -40,6 +40,17 @@ from ..microbatch import Microbatch
 from ..runner import Piece, Range
 from .codecs import Codec, Encoded, Raw, round_trip
 
+__all__ = [
+    "RangeStage",
+    "Step",
+    "costate_inbox",
+    "costate_leaves",
+    "costate_message",
+    "received_costate",
+    "wire_tensors",
+]
+
+
 RAW = Raw()
 
 

@@ -15,6 +15,9 @@ from typing import Any, Protocol
 from ..chain import Chain
 from .probes import INPUT_STREAM, PARAM_STREAM, probe_seed
 
+__all__ = ["Estimator", "Problem"]
+
+
 SCOPES = ("stage", "model")
 STREAMS = {"input": INPUT_STREAM, "params": PARAM_STREAM}
 

@@ -84,6 +84,9 @@ from .model_level import ModelLevel, NodePerturbation, Prepared
 from .twin import Twins, twin_vjp
 from .zbp import ZBP
 
+__all__ = ["ControlVariate", "control_variate"]
+
+
 BETAS = ("ema", "xfit")
 DIRECTIONAL = ("exact", "fd")
 PREFIX = {"input": "", "params": "param_"}

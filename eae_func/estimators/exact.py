@@ -8,6 +8,8 @@ from ..physical import rows_of
 from .base import Problem
 from .local import exact_vjp
 
+__all__ = ["exact"]
+
 
 class Exact:
     """``(grad W_i, p_i) = vjp(h_i, (W_i, x_i))(p_{i+1})``: what the sweep does for a digital stage."""

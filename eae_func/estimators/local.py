@@ -19,6 +19,27 @@ from ..tree import NAMESPACE
 from .base import Problem
 from .probes import Probes
 
+__all__ = [
+    "Flat",
+    "OutputLeaves",
+    "call",
+    "check_eps",
+    "check_probes",
+    "exact_param_grads",
+    "exact_vjp",
+    "fd_param_grads",
+    "fold",
+    "forward_mode",
+    "inner",
+    "param_directional",
+    "param_leaves",
+    "per_position",
+    "perturb_folded",
+    "unflatten_params",
+    "unfold",
+    "where",
+]
+
 
 def where(problem: Problem, i: int) -> str:
     return f"stage {i} ({problem.chain.stages[i].name!r})"

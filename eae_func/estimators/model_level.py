@@ -65,6 +65,9 @@ from .local import (
 )
 from .probes import Probes
 
+__all__ = ["ModelLevel", "NodePerturbation", "Prepared", "direct", "node_perturbation"]
+
+
 FORMS = ("oracle", "jvp", "fd")
 REDUCTIONS = ("mean", "sum")
 

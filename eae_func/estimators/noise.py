@@ -19,6 +19,8 @@ import torch
 
 from ..chain import Stage
 
+__all__ = ["NoiseEstimate", "suggest_eps"]
+
 
 @dataclasses.dataclass(frozen=True)
 class NoiseEstimate:

@@ -28,6 +28,9 @@ import torch
 
 from ..adjoint import fold_in
 
+__all__ = ["INPUT_STREAM", "PARAM_STREAM", "Probes", "probe_seed"]
+
+
 KINDS = ("gaussian", "rademacher", "sphere", "orthogonal")
 DRAW_BLOCK = 16
 

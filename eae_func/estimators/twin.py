@@ -24,6 +24,8 @@ from ..tree import NAMESPACE
 from .base import Problem
 from .local import exact_vjp, where
 
+__all__ = ["Twins", "frozen", "twin", "twin_vjp"]
+
 
 class Twins:
     """The twin of every physical stage: one ``fn(params, h)`` for all, or a mapping from stage name

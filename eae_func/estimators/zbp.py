@@ -44,6 +44,9 @@ from .local import (
 )
 from .probes import Probes
 
+__all__ = ["ZBP", "zbp"]
+
+
 METHODS = ("jvp", "fd")
 
 

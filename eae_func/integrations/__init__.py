@@ -6,6 +6,8 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+__all__ = ["missing", "replicas_of"]
+
 
 def missing(where: str, extra: str, e: ModuleNotFoundError) -> ModuleNotFoundError:
     """The error for an integration whose library is not installed, naming the extra that brings it."""

@@ -20,6 +20,9 @@ from ..lazy import Lazy
 from ..passes import global_norm
 from ..sweep import SweepResult
 
+__all__ = ["DEFAULT", "boundary_logs", "chosen", "record_logs"]
+
+
 DEFAULT = ("norm",)
 
 

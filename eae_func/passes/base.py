@@ -30,6 +30,8 @@ import torch
 from ..adjoint import AdjointState, fold_in
 from ..tree import NAMESPACE
 
+__all__ = ["Context", "Pass", "global_norm", "identity", "map_costate", "map_costate_random", "stateless", "valued"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Context:

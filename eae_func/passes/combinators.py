@@ -10,6 +10,8 @@ from typing import Any
 from ..adjoint import AdjointState
 from .base import Context, Pass, identity, stateless, valued
 
+__all__ = ["compose", "lift", "only", "tap", "when"]
+
 
 def lift(p: Any, where: str = "compose") -> Pass:
     """``p`` as a ``Pass``: a ``Pass`` as is, a plain callable through ``stateless``."""

@@ -13,6 +13,8 @@ from ..tree import NAMESPACE
 from .base import Context, Pass, global_norm, valued
 from .combinators import lift
 
+__all__ = ["error_feedback"]
+
 
 @valued
 def error_feedback(compressor: Any) -> Pass:

@@ -8,6 +8,9 @@ from ..adjoint import AdjointState
 from ..lazy import Lazy
 from .base import Pass, map_costate, stateless, valued
 
+__all__ = ["check_finite"]
+
+
 _POLICIES = ("raise", "zero", "skip")
 
 

@@ -10,6 +10,9 @@ from ..adjoint import AdjointState
 from ..lazy import Lazy
 from .base import Pass, stateless, valued
 
+__all__ = ["costate_statistics", "log", "stats"]
+
+
 _FIELDS = ("mean", "std", "min", "max", "norm")
 
 

@@ -10,6 +10,9 @@ from ..adjoint import AdjointState
 from ..lazy import Lazy
 from .base import Pass, map_costate, map_costate_random, stateless, valued
 
+__all__ = ["cast", "fp8", "int8"]
+
+
 _CASTS = (torch.float16, torch.bfloat16)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 

@@ -9,6 +9,8 @@ from ..checks import check_real
 from ..lazy import Lazy
 from .base import Pass, global_norm, map_costate, map_costate_random, stateless, valued
 
+__all__ = ["clip_by_global_norm", "clip_by_value", "gaussian_noise", "scale"]
+
 
 @valued
 def clip_by_global_norm(max_norm: float) -> Pass:

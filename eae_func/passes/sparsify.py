@@ -10,6 +10,8 @@ from ..checks import check_ratio
 from ..lazy import Lazy
 from .base import Pass, map_costate, map_costate_random, stateless, valued
 
+__all__ = ["randk", "topk"]
+
 
 @valued
 def topk(ratio: float) -> Pass:

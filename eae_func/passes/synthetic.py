@@ -13,6 +13,8 @@ from ..lazy import Lazy
 from ..tree import NAMESPACE
 from .base import Context, Pass, valued
 
+__all__ = ["synthetic"]
+
 
 def _features(x: torch.Tensor) -> torch.Tensor:
     """Rows ``[x / rms(x), 1]`` of the boundary state, ``x`` seen as ``(N, D)`` over its last dim."""
