@@ -506,8 +506,10 @@ def _sweep_with_fault(kind, dying_rank):
     if kind == "die":
         fault = P.tap(lambda adj: os._exit(3) if rank == dying_rank else None)  # in its first backward
     elif kind == "shape":
+        # one pass on every rank (ranks agree on passes by value): it cuts the costate on the dying rank only
         fault = P.only(
-            lambda adj: adj.replace(value=adj.value[:, :-1]) if rank == dying_rank else adj, indices=pipe.stages[0]
+            lambda adj: adj.replace(value=adj.value[:, :-1]) if rank == dying_rank else adj,
+            indices=pipe.ranges[dying_rank][0],
         )
     start = time.monotonic()
     try:
