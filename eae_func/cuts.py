@@ -40,6 +40,7 @@ from . import fold as F
 from . import microbatch as M
 from . import physical_cuts as PC
 from . import remat as R
+from . import replay
 from . import tree as T
 from . import vjp as V
 from .adjoint import AdjointState, fold_in
@@ -62,8 +63,8 @@ class Call:
     their ``spec``, which of them require grad (``inputs``), the tensors the module held in its
     parameters' places (the sweep's leaves, by the module's own names, aliases included), its buffers
     as they were before the call, torch's RNG and the autocast state, the modes of its modules
-    (``fold.modes_of``), Python's and numpy's generator states where the module draws from them
-    (``fold.HostRandom``); after the forward, the output's spec, the position of each of its floating
+    (``replay.modes_of``), Python's and numpy's generator states where the module draws from them
+    (``replay.HostRandom``); after the forward, the output's spec, the position of each of its floating
     tensors of its own (``through``: one position per distinct tensor, the ones autograd's node
     returns), each leaf's tensor of the node (``routes``, ``None``: a leaf the caller gets as the
     forward returned it), until the caller has them, those leaves (``constants``), the leaves its
@@ -188,11 +189,11 @@ class Sweep:
             [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad],
             params,
             buffers,
-            F.rng_state(self.device),
+            replay.rng_state(self.device),
             autocast_state(self.device),
             modes,
         )
-        call.host = F.HOST.before((type(module), module.training))
+        call.host = replay.HOST.before((type(module), module.training))
         call.physical = self.physical.get(name)
         call.versions = [t._version if isinstance(t, torch.Tensor) else -1 for t in call.leaves]
         call.trained = list(
@@ -258,7 +259,7 @@ class Sweep:
                 )
             for i, t in call.stored:
                 call.leaves[i], call.versions[i] = t, -1  # the kept copy, its own: nothing to watch
-            F.check_modes(call.modes, f"cut {call.name!r}")  # the modes were read before the call
+            replay.check_modes(call.modes, f"cut {call.name!r}")  # the modes were read before the call
             if torch.initial_seed() != seed:  # it seeds torch's generator itself (torch.seed(): Reformer)
                 call.sums = sums(out)  # which the rebuild cannot replay: it must come to the same outputs
         except Exception as e:
@@ -266,9 +267,9 @@ class Sweep:
             raise
         finally:
             _ACTIVE.depth -= 1
-        if call.rng is not None and not F.drew(call.rng, self.device):
+        if call.rng is not None and not replay.drew(call.rng, self.device):
             call.rng = None
-        call.host = F.HOST.after((type(call.module), call.module.training), call.host)
+        call.host = replay.HOST.after((type(call.module), call.module.training), call.host)
         leaves, call.out_spec = T.flatten_output(out)
         call.routes, call.through = routes(leaves, call)
         if not call.through:
@@ -450,9 +451,9 @@ class Sweep:
             with (
                 torch.enable_grad(),
                 F.timer(self.opts, stats, "recompute_s", f"eae/{call.name}/recompute"),
-                F.replay_rng(call.rng, self.device),
-                F.in_modes(call.modes),
-                F.HOST.replay(call.host),
+                replay.replay_rng(call.rng, self.device),
+                replay.in_modes(call.modes),
+                replay.HOST.replay(call.host),
                 replay_autocast(call.autocast),
                 module_lock(call.module),
                 holding(call.module, {**local, **{n: b.clone() for n, b in call.buffers.items()}}),
@@ -516,7 +517,7 @@ class Sweep:
             held = {**call.params, **params, **{n: b.clone() for n, b in call.buffers.items()}}
             _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1  # a cut inside it is part of its call
             try:
-                with F.in_modes(call.modes), replay_autocast(call.autocast), module_lock(call.module):
+                with replay.in_modes(call.modes), replay_autocast(call.autocast), module_lock(call.module):
                     with holding(call.module, held):
                         out = call.forward(*args, **kwargs)
             finally:
@@ -600,7 +601,7 @@ class StageCall(torch.autograd.Function):
 def walk(modules: Iterable[tuple[str, nn.Module]]) -> tuple[dict, dict, tuple]:
     """Over a cut module's ``named_modules(remove_duplicate=False)``: its parameters by name (aliases
     included, as ``named_parameters(remove_duplicate=False)``), clones of its buffers by name, its
-    modes (``fold.modes_of``)."""
+    modes (``replay.modes_of``)."""
     params, buffers, modes = {}, {}, []
     for prefix, m in modules:
         modes.append((m, m.training))

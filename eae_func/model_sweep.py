@@ -25,6 +25,7 @@ from . import boundary as B
 from . import fold as F
 from . import microbatch as M
 from . import physical_cuts as PC
+from . import replay as R
 from .adjoint import Measurements
 from .capture import as_call, canonical_names
 from .chain import module_lock, through_hooks, trainable_names
@@ -186,7 +187,7 @@ def piece(run: Sweep, model: nn.Module, mb: M.Microbatch, loss: Callable, inputs
         kwargs.setdefault("use_cache", False)  # cache the forward fills would be read again by the rebuilds
     # the cuts are in place for the forward alone: a matched module run again by a custom Function's
     # own backward (a reversible layer's recompute) runs as written
-    with run.installed(), F.autocast(run.opts.autocast, run.device):  # the loss too, as AMP computes it
+    with run.installed(), R.autocast(run.opts.autocast, run.device):  # the loss too, as AMP computes it
         output = model(*args, **kwargs)
         try:
             value = loss(output, *mb.loss_args)

@@ -22,6 +22,7 @@ import torch
 
 from . import boundary as B
 from . import fold as F
+from . import replay as R
 from .adjoint import AdjointState, fold_in
 from .chain import Chain
 from .estimators.base import Problem
@@ -158,7 +159,7 @@ class Range:
         rounding = B.Policy(opts.boundary_dtype)
 
         def call(i: int, params: Any, h: Any) -> Any:
-            with F.replay_rng(rng.get(i), device), F.in_modes(modes.get(i, ())), F.autocast(opts.autocast, device):
+            with R.replay_rng(rng.get(i), device), R.in_modes(modes.get(i, ())), R.autocast(opts.autocast, device):
                 out = chain.stages[i].call(params, buffers[i], h)[0]
             if i in opts.physical:
                 check_probed(chain, i, out, h)

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import capture, fsdp, function, model_sweep
 from . import fold as F
 from . import microbatch as M
+from . import replay as R
 from .adjoint import Measurements
 from .cache import kept, register
 from .capture import canonical_names
@@ -157,13 +158,13 @@ def run(req: Request) -> SweepResult:
     grads: Any = None
     traces, all_stats = [], []
     try:
-        with fsdp.Sweep(chain) if sharded else F.NULL as on_fsdp:
+        with fsdp.Sweep(chain) if sharded else R.NULL as on_fsdp:
             for j, mb in enumerate(pieces):
                 last = j == len(pieces) - 1
                 # each stage's step adds the earlier microbatches' gradients to its own and lets go of
                 # them: one set of gradients is alive, not one per microbatch; the last fold updates
                 earlier, grads, piece = None if grads is None else list(grads), None, None
-                with on_fsdp.fold(last) if on_fsdp is not None else F.NULL:
+                with on_fsdp.fold(last) if on_fsdp is not None else R.NULL:
                     piece = whole.run(buffers, mb, state, updater if last else None, pending, earlier)
                 buffers, state, pending = piece.buffers, piece.pass_state, piece.pending
                 assert piece.loss is not None  # the range ends the chain
