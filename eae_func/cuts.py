@@ -36,7 +36,6 @@ from torch import nn
 from . import boundary as B
 from . import compiled as C
 from . import early_stop as ES
-from . import fold as F
 from . import microbatch as M
 from . import physical_cuts as PC
 from . import remat as R
@@ -47,9 +46,11 @@ from .adjoint import AdjointState, fold_in
 from .cache import register
 from .capture import matches
 from .chain import Slots, module_lock
+from .diagnose import note
 from .options import Options
 from .passes import Context
 from .physical import Meter
+from .timing import timer
 
 __all__ = ["Sweep", "WRITES", "cut_modules", "cutting", "holding"]
 
@@ -235,7 +236,7 @@ class Sweep:
         seed = torch.initial_seed()
         try:
             planned = self.rebuilt_all or call.physical is not None  # no graph: the common case, at no cost
-            with F.timer(self.opts, stats, "forward_s", f"eae/{call.name}/forward"):
+            with timer(self.opts, stats, "forward_s", f"eae/{call.name}/forward"):
                 with torch.no_grad() if planned else self.remat(call) as keep:
                     call.compiled = self.opts.compile is not None and call.physical is None and keep is None
                     out = (
@@ -263,7 +264,7 @@ class Sweep:
             if torch.initial_seed() != seed:  # it seeds torch's generator itself (torch.seed(): Reformer)
                 call.sums = sums(out)  # which the rebuild cannot replay: it must come to the same outputs
         except Exception as e:
-            F.note(e, f"the forward of cut {call.name!r}")
+            note(e, f"the forward of cut {call.name!r}")
             raise
         finally:
             _ACTIVE.depth -= 1
@@ -355,10 +356,10 @@ class Sweep:
         if not self.opts.no_passes:
             stats = self.stats.setdefault(call.name, {})
             try:
-                with F.timer(self.opts, stats, "pass_s", f"eae/{call.name}/passes"):
+                with timer(self.opts, stats, "pass_s", f"eae/{call.name}/passes"):
                     out = self.opts.passes.update(adj, self.pass_state, Context(None, None, self.opts.key))
             except Exception as e:
-                F.note(e, f"the passes at cut {call.name!r}")
+                note(e, f"the passes at cut {call.name!r}")
                 raise
             if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], AdjointState)):
                 raise TypeError(
@@ -429,7 +430,7 @@ class Sweep:
             [rebuilt[i] for i in call.through] + [t for i, t in zip(call.written, written) if i in call.inputs]
         )
         del out, rebuilt, written  # an output the graph does not save is freed now
-        with F.timer(self.opts, stats, "vjp_s", f"eae/{call.name}/vjp"):
+        with timer(self.opts, stats, "vjp_s", f"eae/{call.name}/vjp"):
             grads = V.pull_back(edges, costates, [*inputs, *trained])
         # the parameters' gradients, plus what a custom Function's own backward accumulated into .grad
         # (Reformer's reversible layers run torch.autograd.backward on their parameters, as under autograd)
@@ -450,7 +451,7 @@ class Sweep:
         def rebuild(run: Callable) -> Any:
             with (
                 torch.enable_grad(),
-                F.timer(self.opts, stats, "recompute_s", f"eae/{call.name}/recompute"),
+                timer(self.opts, stats, "recompute_s", f"eae/{call.name}/recompute"),
                 replay.replay_rng(call.rng, self.device),
                 replay.in_modes(call.modes),
                 replay.HOST.replay(call.host),
@@ -471,7 +472,7 @@ class Sweep:
         try:
             out, written = ES.rebuilt(self.kind(call) if cached is None else None, rebuild)
         except Exception as e:
-            F.note(e, f"the rebuild of cut {call.name!r}")
+            note(e, f"the rebuild of cut {call.name!r}")
             e.add_note(
                 "(eae_func: the rebuild runs the module again on the inputs of its forward; one the forward "
                 "changed in place (a KV cache, a dict or list it appends to) differs now: call the model "
@@ -530,12 +531,12 @@ class Sweep:
         params = {n: call.params[n].detach() for n in names}
         assert call.physical is not None  # a physical call's
         try:
-            with F.timer(self.opts, stats, "vjp_s", f"eae/{call.name}/estimate"):
+            with timer(self.opts, stats, "vjp_s", f"eae/{call.name}/estimate"):
                 g_in, grads, cost = PC.estimate(
                     call.name.split("#")[0], call.index, run, h, params, costates, self.opts, self.meter, call.physical
                 )
         except Exception as e:
-            F.note(e, f"the estimator at physical cut {call.name!r}")
+            note(e, f"the estimator at physical cut {call.name!r}")
             raise
         stats.update(cost)
         return [*g_in[: len(call.inputs)], *(grads.get(n) for n in names)]

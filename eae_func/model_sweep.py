@@ -30,6 +30,7 @@ from .adjoint import Measurements
 from .capture import as_call, canonical_names
 from .chain import module_lock, through_hooks, trainable_names
 from .cuts import Sweep, cut_modules, holding
+from .diagnose import closed_over, note
 from .in_backward import InBackward
 from .options import Options, Request
 from .physical import Meter
@@ -192,7 +193,7 @@ def piece(run: Sweep, model: nn.Module, mb: M.Microbatch, loss: Callable, inputs
         try:
             value = loss(output, *mb.loss_args)
         except Exception as e:
-            F.note(e, "the loss")
+            note(e, "the loss")
             raise
     del output
     F.check_scalar(value)
@@ -213,7 +214,7 @@ def piece(run: Sweep, model: nn.Module, mb: M.Microbatch, loss: Callable, inputs
     if value.requires_grad:
         beside = update.outside if update is not None else []
         given = [t for t in pytree.tree_leaves((mb.x, mb.loss_args)) if isinstance(t, torch.Tensor)]
-        outside = F.closed_over([value], [*inputs, *beside, *given, run.anchor], data=given)
+        outside = closed_over([value], [*inputs, *beside, *given, run.anchor], data=given)
         if outside is not None:
             raise ValueError(
                 f"sweep: the loss depends on tensors that require grad outside params (shapes {outside}), such as "

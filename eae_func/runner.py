@@ -21,8 +21,10 @@ from typing import Any
 import torch
 
 from . import boundary as B
+from . import costates as C
 from . import fold as F
 from . import replay as R
+from . import tape as TP
 from .adjoint import AdjointState, fold_in
 from .chain import Chain
 from .estimators.base import Problem
@@ -66,9 +68,9 @@ class Range:
     device: torch.device
     meter: Meter | None = None
 
-    def forward(self, buffers: tuple, mb: Microbatch, h: Any = None) -> F.Tape:
+    def forward(self, buffers: tuple, mb: Microbatch, h: Any = None) -> TP.Tape:
         """The forward of microbatch ``mb`` from ``h`` (``None``: ``mb.x``, the chain's input)."""
-        return F.forward(
+        return TP.forward(
             self.chain,
             self.lo,
             self.hi,
@@ -82,7 +84,7 @@ class Range:
 
     def backward(
         self,
-        tape: F.Tape,
+        tape: TP.Tape,
         buffers: tuple,
         mb: Microbatch,
         pass_state: Any,
@@ -107,11 +109,11 @@ class Range:
                 chain, tape.take_output(), mb.loss_args, opts, pass_state, mb.scale, stats["loss"]
             )
             carry = dataclasses.replace(carry, pending=pending)
-            head, loss, start = (F.traced(carry.shown, opts),), loss * mb.scale, [carry]
+            head, loss, start = (C.traced(carry.shown, opts),), loss * mb.scale, [carry]
             del carry  # the fold holds p_L alone: it is freed once stage L-1 has used it
         else:
-            adj = AdjointState(received, hi, F.boundary_name(chain, hi), fold_in(opts.key, hi))
-            F.check_costate(chain, hi, adj, tape.entries[-1].out_layout)
+            adj = AdjointState(received, hi, C.boundary_name(chain, hi), fold_in(opts.key, hi))
+            C.check_costate(chain, hi, adj, tape.entries[-1].out_layout)
             loss, head, start = None, (), [F.Carry(adj, pass_state, pending)]
         problem = self.problem(tape, buffers, mb) if opts.physical else None
         step = F.make_step(chain, self.params, opts, self.device, problem, updater, defer_weights, earlier)
@@ -150,7 +152,7 @@ class Range:
         """The options for microbatch ``mb`` (its own key)."""
         return self.opts if mb.key == self.opts.key else dataclasses.replace(self.opts, key=mb.key)
 
-    def problem(self, tape: F.Tape, buffers: tuple, mb: Microbatch) -> Problem:
+    def problem(self, tape: TP.Tape, buffers: tuple, mb: Microbatch) -> Problem:
         """What the estimators see of this microbatch: stages run as the tape ran them (digital
         stages' RNG replayed, physical ones drawing afresh), the exact trace from this runner."""
         chain, opts, device = self.chain, self.at(mb), self.device

@@ -38,6 +38,7 @@ from .. import boundary as B
 from .. import fold as F
 from ..microbatch import Microbatch
 from ..runner import Piece, Range
+from ..tape import Tape
 from .codecs import Codec, Encoded, Raw, round_trip
 
 __all__ = [
@@ -111,7 +112,7 @@ class RangeStage(PipelineStage):
         self.lo, self.hi, self.codecs, self.where, self.specs = lo, hi, codecs, where, specs
         self.runner: Range | None = None
         self.step: Step | None = None
-        self.tapes: dict[int, F.Tape] = {}
+        self.tapes: dict[int, Tape] = {}
         self.ran_with: dict[int, tuple] = {}
         self.done: dict[int, Piece] = {}
         self.inbox: dict[int, Any] = {}  # boundary states received, encoded
