@@ -153,7 +153,7 @@ def make_step(
     defer_weights: bool = False,
     earlier: list | None = None,
 ) -> Callable[[Carry, Entry], tuple[Carry, StepOut]]:
-    """The reverse step ``(carry, entry) -> (carry, out)`` of one stage.
+    """The reverse step ``(carry, entry) -> (carry, out)`` of one stage (``Step``).
 
     A digital stage takes the exact local vjp: its closure from the tape, or one rebuilt from the
     entry's boundary under the replayed RNG state. A physical stage asks the estimator
@@ -170,63 +170,41 @@ def make_step(
     """
     prepared = opts.estimator.prepare(problem) if opts.physical else None
     observed = opts.keep_costates or not opts.no_passes  # p_0, the chain input's costate, is read by someone
+    return Step(chain, params, opts, device, problem, prepared, updater, defer_weights, earlier, observed)
 
-    def step(carry: Carry, entry: Entry) -> tuple[Carry, StepOut]:
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One stage's reverse step (``make_step``), its parts: ``local`` (the stage's gradients and the
+    costate of its input, by the estimator or a vjp) and what follows it (earlier microbatches'
+    gradients added, the fused update, the passes). ``observed``: whether p_0, the costate of the
+    chain's input, is read by someone (kept in the trace, or seen by the passes)."""
+
+    chain: Chain
+    params: tuple
+    opts: Options
+    device: torch.device
+    problem: Any
+    prepared: Any
+    updater: Any
+    defer_weights: bool
+    earlier: list | None
+    observed: bool
+
+    def __call__(self, carry: Carry, entry: Entry) -> tuple[Carry, StepOut]:
+        chain, opts, device, updater = self.chain, self.opts, self.device, self.updater
         pending = carry.pending
         try:
             i, s = entry.index, chain.stages[entry.index]
-            physical, stats = i in opts.physical, {}
-            # built from this layout by the previous step, or checked against it (after passes, an estimator
-            # or a transfer from another rank)
-            costate = B.flat(carry.adj.value, none_is_leaf=True)
+            stats: dict = {}
             try:
-                if physical:
-                    with timer(opts, stats, "vjp_s", f"eae/{s.name}/estimate", device), autocast(opts.autocast, device):
-                        grads, costate_in, cost = opts.estimator.stage_vjp(
-                            problem, prepared, i, entry.boundary, entry.out_layout.spec.unflatten(costate)
-                        )
-                    stats.update(cost)
-                    if entry.frozen:
-                        grads = {n: None if n in entry.frozen else g for n, g in grads.items()}
-                elif all(c is None for c in costate):  # no costate flows here (E.frozen() downstream): nothing to do
-                    grads = optree.tree_map(lambda t: None, params[i], namespace=NAMESPACE)
-                    costate_in = B.split_as(entry.boundary, entry.layout)[2]([None] * sum(entry.layout.mask))
-                else:
-                    floats, rebuild, costate_like = B.split_as(entry.boundary, entry.layout)
-                    closure = entry.closure
-                    done = None
-                    rebuilt = closure is None and entry.cached is None
-                    if rebuilt and compiled.eligible(s, i, opts, entry.layout):  # recompute + vjp: one graph
-                        with (
-                            timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device),
-                            replay_rng(entry.rng, device),
-                            in_modes(entry.modes),
-                            autocast(opts.autocast, device),
-                        ):
-                            done = compiled.reverse(
-                                s, opts, params[i], entry.buffers, entry, V.cotangent(costate, entry.out_layout)
-                            )
-                    if done is not None:
-                        grads, g_in = done
-                    elif rebuilt and defer_weights and s.sharded is None:
-                        cot = V.cotangent(costate, entry.out_layout)
-                        grads, g_in = deferred_vjp(
-                            s, params[i], entry, floats, rebuild, cot, i > 0 or observed, opts, stats, device
-                        )
-                    else:
-                        if closure is None:
-                            closure = rebuilt_closure(s, params[i], entry, floats, rebuild, opts, stats, device)
-                        with timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device):
-                            grads, g_in = closure(V.cotangent(costate, entry.out_layout), i > 0 or observed)
-                    if s.sharded is not None:
-                        fsdp.prefetch_below(chain, i)
-                    costate_in = None if g_in is None else costate_like(g_in)
+                grads, costate_in = self.local(entry, carry.adj, stats)
             except Exception as e:
                 note(e, f"the reverse step of {chain.where(i)}")
                 raise
-            if earlier is not None:
-                before, now = earlier[i], cast(Any, grads)
-                grads, earlier[i] = optree.tree_map(add, before, now, none_is_leaf=True, namespace=NAMESPACE), None
+            if self.earlier is not None:
+                before, now = self.earlier[i], cast(Any, grads)
+                grads, self.earlier[i] = optree.tree_map(add, before, now, none_is_leaf=True, namespace=NAMESPACE), None
             if updater is not None:
                 with (
                     timer(opts, stats, "update_s", f"eae/{s.name}/update", device),
@@ -239,7 +217,7 @@ def make_step(
                 carry.pass_state,
             )
             shown = shown_as(chain, adj, opts.key)
-            if physical or not opts.no_passes:  # else the step built the costate from the boundary: nothing to do
+            if i in opts.physical or not opts.no_passes:  # else the step built the costate from the boundary
                 adj, pass_state, shown = processed(chain, opts, adj, pass_state, entry.boundary, entry.layout, stats)
             return Carry(adj, pass_state, pending, shown), StepOut(grads, traced(shown, opts), stats)
         except BaseException as e:  # KeyboardInterrupt too: say which stages a torch.optim update had stepped
@@ -247,7 +225,61 @@ def make_step(
                 updater.note(pending, e)
             raise
 
-    return step
+    def local(self, entry: Entry, adj: AdjointState, stats: dict) -> tuple[Any, Any]:
+        """``(the stage's parameter gradients, the costate of its input)`` from ``adj``, the costate of
+        its output: the estimator's at a physical stage, none where no costate flows (``E.frozen()``
+        downstream), else the exact local vjp (``digital``)."""
+        i, s, opts, device = entry.index, self.chain.stages[entry.index], self.opts, self.device
+        # built from this layout by the previous step, or checked against it (after passes, an estimator
+        # or a transfer from another rank)
+        costate = B.flat(adj.value, none_is_leaf=True)
+        if i in opts.physical:
+            with timer(opts, stats, "vjp_s", f"eae/{s.name}/estimate", device), autocast(opts.autocast, device):
+                grads, costate_in, cost = opts.estimator.stage_vjp(
+                    self.problem, self.prepared, i, entry.boundary, entry.out_layout.spec.unflatten(costate)
+                )
+            stats.update(cost)
+            if entry.frozen:
+                grads = {n: None if n in entry.frozen else g for n, g in grads.items()}
+            return grads, costate_in
+        if all(c is None for c in costate):  # no costate flows here: nothing to do
+            grads = optree.tree_map(lambda t: None, self.params[i], namespace=NAMESPACE)
+            return grads, B.split_as(entry.boundary, entry.layout)[2]([None] * sum(entry.layout.mask))
+        return self.digital(entry, costate, stats)
+
+    def digital(self, entry: Entry, costate: list, stats: dict) -> tuple[Any, Any]:
+        """The exact local vjp of a digital stage at ``costate`` (its output's, flat): recompute and vjp
+        as one compiled graph where eligible, the weight half deferred (``defer_weights``), or the
+        closure the tape kept or one rebuilt from the entry's boundary."""
+        i, s, opts, device, params = entry.index, self.chain.stages[entry.index], self.opts, self.device, self.params
+        floats, rebuild, costate_like = B.split_as(entry.boundary, entry.layout)
+        closure = entry.closure
+        done = None
+        rebuilt = closure is None and entry.cached is None
+        wanted = i > 0 or self.observed
+        if rebuilt and compiled.eligible(s, i, opts, entry.layout):  # recompute + vjp: one graph
+            with (
+                timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device),
+                replay_rng(entry.rng, device),
+                in_modes(entry.modes),
+                autocast(opts.autocast, device),
+            ):
+                done = compiled.reverse(
+                    s, opts, params[i], entry.buffers, entry, V.cotangent(costate, entry.out_layout)
+                )
+        if done is not None:
+            grads, g_in = done
+        elif rebuilt and self.defer_weights and s.sharded is None:
+            cot = V.cotangent(costate, entry.out_layout)
+            grads, g_in = deferred_vjp(s, params[i], entry, floats, rebuild, cot, wanted, opts, stats, device)
+        else:
+            if closure is None:
+                closure = rebuilt_closure(s, params[i], entry, floats, rebuild, opts, stats, device)
+            with timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device):
+                grads, g_in = closure(V.cotangent(costate, entry.out_layout), wanted)
+        if s.sharded is not None:
+            fsdp.prefetch_below(self.chain, i)
+        return grads, None if g_in is None else costate_like(g_in)
 
 
 def rebuilt_vjp(
