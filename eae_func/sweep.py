@@ -124,24 +124,43 @@ def run(req: Request) -> SweepResult:
             "sweep: called under torch.inference_mode(), which forbids the autograd graphs the reverse sweep "
             "builds stage by stage; call it outside inference_mode (the forward sweep itself runs without a graph)"
         )
-    chain = req.model
-    if isinstance(chain, DistributedDataParallel):
-        return _on_ddp(chain, req)
-    if isinstance(chain, types.FunctionType | functools.partial | types.MethodType):
-        return _on_function(chain, req)
-    if not isinstance(chain, Chain):
-        return _on_model(chain, req)
+    model = req.model
+    if isinstance(model, DistributedDataParallel):
+        return _on_ddp(model, req)
+    if isinstance(model, types.FunctionType | functools.partial | types.MethodType):
+        return _on_function(model, req)
+    if not isinstance(model, Chain):
+        return _on_model(model, req)
     if req.loss is not None or req.split_at is not None:
         raise TypeError("sweep: loss= and split_at= go with a model (nn.Module); a Chain has its own loss and stages")
-    x, loss_args, pass_state = req.x, req.loss_args, req.pass_state
+    return _on_chain(model, req)
+
+
+@dataclasses.dataclass
+class Folded:
+    """What the folds over a sweep's microbatches leave: each piece's loss, trace and counters, the
+    gradients summed over the pieces (``None`` with a fused update), and the buffers, pass state and
+    fused updates' ``pending`` the last fold returned."""
+
+    buffers: Any
+    pass_state: Any
+    pending: Any
+    grads: Any = None
+    losses: list = dataclasses.field(default_factory=list)
+    traces: list = dataclasses.field(default_factory=list)
+    stats: list = dataclasses.field(default_factory=list)
+
+
+def _on_chain(chain: Chain, req: Request) -> SweepResult:
+    """``sweep`` of a chain: checked, one fold per microbatch over the whole chain (``runner.Range``),
+    the ties' gradients summed, or the fused updates' results."""
     params = chain.check_params(req.params)
     buffers = chain.check_buffers(req.buffers)
     opts = req.opts.bind(chain)
     sharded = any(s.sharded is not None for s in chain.stages)
     if sharded:
         fsdp.check(chain, params, buffers, opts)
-    state = opts.passes.init() if pass_state is None else pass_state
-    device = F.device_of(params, x)
+    state = opts.passes.init() if req.pass_state is None else req.pass_state
     meter = Meter(chain, opts.physical, opts.budget)
     groups = tie_groups(chain, params)
     hooks = {(i, n): p for i, s in enumerate(chain.stages) for n, p in s.hooked().items()}
@@ -152,55 +171,54 @@ def run(req: Request) -> SweepResult:
         if opts.update is not None or reducer is not None
         else (None, None)
     )
-    pieces = M.split(x, loss_args, opts.microbatches, opts.reduction, opts.key)
-    whole = Range(chain, 0, len(chain), params, opts, device, meter)
-    losses: list[torch.Tensor] = []
-    grads: Any = None
-    traces, all_stats = [], []
+    whole = Range(chain, 0, len(chain), params, opts, F.device_of(params, req.x), meter)
+    pieces = M.split(req.x, req.loss_args, opts.microbatches, opts.reduction, opts.key)
+    folded = _fold(whole, pieces, Folded(buffers, state, pending), updater, sharded)
+    total = folded.losses[0] if len(folded.losses) == 1 else torch.stack(folded.losses).sum()
+    stats = metered(M.sum_stats(folded.stats), chain, meter)
+    if reducer is not None:
+        stats["data_parallel"] = dict(reducer.stats)
+    trace, stats, pending = M.join_adjoints(folded.traces), Measurements(stats), folded.pending
+    if updater is None:
+        grads = hooked_grads(tie_grads(params, folded.grads, groups), hooks)
+        return SweepResult(total, grads, trace, folded.buffers, folded.pass_state, stats, params)
+    assert pending is not None  # the folds carry it
+    if updater.keeping:
+        return SweepResult(total, updater.grads(pending), trace, folded.buffers, folded.pass_state, stats, params)
+    pure = updater.spec.fn is not None
+    new_params, update_state = (pending.params, pending.state) if pure else (params, None)
+    return SweepResult(total, None, trace, folded.buffers, folded.pass_state, stats, new_params, update_state)
+
+
+def _fold(whole: Range, pieces: list, folded: Folded, updater: Any, sharded: bool) -> Folded:
+    """One fold of ``whole`` per microbatch in turn, threading buffers, pass state and ``pending``;
+    the last fold's steps run the fused ``updater``, which finishes after it (FSDP2 stages: under its
+    sweep, each fold reduce-scattering as the last one must)."""
     try:
-        with fsdp.Sweep(chain) if sharded else R.NULL as on_fsdp:
+        with fsdp.Sweep(whole.chain) if sharded else R.NULL as on_fsdp:
             for j, mb in enumerate(pieces):
                 last = j == len(pieces) - 1
                 # each stage's step adds the earlier microbatches' gradients to its own and lets go of
                 # them: one set of gradients is alive, not one per microbatch; the last fold updates
-                earlier, grads, piece = None if grads is None else list(grads), None, None
+                earlier, folded.grads = None if folded.grads is None else list(folded.grads), None
                 with on_fsdp.fold(last) if on_fsdp is not None else R.NULL:
-                    piece = whole.run(buffers, mb, state, updater if last else None, pending, earlier)
-                buffers, state, pending = piece.buffers, piece.pass_state, piece.pending
+                    piece = whole.run(
+                        folded.buffers, mb, folded.pass_state, updater if last else None, folded.pending, earlier
+                    )
+                folded.buffers, folded.pass_state, folded.pending = piece.buffers, piece.pass_state, piece.pending
                 assert piece.loss is not None  # the range ends the chain
-                losses.append(piece.loss)
-                grads = piece.grads
-                traces.append(piece.trace)
-                all_stats.append(piece.stats)
+                folded.losses.append(piece.loss)
+                folded.grads = piece.grads
+                folded.traces.append(piece.trace)
+                folded.stats.append(piece.stats)
             if updater is not None:
-                assert pending is not None  # the folds carry it
-                pending = updater.finish(pending)
+                assert folded.pending is not None  # the folds carry it
+                folded.pending = updater.finish(folded.pending)
     except BaseException as e:  # KeyboardInterrupt too: say which stages a fused update already stepped
-        if updater is not None and pending is not None:
-            updater.note(pending, e)
+        if updater is not None and folded.pending is not None:
+            updater.note(folded.pending, e)
         raise
-    total = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-    stats = metered(M.sum_stats(all_stats), chain, meter)
-    if reducer is not None:
-        stats["data_parallel"] = dict(reducer.stats)
-    stats = Measurements(stats)
-    if updater is None:
-        grads = hooked_grads(tie_grads(params, grads, groups), hooks)
-        return SweepResult(total, grads, M.join_adjoints(traces), buffers, state, stats, params)
-    assert pending is not None  # the folds carry it
-    if updater.keeping:
-        return SweepResult(total, updater.grads(pending), M.join_adjoints(traces), buffers, state, stats, params)
-    pure = updater.spec.fn is not None
-    return SweepResult(
-        total,
-        None,
-        M.join_adjoints(traces),
-        buffers,
-        state,
-        stats,
-        pending.params if pure else params,
-        pending.state if pure else None,
-    )
+    return folded
 
 
 def reducer_of(group: Any, chain: Chain, params: tuple, groups: list) -> Any:
