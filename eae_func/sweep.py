@@ -309,25 +309,10 @@ def _names(model: nn.Module | Sequence, chain: Chain, prefixes: list) -> list[di
 def _on_model(model: nn.Module | Sequence, req: Request) -> SweepResult:
     """``sweep`` of a model: cut at run time (``eae_func.model_sweep``), or its chain, params per stage from a
     flat dict, results back in its structure."""
-    params, loss, split_at, buffers, opts = req.params, req.loss, req.split_at, req.buffers, req.opts
+    params, loss, split_at, opts = req.params, req.loss, req.split_at, req.opts
     if split_at is not None and at_run_time(model, params, opts):
-        assert isinstance(model, nn.Module) and isinstance(params, Mapping)  # at_run_time checked them
-        if loss is None:
-            raise TypeError(f"sweep: a model ({type(model).__name__}) needs loss=loss_fn(output, *loss_args)")
-        if buffers is not None and not isinstance(buffers, Mapping):
-            raise TypeError("sweep: with a flat params dict, buffers= is a flat {name: tensor} dict too")
-        out = model_sweep.sweep_model(model, req)
-        opts.passes.check_stages(dict.fromkeys(a.stage for a in out.trace))  # the cuts' names, known once they ran
-        return SweepResult(
-            out.loss,
-            out.grads,
-            out.trace,
-            out.buffers,
-            out.pass_state,
-            out.stats,
-            out.params or params,
-            out.update_state,
-        )
+        assert isinstance(model, nn.Module)  # at_run_time checked it
+        return _cut_at_run_time(model, req)
     if not isinstance(params, Mapping) and not (
         isinstance(params, (tuple, list)) and all(p is None or isinstance(p, Mapping) for p in params)
     ):
@@ -377,6 +362,27 @@ def _on_model(model: nn.Module | Sequence, req: Request) -> SweepResult:
         grads=None if grads is None else {q: grads.get(q) for q in given},
         buffers=flat_dict(res.buffers),
         params={q: updated.get(q, given[q]) for q in given},
+    )
+
+
+def _cut_at_run_time(model: nn.Module, req: Request) -> SweepResult:
+    """``sweep`` of a model cut at run time (``eae_func.model_sweep``), its params a flat dict."""
+    assert isinstance(req.params, Mapping)  # at_run_time checked it
+    if req.loss is None:
+        raise TypeError(f"sweep: a model ({type(model).__name__}) needs loss=loss_fn(output, *loss_args)")
+    if req.buffers is not None and not isinstance(req.buffers, Mapping):
+        raise TypeError("sweep: with a flat params dict, buffers= is a flat {name: tensor} dict too")
+    out = model_sweep.sweep_model(model, req)
+    req.opts.passes.check_stages(dict.fromkeys(a.stage for a in out.trace))  # the cuts' names, known once they ran
+    return SweepResult(
+        out.loss,
+        out.grads,
+        out.trace,
+        out.buffers,
+        out.pass_state,
+        out.stats,
+        out.params or req.params,
+        out.update_state,
     )
 
 
