@@ -22,9 +22,9 @@ from typing import Any
 
 import optree
 import torch
-import torch.utils._pytree as torch_pytree
 
 from .cache import register
+from .compat import pytree as torch_pytree
 from .tree import NAMESPACE
 
 __all__ = ["AdjointState", "Measurements", "fold_in"]

@@ -39,12 +39,12 @@ from typing import Any
 import numpy as np
 import optree
 import torch
-import torch.utils._pytree as torch_pytree
 from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.node import map_arg
 from torch.fx.passes.split_module import split_module
 
+from .compat import pytree as torch_pytree
 from .tree import NAMESPACE
 
 __all__ = ["Refused"]

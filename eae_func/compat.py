@@ -14,6 +14,10 @@ it has run on (``tests/test_compat.py`` fails loudly, by name, where a torch cha
     innermost_dispatch_mode    torch.utils._python_dispatch._get_current_dispatch_mode
     unhooked_step              ``Optimizer.step.__wrapped__``: a step without its step hooks
     eager_random_compile       torch._inductor.config.fallback_random, torch._dynamo.config.recompile_limit
+    pytree                     torch.utils._pytree, torch's own pytrees (what export, FSDP2 and
+                               pipelining flatten with, its registered nodes): tree_flatten /
+                               _unflatten / _leaves / _structure / _flatten_with_path, keystr,
+                               register_pytree_node, GetAttrKey, SequenceKey, SUPPORTED_NODES
 
 Not here, because they are overrides, not calls: ``distributed/stage.py`` subclasses pipelining's
 ``PipelineStage`` and overrides its ``_send_meta`` / ``_recv_meta`` (run on torch 2.13).
@@ -26,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.autograd.graph import GradientEdge
 from torch.utils._python_dispatch import (
     _get_current_dispatch_mode,
@@ -40,6 +45,7 @@ __all__ = [
     "functorch_wrapped",
     "innermost_dispatch_mode",
     "pull_back_unchecked",
+    "pytree",
     "saved_hooks_enabled",
     "saved_hooks_on_top",
     "unhooked_step",

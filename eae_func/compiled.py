@@ -38,13 +38,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.func import functional_call, vjp
 
 from . import compat
 from .cache import kept, register
 from .capture import CapturedStage
 from .chain import module_lock
+from .compat import pytree
 
 __all__ = ["call", "eligible", "forward", "reverse"]
 

@@ -30,7 +30,6 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from . import boundary as B
@@ -46,6 +45,7 @@ from .adjoint import AdjointState, fold_in
 from .cache import register
 from .capture import matches
 from .chain import Slots, module_lock
+from .compat import pytree
 from .diagnose import note
 from .options import Options
 from .passes import Context

@@ -40,13 +40,13 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any, TypeVar, cast
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import compat
 from .cache import register
+from .compat import pytree
 
 __all__ = ["WORTH", "allocated", "described", "may_pay", "observed", "rebuilt", "whole"]
 

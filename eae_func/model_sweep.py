@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch import nn
 
 from . import boundary as B
@@ -29,6 +28,7 @@ from . import replay as R
 from .adjoint import Measurements
 from .capture import as_call, canonical_names
 from .chain import module_lock, through_hooks, trainable_names
+from .compat import pytree
 from .cuts import Sweep, cut_modules, holding
 from .diagnose import closed_over, note
 from .in_backward import InBackward

@@ -23,11 +23,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .cache import register
+from .compat import pytree
 
 __all__ = ["MATMULS", "Remat", "always", "budget", "never", "save", "where"]
 

@@ -6,9 +6,9 @@ from typing import Any
 
 import optree
 import torch
-import torch.utils._pytree as pytree
 
 from .cache import register
+from .compat import pytree
 
 __all__ = ["flatten_call", "flatten_output", "tree_leaves", "tree_map", "tree_structure", "unflatten"]
 

@@ -91,3 +91,28 @@ def test_the_fsdp_state_internals(tmp_path):
         assert isinstance(groups, list) and len(groups) == 1
     finally:
         dist.destroy_process_group()
+
+
+def test_torchs_pytrees_flatten_as_eae_func_relies_on():
+    """What eae_func reads of ``torch.utils._pytree``: leaves in order, a spec that unflattens, key
+    paths, its registry of nodes, a registered class flattened."""
+    pytree = compat.pytree
+    tree = {"b": [torch.ones(1), (torch.zeros(2), None)], "a": torch.full((3,), 2.0)}
+    leaves, spec = pytree.tree_flatten(tree)
+    assert [t.shape for t in leaves if t is not None] == [(1,), (2,), (3,)]  # dicts in insertion order
+    assert pytree.tree_structure(pytree.tree_unflatten(leaves, spec)) == spec
+    assert pytree.tree_leaves(tree) == leaves
+    paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(tree)[0]]
+    assert paths == ["['b'][0]", "['b'][1][0]", "['b'][1][1]", "['a']"]
+    assert dict in pytree.SUPPORTED_NODES and isinstance(pytree.GetAttrKey("x"), pytree.GetAttrKey)
+    assert pytree.SequenceKey(0).idx == 0
+
+    class Pair:
+        def __init__(self, x, y):
+            self.x, self.y = x, y
+
+    pytree.register_pytree_node(Pair, lambda p: ([p.x, p.y], None), lambda xs, _: Pair(*xs))
+    try:
+        assert len(pytree.tree_leaves(Pair(torch.ones(1), torch.ones(2)))) == 2
+    finally:
+        pytree.SUPPORTED_NODES.pop(Pair)
