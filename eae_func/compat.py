@@ -14,13 +14,18 @@ it has run on (``tests/test_compat.py`` fails loudly, by name, where a torch cha
     innermost_dispatch_mode    torch.utils._python_dispatch._get_current_dispatch_mode
     unhooked_step              ``Optimizer.step.__wrapped__``: a step without its step hooks
     eager_random_compile       torch._inductor.config.fallback_random, torch._dynamo.config.recompile_limit
+    TorchDispatchMode          torch.utils._python_dispatch.TorchDispatchMode, the mode early stop
+                               and remat.save watch the ops with (documented, in a private module)
+    OpOverload                 torch._ops.OpOverload, what ``remat.save(ops=...)`` names an op by
     pytree                     torch.utils._pytree, torch's own pytrees (what export, FSDP2 and
                                pipelining flatten with, its registered nodes): tree_flatten /
                                _unflatten / _leaves / _structure / _flatten_with_path, keystr,
                                register_pytree_node, GetAttrKey, SequenceKey, SUPPORTED_NODES
 
 Not here, because they are overrides, not calls: ``distributed/stage.py`` subclasses pipelining's
-``PipelineStage`` and overrides its ``_send_meta`` / ``_recv_meta`` (run on torch 2.13).
+``PipelineStage`` and overrides its ``_compute_outputs``, ``_send_meta`` and ``_recv_meta``, and
+``capture.py`` swaps a custom ``autograd.Function``'s public ``apply`` for the length of an export
+(run on torch 2.13).
 """
 
 from __future__ import annotations
@@ -31,13 +36,17 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._ops import OpOverload
 from torch.autograd.graph import GradientEdge
 from torch.utils._python_dispatch import (
+    TorchDispatchMode,
     _get_current_dispatch_mode,
     _len_torch_dispatch_stack,  # pyright: ignore[reportPrivateImportUsage]
 )
 
 __all__ = [
+    "OpOverload",
+    "TorchDispatchMode",
     "dispatch_modes_on",
     "eager_random_compile",
     "fsdp_lazy_init",

@@ -42,11 +42,10 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 from torch.autograd.function import BackwardCFunction
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import compat
 from .cache import register
-from .compat import pytree
+from .compat import TorchDispatchMode, pytree
 
 __all__ = ["WORTH", "allocated", "described", "may_pay", "observed", "rebuilt", "whole"]
 

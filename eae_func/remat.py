@@ -23,11 +23,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .cache import register
-from .compat import pytree
+from .compat import OpOverload, TorchDispatchMode, pytree
 
 __all__ = ["MATMULS", "Remat", "always", "budget", "never", "save", "where"]
 
@@ -100,9 +99,7 @@ def save(
     running those ops again, so it costs their outputs' memory and saves their time. The stages
     where ``keep(i, name)`` is true keep their whole graph instead (say the last one: it is used
     before anything is rebuilt, so it costs no peak)."""
-    if not callable(ops) and not (
-        isinstance(ops, Sequence) and all(isinstance(op, torch._ops.OpOverload) for op in ops)
-    ):
+    if not callable(ops) and not (isinstance(ops, Sequence) and all(isinstance(op, OpOverload) for op in ops)):
         raise TypeError(
             f"remat.save: expected a sequence of torch.ops.aten overloads or a policy function, got {ops!r}"
         )

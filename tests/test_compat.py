@@ -116,3 +116,31 @@ def test_torchs_pytrees_flatten_as_eae_func_relies_on():
         assert len(pytree.tree_leaves(Pair(torch.ones(1), torch.ones(2)))) == 2
     finally:
         pytree.SUPPORTED_NODES.pop(Pair)
+
+
+def test_the_pipelining_methods_eae_func_overrides_keep_their_signatures():
+    """``distributed/stage.py`` overrides three private methods of pipelining's ``PipelineStage``: a
+    torch that renames one, or changes its arguments, would silently stop calling the override."""
+    import inspect
+
+    from torch.distributed.pipelining import PipelineStage
+
+    from eae_func.distributed.stage import RangeStage
+
+    for name in ("_compute_outputs", "_send_meta", "_recv_meta"):
+        theirs, ours = inspect.signature(getattr(PipelineStage, name)), inspect.signature(getattr(RangeStage, name))
+        assert list(theirs.parameters) == list(ours.parameters), (name, theirs, ours)
+        assert getattr(RangeStage, name) is not getattr(PipelineStage, name)
+
+
+def test_the_dispatch_mode_and_op_overload_eae_func_names_ops_by():
+    seen = []
+
+    class Ops(compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        torch.ones(2).mul(3)
+    assert torch.ops.aten.mul.Tensor in seen and all(isinstance(f, compat.OpOverload) for f in seen)
