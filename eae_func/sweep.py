@@ -200,7 +200,8 @@ def _fold(whole: Range, pieces: list, folded: Folded, updater: Any, sharded: boo
                 last = j == len(pieces) - 1
                 # each stage's step adds the earlier microbatches' gradients to its own and lets go of
                 # them: one set of gradients is alive, not one per microbatch; the last fold updates
-                earlier, folded.grads = None if folded.grads is None else list(folded.grads), None
+                # the last piece is let go too: it holds those gradients as well
+                earlier, folded.grads, piece = None if folded.grads is None else list(folded.grads), None, None
                 with on_fsdp.fold(last) if on_fsdp is not None else R.NULL:
                     piece = whole.run(
                         folded.buffers, mb, folded.pass_state, updater if last else None, folded.pending, earlier
