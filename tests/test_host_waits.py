@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import eae_func as ef
 import eae_func.distributed as D
@@ -24,11 +25,40 @@ READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "send_object_list", "recv_object_list")
 
 
+SYNCING = {  # the ops that wait for the device on a GPU: a scalar read, data-dependent shapes, comparisons
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.equal.default,
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten._unique2.default,
+    torch.ops.aten.unique_consecutive.default,
+    torch.ops.aten.repeat_interleave.Tensor,
+}
+
+
+class DeviceWaits(TorchDispatchMode):
+    """Counts the dispatched ops of ``SYNCING`` by name: what a read from C++ (a ``torch.equal``, an
+    ``.item()`` inside a torch function) does, which no patch of a Python method sees."""
+
+    def __init__(self, counts: collections.Counter):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in SYNCING:
+            self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
-def spying():
-    """Counts, by name, of the reads of a tensor's value on the host and of the object collectives."""
+def spying(dispatched: bool = True):
+    """Counts, by name, of the reads of a tensor's value on the host (patched methods, and with
+    ``dispatched`` the syncing ops as dispatched) and of the object collectives. A pipeline compares
+    digests it keeps in host memory with ``torch.equal``, which a CPU run cannot tell from a device
+    read: its steps are spied on without ``dispatched``."""
     counts: collections.Counter = collections.Counter()
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, DeviceWaits(counts) if dispatched else contextlib.nullcontext():
         for owner, names in ((torch.Tensor, READS), (dist, OBJECT_COLLECTIVES)):
             for name in names:
                 real = getattr(owner, name)
@@ -204,7 +234,7 @@ def pipeline_steps(case, steps=3):
     state = ref_state = None
     equal, counts = [], collections.Counter()
     for key in range(steps):
-        with spying() as seen:
+        with spying(dispatched=False) as seen:
             res = pipe.sweep(params, x, y, key=key, pass_state=state, **options)
         counts += seen if key > 0 else collections.Counter()
         ref = ef.sweep(chain, params, x, y, key=key, pass_state=ref_state, data_parallel=False, **ref_options)
