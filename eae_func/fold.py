@@ -169,6 +169,8 @@ def make_step(
     gradients plus that entry and lets go of the entry, so one set of gradients is alive at a time.
     """
     prepared = opts.estimator.prepare(problem) if opts.physical else None
+    if problem is not None:
+        problem.checked()
     observed = opts.keep_costates or not opts.no_passes  # p_0, the chain input's costate, is read by someone
     return Step(chain, params, opts, device, problem, prepared, updater, defer_weights, earlier, observed)
 
@@ -238,6 +240,7 @@ class Step:
                 grads, costate_in, cost = opts.estimator.stage_vjp(
                     self.problem, self.prepared, i, entry.boundary, entry.out_layout.spec.unflatten(costate)
                 )
+                self.problem.checked()
             stats.update(cost)
             if entry.frozen:
                 grads = {n: None if n in entry.frozen else g for n, g in grads.items()}

@@ -27,7 +27,7 @@ from . import compat
 from .chain import Chain, Stage
 from .tree import NAMESPACE
 
-__all__ = ["Meter", "black_box", "check_probed", "rows_of"]
+__all__ = ["Meter", "ProbeChecks", "black_box", "rows_of"]
 
 
 def rows_of(h: Any) -> int:
@@ -73,26 +73,46 @@ class Meter:
         counts["calls"] += calls if kind != "backward_calls" else 0
 
 
-def check_probed(chain: Chain, i: int, out: Any, h: Any) -> None:
-    """Refuse what physical stage i returned on an estimator's probe call of input ``h`` if it is not
-    finite: the estimate made from it would be NaN while the loss, from the forward, stays finite.
-    A simulation being differentiated (under a torch.func transform: the jvp forms; or with its graph:
-    the exact vjp) measures nothing."""
-    floats = [
-        t
-        for t in optree.tree_leaves(out, namespace=NAMESPACE)
-        if isinstance(t, torch.Tensor)
-        and (t.is_floating_point() or t.is_complex())
-        and not (t.requires_grad or wrapped(t))
-    ]
-    count = sum(int((~torch.isfinite(t)).sum()) for t in floats)
-    if count:
-        raise FloatingPointError(
-            f"estimator: {chain.where(i)} returned {count} non-finite values (NaN or inf) of "
-            f"{sum(t.numel() for t in floats)} on a probe call ({rows_of(h)} rows, inputs or parameters shifted "
-            f"by the probes); the estimate would be NaN while the loss stays finite. Keep the probed points "
-            f"where the stage measures (a smaller eps), or make it return finite values there"
-        )
+class ProbeChecks:
+    """Refuse what a physical stage returned on an estimator's probe calls if it is not finite: the
+    estimate made from it would be NaN while the loss, from the forward, stays finite. Each call's
+    non-finite entries are counted on the device (``add``) and read once per estimate (``check``),
+    not once per call, so a probe call waits for nothing. A simulation being differentiated (under
+    a torch.func transform: the jvp forms; or with its graph: the exact vjp) measures nothing."""
+
+    def __init__(self, chain: Chain):
+        self.chain = chain
+        self.counts: dict[int, list] = {}  # stage -> [non-finite count (device), entries, calls, rows]
+
+    def add(self, i: int, out: Any, h: Any) -> None:
+        floats = [
+            t
+            for t in optree.tree_leaves(out, namespace=NAMESPACE)
+            if isinstance(t, torch.Tensor)
+            and (t.is_floating_point() or t.is_complex())
+            and not (t.requires_grad or wrapped(t))
+        ]
+        if not floats:
+            return
+        device = floats[0].device
+        count = torch.stack([(~torch.isfinite(t)).sum().to(device, non_blocking=True) for t in floats]).sum()
+        entry = self.counts.setdefault(i, [0, 0, 0, rows_of(h)])
+        entry[0] = count if entry[2] == 0 else entry[0] + count
+        entry[1] += sum(t.numel() for t in floats)
+        entry[2] += 1
+
+    def check(self) -> None:
+        """Read the counts since the last check (one read per stage) and raise on a non-finite one."""
+        counts, self.counts = self.counts, {}
+        for i, (count, total, calls, rows) in counts.items():
+            bad = int(count)
+            if bad:
+                raise FloatingPointError(
+                    f"estimator: {self.chain.where(i)} returned {bad} non-finite values (NaN or inf) of {total} "
+                    f"over {calls} probe calls ({rows} rows each, inputs or parameters shifted by the probes); "
+                    f"the estimate would be NaN while the loss stays finite. Keep the probed points where the "
+                    f"stage measures (a smaller eps), or make it return finite values there"
+                )
 
 
 def wrapped(t: torch.Tensor) -> bool:

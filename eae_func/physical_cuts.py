@@ -24,7 +24,7 @@ from torch import nn
 from .chain import Chain, Stage
 from .estimators.base import Problem
 from .options import Options
-from .physical import Meter, check_probed, rows_of
+from .physical import Meter, ProbeChecks, rows_of
 
 __all__ = ["charge_forward", "estimate", "needs_graph", "roster"]
 
@@ -79,17 +79,29 @@ def estimate(
 
     def probed(i: int, p: Any, x: Any) -> Any:
         out = stage(p, x)
-        check_probed(chain, i, out, x)
+        checks.add(i, out, x)
         return out
 
     chain = Chain([Stage(fn=stage, name=name, physical=True)], loss=_unused)
+    checks = ProbeChecks(chain)
     charged = (
         None
         if meter is None
         else types.SimpleNamespace(charge=lambda i, rows, kind="forward_calls": meter.charge(at, rows, kind))
     )
     problem = Problem(
-        chain, (params,), ({},), None, None, (0,), opts.key, 1.0, meter=charged, run=probed, first=index - 1
+        chain,
+        (params,),
+        ({},),
+        None,
+        None,
+        (0,),
+        opts.key,
+        1.0,
+        meter=charged,
+        run=probed,
+        first=index - 1,
+        checks=checks,
     )
     given = (
         (h[0], costates[0])
@@ -97,6 +109,7 @@ def estimate(
         else (h[0] if one_in else h, costates[0] if one_out else tuple(costates))
     )
     grads, costate_in, cost = opts.estimator.stage_vjp(problem, opts.estimator.prepare(problem), 0, *given)
+    problem.checked()
     return ((costate_in,) if one_in else tuple(costate_in)), grads, cost
 
 

@@ -30,7 +30,7 @@ from .chain import Chain
 from .estimators.base import Problem
 from .microbatch import Microbatch, merge_counters
 from .options import Options
-from .physical import Meter, check_probed
+from .physical import Meter, ProbeChecks
 from .update import Pending, Updater
 
 __all__ = ["Piece", "Range"]
@@ -159,12 +159,13 @@ class Range:
         rng = {e.index: e.rng for e in tape.entries if e.index not in opts.physical}
         modes = {e.index: e.modes for e in tape.entries}
         rounding = B.Policy(opts.boundary_dtype)
+        checks = ProbeChecks(chain)
 
         def call(i: int, params: Any, h: Any) -> Any:
             with R.replay_rng(rng.get(i), device), R.in_modes(modes.get(i, ())), R.autocast(opts.autocast, device):
                 out = chain.stages[i].call(params, buffers[i], h)[0]
             if i in opts.physical:
-                check_probed(chain, i, out, h)
+                checks.add(i, out, h)
             return out
 
         def feed(i: int, out: Any) -> Any:
@@ -210,4 +211,5 @@ class Range:
             feed,
             frozenset(i for i, drew in rng.items() if drew is not None),
             state,
+            checks=checks,
         )

@@ -118,6 +118,39 @@ def test_a_sweep_reads_no_tensor_value_on_the_host(reads, update):
     assert not reads, dict(reads)
 
 
+ESTIMATES = 2 * 2  # steps x microbatches: one estimate of the physical stage each
+
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        ({"offload": True, "boundary_dtype": torch.bfloat16}, {}),
+        ({"recompute": remat.save()}, {}),
+        ({"recompute": 4000}, {}),
+        # one read per estimate: the physical stage's probe calls held finite (raising needs the count)
+        ({"physical": [2], "estimator": E.zbp(E.Probes(4), method="fd")}, {"__int__": ESTIMATES}),
+        # and np's check that the loss is a sum of per-sample shares, once per microbatch
+        (
+            {"physical": [2], "estimator": E.node_perturbation(E.Probes(4), form="jvp")},
+            {"__int__": ESTIMATES, "__bool__": ESTIMATES},
+        ),
+    ],
+    ids=["offload bf16", "remat.save", "graph budget", "zbp", "np"],
+)
+def test_a_sweep_with_stored_boundaries_remat_or_estimators_reads_only_what_it_must(reads, options, expected):
+    """The chain's other options over two steps: offloaded low-precision boundaries and remat policies
+    read nothing; a physical stage's estimate reads once (its probe calls counted on the device, not
+    read per call), np's share check once per microbatch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    chain, params = ef.from_module(model, loss=lambda out, y: (out - y).square().mean())
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    for key in range(2):
+        ef.sweep(chain, params, x, y, key=key, microbatches=2, **options)
+    scalar_reads = sum(expected.values())
+    assert dict(reads) == {**expected, **({"aten._local_scalar_dense.default": scalar_reads} if scalar_reads else {})}
+
+
 class Residual(nn.Module):
     def __init__(self):
         super().__init__()

@@ -50,6 +50,9 @@ class Problem:
     first:                   the sweep's number of stage 0 (a physical module cut at run time is a
                              one-stage problem, its call numbered as a chain of the cut modules numbers
                              its stages): probe streams derive from ``first + i``.
+    checks:                  what the physical stages returned on the probe calls, counted on the
+                             device (``physical.ProbeChecks``), refused by ``checked()`` after each
+                             estimate if not finite; ``None``: nothing checked.
     """
 
     chain: Chain
@@ -67,6 +70,12 @@ class Problem:
     drawn: frozenset[int] = frozenset()
     state: Callable[[int], Any] | None = None
     first: int = 0
+    checks: Any = None
+
+    def checked(self) -> None:
+        """Raise if a physical stage returned a non-finite value on a probe call since the last check."""
+        if self.checks is not None:
+            self.checks.check()
 
     def call(self, i: int, params: Any, h: Any) -> Any:
         """Stage i on ``h`` at ``params`` as the forward ran it (its buffer updates discarded)."""
