@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import functools
 import threading
-import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -42,11 +41,11 @@ from . import replay
 from . import tree as T
 from . import vjp as V
 from .adjoint import AdjointState, fold_in
-from .cache import register
 from .capture import matches
 from .chain import Slots, module_lock
 from .compat import pytree
 from .diagnose import note
+from .input_writes import WRITES, leaf_name, param_name
 from .options import Options
 from .passes import Context
 from .physical import Meter
@@ -191,7 +190,7 @@ class Sweep:
             params,
             buffers,
             replay.rng_state(self.device),
-            autocast_state(self.device),
+            replay.autocast_state(self.device),
             modes,
         )
         call.host = replay.HOST.before((type(module), module.training))
@@ -455,7 +454,7 @@ class Sweep:
                 replay.replay_rng(call.rng, self.device),
                 replay.in_modes(call.modes),
                 replay.HOST.replay(call.host),
-                replay_autocast(call.autocast),
+                replay.replay_autocast(call.autocast),
                 module_lock(call.module),
                 holding(call.module, {**local, **{n: b.clone() for n, b in call.buffers.items()}}),
                 cached if cached is not None else contextlib.nullcontext(),
@@ -518,7 +517,7 @@ class Sweep:
             held = {**call.params, **params, **{n: b.clone() for n, b in call.buffers.items()}}
             _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1  # a cut inside it is part of its call
             try:
-                with replay.in_modes(call.modes), replay_autocast(call.autocast), module_lock(call.module):
+                with replay.in_modes(call.modes), replay.replay_autocast(call.autocast), module_lock(call.module):
                     with holding(call.module, held):
                         out = call.forward(*args, **kwargs)
             finally:
@@ -653,65 +652,6 @@ def sums(out: Any) -> list:
     return [t.detach().sum() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and B.is_differentiable(t)]
 
 
-class InputWrites:
-    """Which cut modules write into their inputs during their forward (``x.mul_(2)``,
-    ``nn.ReLU(inplace=True)``), as eager PyTorch lets a module do. A module's first call in each mode
-    (training flag) is watched, its tensor inputs copied before it (a version read tells the writes);
-    one that wrote then has the leaves it wrote copied before each call, so its rebuild starts from
-    the values its forward was given. The caller's tensors are written as in eager PyTorch and
-    autograd is told so (``mark_dirty``): a written input is an output of the call too. A write the
-    module did not make on its first call is refused: the values the rebuild needs are gone."""
-
-    def __init__(self):
-        self.seen: weakref.WeakKeyDictionary[nn.Module, dict[bool, frozenset[int]]] = weakref.WeakKeyDictionary()
-
-    def before(self, call: Call) -> dict[int, torch.Tensor] | None:
-        """Copies of the call's leaves its module may write into (``None``: it writes none)."""
-        seen = self.seen.get(call.module)
-        written = None if seen is None else seen.get(call.module.training)
-        if written is not None and not written:
-            return None
-        picks = range(len(call.leaves)) if written is None else written
-        return {i: call.leaves[i].clone() for i in picks if i < len(call.leaves) and call.versions[i] >= 0}
-
-    def after(self, call: Call, copies: dict[int, torch.Tensor] | None) -> None:
-        """The leaves the forward wrote into replaced by their copies from before the call."""
-        versions, leaves = call.versions, call.leaves
-        written = tuple(i for i, v in enumerate(versions) if v >= 0 and leaves[i]._version != v)
-        seen = self.seen.setdefault(call.module, {})
-        if written or call.module.training not in seen:
-            seen[call.module.training] = seen.get(call.module.training, frozenset()) | frozenset(written)
-        if not written:
-            return
-        lost = [i for i in written if copies is None or i not in copies]
-        if lost:
-            raise ValueError(
-                f"cut {call.name!r} wrote into its input {leaf_name(call, lost[0])} in place during its forward, "
-                f"which its first call did not: the values its rebuild needs are gone. Run the step again "
-                f"(that input is now copied before each call), or write out of place in the module"
-            )
-        for i in written:
-            leaves[i] = copies[i]  # type: ignore[index]
-            versions[i] = -1
-        call.written = written
-
-
-WRITES = InputWrites()
-register("input writes", "run-time cuts: which inputs each cut module writes into, per training flag (weakly, "
-         "per module); learned again with copies of every input", lambda: WRITES.seen.clear())  # fmt: skip
-
-
-def param_name(call: Call, p: torch.Tensor) -> str:
-    """The module's own name of the parameter tensor ``p`` of a call."""
-    return next(n for n, q in call.params.items() if q is p)
-
-
-def leaf_name(call: Call, i: int) -> str:
-    """Leaf i of a call's ``(args, kwargs)``, as ``args[0]`` or ``kwargs['mask']``."""
-    path = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(len(call.leaves))), call.spec))[0][i][0]
-    return ("args" if path[0] == pytree.SequenceKey(0) else "kwargs") + pytree.keystr(path[1:])
-
-
 def cut_modules(
     model: nn.Module, split_at: Sequence[str], modules: Iterable[tuple[str, nn.Module]] | None = None
 ) -> dict[str, nn.Module]:
@@ -727,19 +667,6 @@ def cut_modules(
             f"split_at: no module of {type(model).__name__} matches {list(split_at)}; its modules include {shown}"
         )
     return found
-
-
-def autocast_state(device: torch.device) -> tuple:
-    kind = device.type
-    return kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
-
-
-def replay_autocast(state: tuple):
-    """A context with autocast as ``state`` (``autocast_state``) says: nothing to do where it is so."""
-    kind, enabled, dtype = state
-    if (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) == (enabled, dtype):
-        return contextlib.nullcontext()
-    return torch.autocast(kind, dtype=dtype, enabled=enabled)
 
 
 def holding(module: nn.Module, tensors: Mapping[str, torch.Tensor]):

@@ -25,11 +25,13 @@ __all__ = [
     "NULL",
     "HostRandom",
     "autocast",
+    "autocast_state",
     "check_modes",
     "drew",
     "host_kind",
     "in_modes",
     "modes_of",
+    "replay_autocast",
     "replay_rng",
     "rng_state",
 ]
@@ -167,3 +169,16 @@ def _switched(changed: list):
 
 def autocast(dtype: torch.dtype | None, device: torch.device):
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else NULL
+
+
+def autocast_state(device: torch.device) -> tuple:
+    kind = device.type
+    return kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+
+
+def replay_autocast(state: tuple):
+    """A context with autocast as ``state`` (``autocast_state``) says: nothing to do where it is so."""
+    kind, enabled, dtype = state
+    if (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) == (enabled, dtype):
+        return contextlib.nullcontext()
+    return torch.autocast(kind, dtype=dtype, enabled=enabled)

@@ -201,7 +201,7 @@ def test_clear_caches_empties_every_cache_and_changes_no_result():
     from torch import nn
 
     import eae_func as ef
-    from eae_func import adjoint, cuts, early_stop
+    from eae_func import adjoint, early_stop, input_writes
     from eae_func.cache import caches
 
     sweep = importlib.import_module("eae_func.sweep")  # the module, not ef.sweep
@@ -221,10 +221,10 @@ def test_clear_caches_empties_every_cache_and_changes_no_result():
         return run, graph
 
     before = both()
-    assert len(sweep._CAPTURED) and len(cuts.WRITES.seen) and adjoint.fold_in.cache_info().currsize
+    assert len(sweep._CAPTURED) and len(input_writes.WRITES.seen) and adjoint.fold_in.cache_info().currsize
     assert {"captured models", "compiled", "early_stop", "input writes", "boundary keys"} <= set(caches())
     ef.clear_caches()
-    assert not len(sweep._CAPTURED) and not len(cuts.WRITES.seen) and not early_stop._KINDS
+    assert not len(sweep._CAPTURED) and not len(input_writes.WRITES.seen) and not early_stop._KINDS
     assert adjoint.fold_in.cache_info().currsize == 0
     after = both()
     for got, want in zip(after, before):
