@@ -82,7 +82,7 @@ class ProbeChecks:
 
     def __init__(self, chain: Chain):
         self.chain = chain
-        self.counts: dict[int, list] = {}  # stage -> [non-finite count (device), entries, calls, rows]
+        self.counts: dict[int, list] = {}  # stage -> [non-finite count (device), entries, calls, first call rows]
 
     def add(self, i: int, out: Any, h: Any) -> None:
         floats = [
@@ -109,7 +109,7 @@ class ProbeChecks:
             if bad:
                 raise FloatingPointError(
                     f"estimator: {self.chain.where(i)} returned {bad} non-finite values (NaN or inf) of {total} "
-                    f"over {calls} probe calls ({rows} rows each, inputs or parameters shifted by the probes); "
+                    f"over {calls} probe calls (the first on {rows} rows; inputs or parameters shifted by the probes); "
                     f"the estimate would be NaN while the loss stays finite. Keep the probed points where the "
                     f"stage measures (a smaller eps), or make it return finite values there"
                 )
