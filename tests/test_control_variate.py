@@ -4,6 +4,7 @@ only, the stats pool over microbatches, and the estimate is unbiased with zbp's 
 
 from __future__ import annotations
 
+import copy
 import numpy as np
 import pytest
 import torch
@@ -506,18 +507,131 @@ def test_guided_probes_are_unbiased_with_the_error_of_the_orthogonal_part():
     assert not unbiased(z_scores(wrong, g, wrong.var(0)))
 
 
-def test_guided_probes_cost_what_zbp_costs_and_refuse_what_they_cannot_guide():
+def joint_error(g: dict, s: dict) -> float:
+    """``Σ_b ‖G_b − ŝ_b(ŝ_b·G_b)‖²``: the part of the exact costates ``G_b`` (a sample's, joint over
+    the stages of ``g``) orthogonal to the twins' ``ŝ_b`` (joint too)."""
+    big_g, big_s = torch.cat(list(g.values()), -1), torch.cat(list(s.values()), -1)
+    hat = big_s / big_s.norm(dim=-1, keepdim=True)
+    across = big_g - hat * (hat * big_g).sum(-1, keepdim=True)
+    return (across * across).sum().item()
+
+
+@pytest.mark.parametrize("make", [E.node_perturbation, E.direct])
+def test_guided_np_and_direct_are_unbiased_with_the_error_of_the_orthogonal_part(make):
+    """Gaussian probes, oracle scalars, physical stages 1 and 3 each with a twin off by r ≈ 0.5:
+    every stage's estimate is unbiased, and the error is d/(n−1) ‖G − ŝ(ŝ·G)‖² summed over samples,
+    where np's scalar (and so G, ŝ and d) is a sample's over both stages and direct's each stage's
+    alone; within 15%, far below the unguided (d+1)/n ‖G‖². ŝ taken per stage for np (not jointly)
+    misses the formula."""
     chain, params, x, y, twin = mlp()
-    for method in ("jvp", "fd"):
-        plain = ef.sweep(chain, params, x, y, estimator=E.zbp(E.Probes(4), method=method), physical=[2], key=1)
-        res = ef.sweep(chain, params, x, y, estimator=E.guided(E.zbp(E.Probes(4), method=method), twin),
-                       physical=[2], key=1)  # fmt: skip
-        for counter in ("queries", "rows"):  # calls: one more (the guide's probe is its own call)
-            assert res.stats[chain.names[2]][counter] == plain.stats[chain.names[2]][counter], (method, counter)
+    physical, n = [1, 3], 4
+    twins = {chain.names[i]: twin for i in physical}
+    exact, pat = ef.sweep(chain, params, x, y), ef.sweep(chain, params, x, y, estimator=E.twin(twins), physical=physical)
+    g = {i: exact.adjoints[len(chain) - i].value for i in physical}
+    s = {i: pat.adjoints[len(chain) - i].value for i in physical}
+    est = E.guided(make(E.Probes(n)), twins)
+    runs = [ef.sweep(chain, params, x, y, estimator=est, physical=physical, key=k) for k in range(KEYS)]
+    samples = {i: torch.stack([r.adjoints[len(chain) - i].value for r in runs]) for i in physical}
+    error = sum(((samples[i] - g[i]) ** 2).sum().item() for i in physical) / KEYS
+    for i in physical:
+        assert unbiased(z_scores(samples[i], g[i], samples[i].var(0)))
+    groups = [physical] if make is E.node_perturbation else [[i] for i in physical]
+    d = {tuple(group): sum(g[i].shape[-1] for i in group) for group in groups}
+    theory = sum(d[tuple(group)] / (n - 1) * joint_error({i: g[i] for i in group}, {i: s[i] for i in group})
+                 for group in groups)  # fmt: skip
+    assert 0.85 < error / theory < 1.15
+    assert error < 0.5 * sum((d[tuple(gr)] + 1) / n * sum((g[i] ** 2).sum().item() for i in gr) for gr in groups)
+    if make is E.node_perturbation:
+        apart = sum(g[i].shape[-1] / (n - 1) * joint_error({i: g[i]}, {i: s[i]}) for i in physical)
+        assert not 0.85 < error / apart < 1.15
+
+
+def test_guided_probes_are_unit_on_average_orthogonal_to_the_guide_and_chunk_invariant():
+    """``probes.guide``: probe 0 is √n ŝ, the others have no ŝ component (jointly over the stages, per
+    scalar), the same probes whatever the chunking, and (1/n) Σ ũ ũᵀ averages to I over draws (a
+    weight of 1 on the orthogonal probes, as unguided probes weigh theirs, averages to n/(n−1) off ŝ)."""
+    from eae_func.estimators.probes import guide
+
+    g = torch.Generator().manual_seed(0)
+    s = {0: torch.randn(3, 4, generator=g, dtype=F64), 1: torch.randn(3, 2, generator=g, dtype=F64)}
+    s[0][1] = 0.0
+    s[1][1] = 0.0  # a sample with no guide: its probes are all isotropic
+    n = 5
+    probes = E.Probes(n, chunk=2)
+    total = torch.zeros(3, 6, 6, dtype=F64)
+    draws = 4000
+    for seed in range(draws):
+        rows = []
+        first = 0
+        for u0, u1 in zip(probes.chunks(seed, (3,), 4, F64, "cpu"), probes.chunks(seed + draws, (3,), 2, F64, "cpu")):
+            chunk = guide({0: u0, 1: u1}, s, first, n, 1)
+            rows.append(torch.cat([chunk[0], chunk[1]], -1))
+            first += len(u0)
+        u = torch.cat(rows)  # (n, 3, 6)
+        whole = guide(
+            {0: torch.cat(list(probes.chunks(seed, (3,), 4, F64, "cpu"))),
+             1: torch.cat(list(probes.chunks(seed + draws, (3,), 2, F64, "cpu")))},
+            s, 0, n, 1,
+        )  # fmt: skip
+        assert torch.equal(u, torch.cat([whole[0], whole[1]], -1))
+        total += torch.einsum("nbi,nbj->bij", u, u) / n
+    joint = torch.cat([s[0], s[1]], -1)
+    hat = joint / joint.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+    torch.testing.assert_close(u[0], n**0.5 * hat)
+    assert (u[1:] * hat).sum(-1).abs().max() < 1e-12
+    mean = total / draws
+    assert (mean - torch.eye(6, dtype=F64)).abs().max() < 0.1
+    off = torch.eye(6, dtype=F64) - hat.unsqueeze(-1) * hat.unsqueeze(-2)
+    too_heavy = hat.unsqueeze(-1) * hat.unsqueeze(-2) + off * n / (n - 1)
+    assert (mean - too_heavy)[[0, 2]].abs().max() > 0.2
+
+
+@pytest.mark.parametrize("make", [E.zbp, E.node_perturbation, E.direct])
+def test_the_control_variate_of_guided_probes_is_the_guided_estimate_and_shrinks_it(make):
+    """With exact twin directional derivatives, ŝ·(g − βs) + ŝ·βs = ŝ·g and u⊥·s = 0: the control
+    variate over guided probes is the guided estimate for any β (to rounding); ``shrink="auto"`` takes
+    λ = h / (h + v) with v = d/(n−1), the guided probes' error factor (gaussian)."""
+    chain, params, x, y, twin = mlp()
+    n, d = 4, 8
+    for form in ("oracle", "jvp") if make is not E.zbp else ("jvp",):
+        guided = E.guided(make(E.Probes(n)) if make is E.zbp else make(E.Probes(n), form=form), twin)
+        want = ef.sweep(chain, params, x, y, estimator=guided, physical=[2], key=7)
+        for beta, directional in ((1.0, "exact"), (0.3, "exact"), (0.3, "fd")):  # "fd" under jvp: the twin's jvp
+            cv = E.control_variate(guided, twin, beta, twin_directional=directional)
+            got = ef.sweep(chain, params, x, y, estimator=cv, physical=[2], key=7)
+            for a, b in zip(ef.tree_leaves(got.grads), ef.tree_leaves(want.grads), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    shrunk = ef.sweep(chain, params, x, y, estimator=E.control_variate(guided, twin, shrink="auto"), physical=[2])
+    assert float(shrunk.stats[chain.names[2]]["shrink"]) == pytest.approx(1 / (1 + d / (n - 1)))
+
+
+def test_guided_probes_cost_what_the_estimator_costs_and_refuse_what_they_cannot_guide():
+    chain, params, x, y, twin = mlp()
+    wrapped = [E.zbp(E.Probes(4), method=m) for m in ("jvp", "fd")]
+    wrapped += [make(E.Probes(4), form=f) for make in (E.node_perturbation, E.direct) for f in ("oracle", "jvp", "fd")]
+    for estimator in wrapped:
+        plain = ef.sweep(chain, params, x, y, estimator=estimator, physical=[2], key=1)
+        res = ef.sweep(chain, params, x, y, estimator=E.guided(estimator, twin), physical=[2], key=1)
+        for counter in COUNTERS:
+            assert res.stats[chain.names[2]].get(counter) == plain.stats[chain.names[2]].get(counter), (
+                estimator,
+                counter,
+            )
         assert res.stats[chain.names[2]]["twin_calls"] == 1
-    with pytest.raises(ValueError, match=r"guided: needs n >= 2 independent gaussian or rademacher probes"):
-        E.guided(E.zbp(E.Probes(1)), twin)
-    with pytest.raises(ValueError, match=r"guided: needs n >= 2"):
-        E.guided(E.zbp(E.Probes(4, "orthogonal")), twin)
-    with pytest.raises(TypeError, match=r"guided: wraps E.zbp"):
-        E.guided(E.direct(E.Probes(4)), twin)
+        probes = estimator.probes
+        one_by_one = copy.copy(estimator)
+        one_by_one.probes = E.Probes(probes.n, probes.kind, 1, probes.batch_dims)
+        chunked = ef.sweep(chain, params, x, y, estimator=E.guided(one_by_one, twin), physical=[2], key=1)
+        for a, b in zip(ef.tree_leaves(chunked.grads), ef.tree_leaves(res.grads), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)  # the same probes, a chunk at a time
+    other = ef.sweep(chain, params, x, y, estimator=E.control_variate(E.guided(wrapped[0], twin), lambda p, h: twin(p, h)),
+                     physical=[2], key=1)  # fmt: skip
+    assert other.stats[chain.names[2]]["twin_calls"] == 2  # a guide of its own: one more twin vjp
+    for probes in (E.Probes(1), E.Probes(4, "orthogonal"), E.Probes(4, "sphere"), E.Probes(4, antithetic=True)):
+        with pytest.raises(ValueError, match=r"guided: needs n >= 2 independent gaussian or rademacher probes"):
+            E.guided(E.zbp(probes), twin)
+    for bad in (E.twin(twin), E.guided(E.zbp(E.Probes(4)), twin), E.control_variate(E.zbp(E.Probes(4)), twin)):
+        with pytest.raises(TypeError, match=r"guided: wraps E.zbp\(...\), E.node_perturbation\(...\) or E.direct"):
+            E.guided(bad, twin)
+    with pytest.raises(ValueError, match=r"beta='xfit' needs halves of probes of one law"):
+        E.control_variate(E.guided(E.zbp(E.Probes(4)), twin), twin, "xfit")

@@ -67,10 +67,11 @@ import optree
 import torch
 
 from .. import boundary as B
-from ..chain import Chain, stage
+from ..chain import Chain
 from ..lazy import Ratio
 from ..tree import NAMESPACE
 from .base import Problem
+from .guided import Guided, guided_draw
 from .local import (
     Flat,
     exact_param_grads,
@@ -81,7 +82,7 @@ from .local import (
     where,
 )
 from .model_level import ModelLevel, NodePerturbation, Prepared
-from .twin import Twins, twin_vjp
+from .twin import Twins, twin_costates, twin_network, twin_vjp
 from .zbp import ZBP
 
 __all__ = ["ControlVariate", "control_variate"]
@@ -181,7 +182,7 @@ class ControlVariate:
 
     def __init__(
         self,
-        estimator: ZBP | ModelLevel,
+        estimator: ZBP | ModelLevel | Guided,
         twin: Callable | Mapping[str, Callable],
         beta: float | str = 1.0,
         twin_directional: str = "exact",
@@ -189,11 +190,13 @@ class ControlVariate:
         shrink: float | str | None = None,
         horizon: float = 1.0,
     ):
-        if not isinstance(estimator, ZBP | ModelLevel):
+        base = estimator.estimator if isinstance(estimator, Guided) else estimator
+        if not isinstance(base, ZBP | ModelLevel):
             raise TypeError(
                 "control_variate: wraps E.zbp(...) (stage level), E.node_perturbation(...) or E.direct(...) "
-                f"(model level), got {type(estimator).__name__}"
+                f"(model level), or E.guided(...) of one, got {type(estimator).__name__}"
             )
+        self.base, self.guide = base, (estimator.twins if isinstance(estimator, Guided) else None)
         self.twins = Twins("control_variate", twin)
         if beta not in BETAS and not (
             isinstance(beta, numbers.Real) and not isinstance(beta, bool) and abs(float(beta)) < float("inf")
@@ -215,26 +218,31 @@ class ControlVariate:
             raise ValueError(f"control_variate: horizon must be a finite number of steps >= 1, got {horizon!r}")
         if horizon != 1 and shrink != "auto":
             raise ValueError("control_variate: horizon= sets shrink='auto''s lambda; give shrink='auto' with it")
-        probes = estimator.probes
+        probes = base.probes
         if beta == "xfit" and (probes.kind == "orthogonal" or probes.n < (4 if probes.antithetic else 2)):
             raise ValueError(
                 "control_variate: beta='xfit' fits each half of the probes on the other, so it needs two "
                 f"non-empty halves of independent probes, got {probes!r}; use another kind or more probes"
             )
+        if beta == "xfit" and self.guide is not None:
+            raise ValueError(
+                "control_variate: beta='xfit' needs halves of probes of one law, but guided probes are "
+                "not (the first goes along the twin's costate); use a number or 'ema'"
+            )
         self.estimator, self.beta, self.twin_directional, self.decay = estimator, beta, twin_directional, float(decay)
         self.shrink, self.horizon = (shrink if shrink in (None, "auto") else float(shrink)), float(horizon)
-        self.scope = estimator.scope
+        self.scope = base.scope
         self.state: Mapping[tuple[str, str], tuple] = MappingProxyType({})
 
     @property
     def differentiates(self) -> bool:
-        return self.estimator.differentiates
+        return self.base.differentiates
 
     @property
     def fd(self) -> bool:
         """Whether the wrapped estimator measures by central differences (and probes parameters)."""
-        wrapped = self.estimator
-        return wrapped.method == "fd" if isinstance(wrapped, ZBP) else wrapped.form == "fd"
+        base = self.base
+        return base.method == "fd" if isinstance(base, ZBP) else base.form == "fd"
 
     def __repr__(self) -> str:
         shrink = "" if self.shrink is None else f", shrink={self.shrink!r}, horizon={self.horizon:g}"
@@ -261,12 +269,14 @@ class ControlVariate:
         self.twins.check(chain, physical)
 
     def sums(self, s: torch.Tensor) -> Sums:
-        return Sums(s, 2 if self.beta == "xfit" else 1, self.estimator.probes.antithetic)
+        return Sums(s, 2 if self.beta == "xfit" else 1, self.base.probes.antithetic)
 
     def variance_factor(self, d: int) -> float:
         """v: the wrapped estimator's ``E‖ĝ − g‖² / ‖g‖²`` for one scalar over dimension ``d``."""
-        probes = self.estimator.probes
+        probes = self.base.probes
         n = probes.n / 2 if probes.antithetic else probes.n  # a pair is one independent direction
+        if self.guide is not None:  # one probe measures the twin's direction; n − 1 probe the other d − 1
+            n, d = n - 1, d - 1
         if probes.kind == "orthogonal":
             return max(d / n - 1, 0.0)
         return (d + 1) / n if probes.kind == "gaussian" else (d - 1) / n
@@ -278,20 +288,25 @@ class ControlVariate:
             v = self.variance_factor(sums.s.shape[-1] if d is None else d)
             lam = self.horizon / (self.horizon + v) if self.shrink == "auto" else float(self.shrink)
             shrink = (lam, v, self.horizon)
-        return sums.estimate(self.beta, self.state.get((name, space)), self.estimator.probes.n, PREFIX[space], shrink)
+        return sums.estimate(self.beta, self.state.get((name, space)), self.base.probes.n, PREFIX[space], shrink)
 
     def prepare(self, problem: Problem) -> Any:
-        wrapped = self.estimator
+        wrapped = self.base
         if isinstance(wrapped, ZBP):
             return wrapped.prepare(problem)
-        run, chunks = wrapped.measurements(problem)
-        assert problem.exact_trace is not None  # checked by measurements
-        twin_call = self.shifted(problem, run)
-        trace = {a.index: a.value for a in problem.exact_trace(network(problem.chain, twin_call))}
-        s = {
-            i: run.flats[i].vector(optree.tree_leaves(trace[i], namespace=NAMESPACE)) * problem.loss_scale
-            for i in run.probed
-        }
+        measured: dict = {}
+
+        def costates(run: Any) -> dict:
+            measured["call"] = twin_network(problem, run, self.twins)
+            measured["s"] = twin_costates(problem, run, measured["call"])
+            return measured["s"]
+
+        guide = None
+        if self.guide is not None:  # the guides are this estimator's twins' costates unless other twins guide
+            guide = costates if self.guide.twin is self.twins.twin else Guided(wrapped, self.guide.twin).guides(problem)
+        run, chunks = wrapped.measurements(problem, guide=guide)
+        s = measured["s"] if "s" in measured else costates(run)
+        twin_call = measured["call"]
         twin = None
         if self.twin_directional == "fd" and wrapped.form != "oracle":  # the network of twins, probed alike
             twin = wrapped.measurements(dataclasses.replace(problem, run=twin_call, meter=None), states=run)[1]
@@ -320,25 +335,8 @@ class ControlVariate:
             costs[i] = {**costs[i], **stats}
         return Prepared(estimates, costs)
 
-    def shifted(self, problem: Problem, run: Any) -> Callable:
-        """``call(i, params, h)``: digital stages as the forward ran them, each physical stage as its
-        twin shifted to the output the estimator measured at its measured input."""
-        offsets = {}
-        with torch.no_grad():
-            for i in problem.physical:
-                out = self.twins.of(problem, i)(problem.params[i], run.boundaries[i])
-                offsets[i] = optree.tree_map(torch.sub, run.outputs[i], out, namespace=NAMESPACE)
-
-        def call(i: int, params: Any, h: Any) -> Any:
-            if i not in offsets:
-                return problem.call(i, params, h)
-            out = self.twins.of(problem, i)(params, h)
-            return optree.tree_map(tiled_add, out, offsets[i], namespace=NAMESPACE)
-
-        return call
-
     def stage_vjp(self, problem: Problem, prepared: Any, i: int, h_in: Any, costate: Any):
-        wrapped, fn = self.estimator, self.twins.of(problem, i)
+        wrapped, fn = self.base, self.twins.of(problem, i)
         floats, _, costate_like = B.split(h_in, f"input of {where(problem, i)}")
         flat = Flat(floats, wrapped.probes.batch_dims, f"input of {where(problem, i)}")
         probing = self.fd and bool(param_leaves(problem.params[i])[0])
@@ -348,10 +346,22 @@ class ControlVariate:
             estimate = []
             if flat.d:
                 s = flat.vector(optree.tree_leaves(twin_in, namespace=NAMESPACE))
-                twin = wrapped.directional(problem, i, h_in, costate, fn) if self.twin_directional == "fd" else None
+                draw = None
+                if self.guide is not None:  # along this estimator's twin's costate unless another twin guides
+                    guide, other = s, self.guide.of(problem, i)
+                    if other is not fn:
+                        guide = flat.vector(optree.tree_leaves(twin_vjp(problem, i, h_in, costate, other)[1],
+                                                               namespace=NAMESPACE))  # fmt: skip
+                        cost["twin_calls"] = 2
+                    draw = guided_draw(wrapped.probes, guide)
+                twin = (
+                    wrapped.directional(problem, i, h_in, costate, fn, draw=draw)
+                    if self.twin_directional == "fd"
+                    else None
+                )
                 sums = self.sums(s)
                 for (u, ug), paired in zip(
-                    wrapped.directional(problem, i, h_in, costate), repeat(None) if twin is None else twin
+                    wrapped.directional(problem, i, h_in, costate, draw=draw), repeat(None) if twin is None else twin
                 ):
                     sums.add(u, ug, per_position(u * s, ug.ndim - 1) if paired is None else paired[1])
                 total, stats = self.estimate(sums, problem.chain.names[i], "input")
@@ -374,7 +384,7 @@ class ControlVariate:
     ) -> tuple[Any, dict]:
         """The control variate on stage i's probed parameter directions, ``s_W`` the twin's
         parameter vjp ``twin_grads``."""
-        wrapped = self.estimator
+        wrapped = self.base
         probing = (wrapped.probes, wrapped.eps)
         s = Flat(param_leaves(problem.params[i])[0], 0, f"params of {where(problem, i)}").vector(
             optree.tree_leaves(twin_grads, namespace=NAMESPACE)
@@ -392,18 +402,6 @@ class ControlVariate:
 def positions(s: torch.Tensor) -> int:
     """Positions per sample of a ``(batch, *positions, d)`` costate vector (1 without positions)."""
     return int(torch.Size(s.shape[1:-1]).numel()) if s.ndim > 2 else 1
-
-
-def tiled_add(out: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """``out + offset``, the offset repeated over copies folded into the leading dim of ``out``."""
-    if out.ndim and out.shape[0] != offset.shape[0]:
-        offset = offset.repeat(out.shape[0] // offset.shape[0], *[1] * (offset.ndim - 1))
-    return out + offset
-
-
-def network(chain: Chain, call: Callable) -> Chain:
-    """``chain`` with every stage i run as ``call(i, params, h)``."""
-    return Chain([stage(lambda p, h, i=i: call(i, p, h), name=n) for i, n in enumerate(chain.names)], loss=chain.loss)
 
 
 def control_variate(

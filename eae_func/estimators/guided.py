@@ -1,17 +1,28 @@
-"""Twin-guided probes for zbp: the direction the twin's costate points is measured exactly, the rest
-isotropically, so probes are spent where the twin may be wrong:
+"""Twin-guided probes for zbp, np and direct: the direction the twin's costate points is measured
+exactly, the rest isotropically, so the probes are spent where the twin may be wrong:
 
-    ŝ = s / ‖s‖ per position       s: the twin's vjp of the costate at the stage's measured input
-    ĝ = ŝ <J ŝ, p> + (1/(n−1)) Σ_i u⊥_i <J u⊥_i, p>,      u⊥ = u − ŝ (ŝ·u),  u gaussian or rademacher
+    ŝ = s / ‖s‖ per scalar                 ũ_0 = √n ŝ,    ũ_i = √(n/(n−1)) (u_i − ŝ (ŝ·u_i))  (i ≥ 1)
 
-One of the n probes is ŝ itself, which gives ŝ·g (up to fd's truncation); the other n − 1 are
-isotropic probes with their ŝ component removed, so ``E[u⊥ u⊥ᵀ] = I − ŝŝᵀ`` and the second term is
-an unbiased estimate of g's part orthogonal to ŝ: ĝ is unbiased, with error
-``d/(n−1) ‖g − ŝ(ŝ·g)‖²`` per position (gaussian) where zbp's is ``(d+1)/n ‖g‖²``. Guidance pays as
-far as the twin's costate is aligned with the exact one (cos² > 1 − (n−1)(d+1)/(n d), about 1/n):
-at d = 64, n = 8 and a twin 44% off (cos ≈ 0.9), a fifth of zbp's error; a twin unrelated to the
-stage costs zbp's error times n d / ((n−1)(d+1)). The same rows and calls as zbp, and one twin vjp;
-where ``s`` is zero at a position, that position's probes are all isotropic.
+``u_i`` are the wrapped estimator's own probes and "per scalar" is what one measured scalar sums
+over: a position's features for zbp; a position's (oracle) or a sample's (jvp, fd) for direct; a
+sample's over every physical stage for np, so there ŝ and the projection are joint across the
+stages. The wrapped estimator runs unchanged on ũ, so with ``u⊥ = u − ŝ(ŝ·u)``
+
+    ĝ = (1/n) Σ_i ũ_i (ũ_i·g) = ŝ (ŝ·g) + (1/(n−1)) Σ_{i≥1} u⊥_i (u⊥_i·g)
+
+``E[u⊥ u⊥ᵀ] = I − ŝŝᵀ`` makes ĝ unbiased, with error ``d/(n−1) ‖g − ŝ(ŝ·g)‖²`` per scalar
+(gaussian; d the dimension it sums over) where the estimator's own is ``(d+1)/n ‖g‖²``: guidance
+pays as far as the twin's costate is aligned with the exact one, whatever its length
+(cos² > 1 − (n−1)(d+1)/(n d), about 1/n); a twin unrelated to the stage costs the estimator's error
+times n d / ((n−1)(d+1)). ``s``: for zbp the twin's vjp of the costate at the stage's measured
+input; for np and direct the input costates of a reverse sweep through the twins at the states the
+estimator measured (as ``E.control_variate`` takes them). The same rows and calls as the wrapped
+estimator, and one twin vjp (zbp) or twin sweep (np, direct); where ``s`` is zero, that scalar's
+probes are all isotropic.
+
+With the control variate, ``E.control_variate(E.guided(estimator, twin), twin)``: exact twin
+directional derivatives give ŝ·(g − βs) + ŝ·βs = ŝ·g and u⊥·s = 0, so at λ = 1 it is the guided
+estimate itself, whatever β; what it adds is ``shrink=`` (and ``twin_directional="fd"``).
 """
 
 from __future__ import annotations
@@ -26,31 +37,32 @@ from .. import boundary as B
 from ..chain import Chain
 from ..tree import NAMESPACE
 from .base import Problem
-from .local import Flat, exact_param_grads, fd_param_grads, where
-from .probes import Probes
-from .twin import Twins, twin_vjp
+from .local import Flat, where
+from .model_level import ModelLevel, Prepared
+from .probes import Probes, guide
+from .twin import Twins, twin_costates, twin_network, twin_vjp
 from .zbp import ZBP
 
-__all__ = ["Guided", "guided"]
+__all__ = ["Guided", "guided", "guided_draw"]
 
 
 class Guided:
-    """zbp with one probe along the twin's costate and the others orthogonal to it (module doc)."""
+    """zbp, np or direct with one probe along the twins' costates and the others orthogonal to
+    them (module doc)."""
 
-    scope = "stage"
-
-    def __init__(self, estimator: ZBP, twin: Callable | Mapping[str, Callable]):
-        if not isinstance(estimator, ZBP):
-            raise TypeError(f"guided: wraps E.zbp(...), got {type(estimator).__name__}")
+    def __init__(self, estimator: ZBP | ModelLevel, twin: Callable | Mapping[str, Callable]):
+        if isinstance(estimator, Guided) or not isinstance(estimator, ZBP | ModelLevel):
+            raise TypeError(
+                "guided: wraps E.zbp(...), E.node_perturbation(...) or E.direct(...) (for the control "
+                f"variate too, wrap it around: E.control_variate(E.guided(...), twin)), got {type(estimator).__name__}"
+            )
         probes = estimator.probes
         if probes.n < 2 or probes.kind not in ("gaussian", "rademacher") or probes.antithetic:
             raise ValueError(
                 f"guided: needs n >= 2 independent gaussian or rademacher probes (one goes along the twin's "
                 f"costate), got {probes!r}"
             )
-        self.estimator, self.twins = estimator, Twins("guided", twin)
-        rest = Probes(probes.n - 1, probes.kind, probes.chunk, probes.batch_dims)
-        self.rest = ZBP(rest, estimator.method, estimator.eps)
+        self.estimator, self.twins, self.scope = estimator, Twins("guided", twin), estimator.scope
 
     @property
     def differentiates(self) -> bool:
@@ -62,41 +74,45 @@ class Guided:
     def check(self, chain: Chain, physical: tuple[int, ...]) -> None:
         self.twins.check(chain, physical)
 
-    def prepare(self, problem: Problem) -> None:
-        return None
+    def guides(self, problem: Problem) -> Callable[[Any], dict]:
+        """``guide(run)``: the twins' input costates at the states a model-level ``run`` measured."""
+        return lambda run: twin_costates(problem, run, twin_network(problem, run, self.twins))
 
-    def stage_vjp(self, problem: Problem, prepared: None, i: int, h_in: Any, costate: Any):
-        floats, _, costate_like = B.split(h_in, f"input of {where(problem, i)}")
-        flat = Flat(floats, self.estimator.probes.batch_dims, f"input of {where(problem, i)}")
-        estimate = []
+    def prepare(self, problem: Problem) -> Prepared | None:
+        if isinstance(self.estimator, ZBP):
+            return None
+        return self.estimator.prepare(problem, guide=self.guides(problem))
+
+    def stage_vjp(self, problem: Problem, prepared: Any, i: int, h_in: Any, costate: Any):
+        wrapped = self.estimator
+        if isinstance(wrapped, ModelLevel):
+            grads, input_costate, cost = wrapped.stage_vjp(problem, prepared, i, h_in, costate)
+            return grads, input_costate, {**cost, "twin_calls": 1}
+        floats, _, _ = B.split(h_in, f"input of {where(problem, i)}")
+        flat = Flat(floats, wrapped.probes.batch_dims, f"input of {where(problem, i)}")
+        draw = None
         if flat.d:
-            s = flat.vector(optree.tree_leaves(twin_vjp(problem, i, h_in, costate, self.twins.of(problem, i))[1],
-                                               namespace=NAMESPACE))  # fmt: skip
-            norm = s.norm(dim=-1, keepdim=True)
-            guide = torch.where(norm > 0, s / torch.where(norm > 0, norm, 1.0), 0.0)
-
-            def along(seed: int, batch_shape: Any, d: int, dtype: Any, device: Any) -> Iterator[torch.Tensor]:
-                yield guide.to(dtype).unsqueeze(0)
-
-            def across(seed: int, batch_shape: Any, d: int, dtype: Any, device: Any) -> Iterator[torch.Tensor]:
-                for u in self.rest.probes.chunks(seed, batch_shape, d, dtype, device):
-                    yield u - guide * (u * guide).sum(-1, keepdim=True)
-
-            total = torch.zeros_like(flat.vector(floats))
-            for u, slopes in self.estimator.directional(problem, i, h_in, costate, draw=along):
-                total += (u * slopes.unsqueeze(-1)).sum(0)
-            for u, slopes in self.estimator.directional(problem, i, h_in, costate, draw=across):
-                total += (u * slopes.unsqueeze(-1)).sum(0) / self.rest.probes.n
-            estimate = flat.leaves(total)
-        if self.estimator.method == "jvp":
-            grads, param_cost = exact_param_grads(problem, i, h_in, costate)
-        else:
-            grads, param_cost = fd_param_grads(problem, i, h_in, costate, self.estimator.probes, self.estimator.eps)
-        return grads, costate_like(estimate), {"queries": 2 * self.estimator.probes.n, "twin_calls": 1, **param_cost}
+            s = twin_vjp(problem, i, h_in, costate, self.twins.of(problem, i))[1]
+            draw = guided_draw(wrapped.probes, flat.vector(optree.tree_leaves(s, namespace=NAMESPACE)))
+        grads, input_costate, cost = wrapped.stage_vjp(problem, prepared, i, h_in, costate, draw=draw)
+        return grads, input_costate, {**cost, "twin_calls": 1}
 
 
-def guided(estimator: ZBP, twin: Callable | Mapping[str, Callable]) -> Guided:
-    """zbp whose probes are guided by ``twin`` (``fn(params, h)``, or one per stage name): one along the
-    twin's costate, measured exactly, the other n − 1 isotropic and orthogonal to it; unbiased, and
-    better than zbp as far as the twin points the right way (module doc)."""
+def guided_draw(probes: Probes, s: torch.Tensor) -> Callable[..., Iterator[torch.Tensor]]:
+    """zbp's ``draw``: ``probes`` guided along ``s`` (``(*batch_shape, d)``: one scalar per position)."""
+
+    def draw(seed: int, batch_shape: Any, d: int, dtype: Any, device: Any) -> Iterator[torch.Tensor]:
+        first = 0
+        for u in probes.chunks(seed, batch_shape, d, dtype, device):
+            yield guide({0: u}, {0: s}, first, probes.n, len(batch_shape))[0]
+            first += len(u)
+
+    return draw
+
+
+def guided(estimator: ZBP | ModelLevel, twin: Callable | Mapping[str, Callable]) -> Guided:
+    """zbp, np or direct whose probes are guided by ``twin`` (``fn(params, h)``, or one per stage
+    name): one along the twin's costate, measured exactly, the other n − 1 isotropic and orthogonal
+    to it; unbiased, and better than the estimator alone as far as the twin points the right way
+    (module doc)."""
     return Guided(estimator, twin)

@@ -37,7 +37,7 @@ through every downstream one, 2n·Σk in all); the rows and calls actually run a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -63,7 +63,7 @@ from .local import (
     perturb_folded,
     where,
 )
-from .probes import Probes
+from .probes import Probes, guide
 
 __all__ = ["ModelLevel", "NodePerturbation", "Prepared", "direct", "node_perturbation"]
 
@@ -91,6 +91,7 @@ class _Run:
         self.outputs: dict = {}
         self.flats: dict = {}
         self.placements: dict = {}
+        self.guides: dict | None = None
 
     def count(self, i: int, kind: str, rows: int) -> None:
         """One more call of stage i of ``kind`` (forward_calls, jvp_calls, backward_calls) on ``rows`` rows."""
@@ -117,6 +118,18 @@ class _Run:
         """Stage i's input probes, chunk by chunk."""
         flat, (dtype, device) = self.flats[i], self.placements[i]
         return self.estimator.probes.chunks(self.problem.probe_seed(i), flat.batch_shape, flat.d, dtype, device)
+
+    def chunks(self, stages: list, dims: int) -> Iterator[dict]:
+        """``{stage: u}`` chunk by chunk: the probes of ``stages`` drawn in lockstep, guided jointly
+        along ``self.guides`` where set (``probes.guide``; ``dims``: the batch dims one scalar keeps)."""
+        first = 0
+        for chunk in zip(*(self.probe_chunks(i) for i in stages)):
+            probes = dict(zip(stages, chunk))
+            if self.guides is not None:
+                guides = {i: self.guides[i] for i in stages}
+                probes = guide(probes, guides, first, self.estimator.probes.n, dims)
+            first += len(chunk[0])
+            yield probes
 
     def shift(self, i: int, h: Any, delta: torch.Tensor) -> Any:
         """``h`` with its differentiable leaves shifted by ``delta: (*batch_shape, d_i)``."""
@@ -289,8 +302,8 @@ class ModelLevel:
     def __repr__(self) -> str:
         return f"{self.name}({self.probes!r}, form={self.form!r}, eps={self.eps:g}, reduction={self.reduction!r})"
 
-    def prepare(self, problem: Problem) -> Prepared:
-        run, chunks = self.measurements(problem)
+    def prepare(self, problem: Problem, guide: Callable[[Any], dict] | None = None) -> Prepared:
+        run, chunks = self.measurements(problem, guide=guide)
         totals: dict = {}
         for chunk in chunks:
             for i, (u, scalar) in chunk.items():
@@ -299,32 +312,37 @@ class ModelLevel:
                 totals[i] += (u * run.expand(scalar, i)).sum(0)
         return Prepared({i: t / self.probes.n for i, t in totals.items()}, self.costs(problem))
 
-    def measurements(self, problem: Problem, states: Any = None) -> tuple[Any, Iterator[dict]]:
+    def measurements(
+        self, problem: Problem, states: Any = None, guide: Callable[[Any], dict] | None = None
+    ) -> tuple[Any, Iterator[dict]]:
         """``(run, chunks)``: this microbatch's run (probe layouts; each physical stage's input and
         output as the estimator's forward measured them: ``run.boundaries``, ``run.outputs``) and,
         chunk by chunk, ``{stage: (u, scalar)}``: each probed stage's probes and the scalars the
         estimate multiplies them by (np: ``D_i``, shared by the stages; direct: the stage's own),
         ``ĝ = (1/n) Σ u · scalar``. With ``states`` (an earlier run, jvp and fd forms) nothing is run
         forward: the probes see the earlier run's states (a network of twins probed where the
-        hardware was)."""
+        hardware was, along its guides). With ``guide(run) -> {stage: s}`` (after the forward, before
+        any probe) the probes are guided along ``s`` (``E.guided``)."""
         if problem.x is None or problem.exact_trace is None:
             raise ValueError(
                 f"{self.name}: a model-level estimator probes the whole chain from its input, so it "
                 f"needs the chain in one process (ef.sweep); in a pipeline use zbp or exact"
             )
         run = _Run(self, problem)
-        if self.form == "oracle":
-            return run, self.oracle(run, run.exact_costates())
-        if states is None:
-            run.check_shares(run.forward())
-        else:
-            run.boundaries, run.outputs, run.flats, run.placements = (
+        exact = run.exact_costates() if self.form == "oracle" else None
+        if states is not None:
+            run.boundaries, run.outputs, run.flats, run.placements, run.guides = (
                 states.boundaries,
                 states.outputs,
                 states.flats,
                 states.placements,
+                states.guides,
             )
-        return run, self.probe(run)
+        elif exact is None:
+            run.check_shares(run.forward())
+        if guide is not None:
+            run.guides = guide(run)
+        return run, self.probe(run) if exact is None else self.oracle(run, exact)
 
     def costs(self, problem: Problem) -> dict:
         return {i: {"queries": self.queries(problem, i)} for i in problem.physical}
@@ -368,8 +386,7 @@ class NodePerturbation(ModelLevel):
         probed = run.probed
         if not probed:
             return
-        for chunk in zip(*(run.probe_chunks(i) for i in probed)):
-            chunks = dict(zip(probed, chunk))
+        for chunks in run.chunks(probed, run.scalar_dims()):
             d = scalars(chunks)
             yield {i: (u, d) for i, u in chunks.items()}
 
@@ -384,14 +401,14 @@ class Direct(ModelLevel):
 
     def oracle(self, run: _Run, exact: dict) -> Iterator[dict]:
         for i, g in exact.items():
-            for u in run.probe_chunks(i):
-                yield {i: (u, per_position(u * g, self.probes.batch_dims))}
+            for chunk in run.chunks([i], self.probes.batch_dims):
+                yield {i: (chunk[i], per_position(chunk[i] * g, self.probes.batch_dims))}
 
     def probe(self, run: _Run) -> Iterator[dict]:
         slopes = run.slopes_jvp if self.form == "jvp" else run.slopes_fd
         for i in run.probed:
-            for u in run.probe_chunks(i):
-                yield {i: (u, slopes(i, {i: u}))}
+            for chunk in run.chunks([i], run.scalar_dims()):
+                yield {i: (chunk[i], slopes(i, chunk))}
 
     def queries(self, problem: Problem, i: int) -> int:
         downstream = sum(1 for j in problem.physical if j >= i)

@@ -28,7 +28,7 @@ import torch
 
 from ..adjoint import fold_in
 
-__all__ = ["INPUT_STREAM", "PARAM_STREAM", "Probes", "probe_seed"]
+__all__ = ["INPUT_STREAM", "PARAM_STREAM", "Probes", "guide", "probe_seed"]
 
 
 KINDS = ("gaussian", "rademacher", "sphere", "orthogonal")
@@ -133,3 +133,29 @@ class _Stream:
             if kind == "sphere":
                 u = u * (math.sqrt(d) / torch.linalg.vector_norm(u, dim=-1, keepdim=True))
         return u.to(self.dtype)
+
+
+def guide(chunk: dict, s: dict, first: int, n: int, dims: int) -> dict:
+    """``chunk`` (``{stage: u}``, probes ``first..first+k−1`` of ``n``, each ``(k, *batch_shape, d)``)
+    guided along ``s`` (``{stage: (*batch_shape, d)}``): probe 0 is ``√n ŝ`` and probe i ≥ 1 is
+    ``√(n/(n−1)) (u_i − ŝ (ŝ·u_i))``, ``ŝ = s / ‖s‖`` with the norm and the inner products taken
+    jointly over the stages and over every dim after the first ``dims`` batch dims (what one measured
+    scalar sums over). ``E[u uᵀ] = I`` gives ``E[(1/n) Σ ũ ũᵀ] = ŝŝᵀ + (I − ŝŝᵀ) = I``; where ``s`` is
+    zero, probe 0 is zero and the others are ``√(n/(n−1)) u``, still ``I`` on average."""
+
+    def scalar(t: torch.Tensor, lead: int) -> torch.Tensor:  # summed over all but the first lead + dims dims
+        return t.reshape(*t.shape[: lead + dims], -1).sum(-1)
+
+    def spread(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return t.reshape(*t.shape, *[1] * (like.ndim - t.ndim))
+
+    norm2 = torch.stack([scalar(t * t, 0) for t in s.values()]).sum(0)
+    inverse = torch.where(norm2 > 0, norm2.rsqrt(), 0.0)
+    hat = {i: t * spread(inverse, t) for i, t in s.items()}
+    along = torch.stack([scalar(u * hat[i].to(u.dtype), 1) for i, u in chunk.items()]).sum(0)
+    guided = {}
+    for i, u in chunk.items():
+        direction = hat[i].to(u.dtype)
+        u = (u - direction * spread(along, u)) * math.sqrt(n / (n - 1))
+        guided[i] = torch.cat([math.sqrt(n) * direction.unsqueeze(0), u[1:]]) if first == 0 else u
+    return guided

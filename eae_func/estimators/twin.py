@@ -17,14 +17,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
+import torch
 
 from .. import boundary as B
-from ..chain import Chain
+from ..chain import Chain, stage
 from ..tree import NAMESPACE
 from .base import Problem
 from .local import exact_vjp, where
 
-__all__ = ["Twins", "frozen", "twin", "twin_vjp"]
+__all__ = ["Twins", "frozen", "twin", "twin_costates", "twin_network", "twin_vjp"]
 
 
 class Twins:
@@ -62,6 +63,48 @@ class Twins:
 
 def name_of(fn: Callable) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
+
+
+def twin_network(problem: Problem, run: Any, twins: Twins) -> Callable:
+    """``call(i, params, h)``: digital stages as the forward ran them, each physical stage as its
+    twin shifted to the output a model-level estimator's ``run`` measured at its measured input
+    (the states are the hardware's, only the Jacobians the twins')."""
+    offsets = {}
+    with torch.no_grad():
+        for i in problem.physical:
+            out = twins.of(problem, i)(problem.params[i], run.boundaries[i])
+            offsets[i] = optree.tree_map(torch.sub, run.outputs[i], out, namespace=NAMESPACE)
+
+    def call(i: int, params: Any, h: Any) -> Any:
+        if i not in offsets:
+            return problem.call(i, params, h)
+        out = twins.of(problem, i)(params, h)
+        return optree.tree_map(tiled_add, out, offsets[i], namespace=NAMESPACE)
+
+    return call
+
+
+def twin_costates(problem: Problem, run: Any, call: Callable) -> dict:
+    """``s_l``: the input costate ``(*batch_shape, d_l)`` of every probed physical stage of ``run``
+    from a reverse sweep through ``call`` (``twin_network``), times the microbatch's loss share."""
+    assert problem.exact_trace is not None  # checked by the model-level estimator's measurements
+    trace = {a.index: a.value for a in problem.exact_trace(network(problem.chain, call))}
+    return {
+        i: run.flats[i].vector(optree.tree_leaves(trace[i], namespace=NAMESPACE)) * problem.loss_scale
+        for i in run.probed
+    }
+
+
+def tiled_add(out: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """``out + offset``, the offset repeated over copies folded into the leading dim of ``out``."""
+    if out.ndim and out.shape[0] != offset.shape[0]:
+        offset = offset.repeat(out.shape[0] // offset.shape[0], *[1] * (offset.ndim - 1))
+    return out + offset
+
+
+def network(chain: Chain, call: Callable) -> Chain:
+    """``chain`` with every stage i run as ``call(i, params, h)``."""
+    return Chain([stage(lambda p, h, i=i: call(i, p, h), name=n) for i, n in enumerate(chain.names)], loss=chain.loss)
 
 
 def twin_vjp(problem: Problem, i: int, h_in: Any, costate: Any, fn: Callable) -> tuple[Any, Any]:

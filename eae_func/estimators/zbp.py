@@ -76,13 +76,16 @@ class ZBP:
     def prepare(self, problem: Problem) -> None:
         return None
 
-    def stage_vjp(self, problem: Problem, prepared: None, i: int, h_in: Any, costate: Any):
+    def stage_vjp(
+        self, problem: Problem, prepared: None, i: int, h_in: Any, costate: Any, draw: Callable | None = None
+    ):
+        """The reverse step of physical stage i; ``draw`` as in ``directional``."""
         floats, _, costate_like = B.split(h_in, f"input of {where(problem, i)}")
         flat = Flat(floats, self.probes.batch_dims, f"input of {where(problem, i)}")
         estimate = []
         if flat.d:
             total = torch.zeros_like(flat.vector(floats))
-            for u, slopes in self.directional(problem, i, h_in, costate):
+            for u, slopes in self.directional(problem, i, h_in, costate, draw=draw):
                 total += (u * slopes.unsqueeze(-1)).sum(0)
             estimate = flat.leaves(total / self.probes.n)
         if self.method == "jvp":
