@@ -286,9 +286,9 @@ def shrinkage_table(keys: int, d: int = 64, n: int = 8, batch: int = 8, horizon:
     )
     print(
         f"| twin r | zbp | PAT | control variate | shrink auto (h = 1) | shrink auto (h = {horizon}) | "
-        f"λ (h = 1 / {horizon}) | guided probes (vs zbp) |"
+        f"λ (h = 1 / {horizon}) | guided probes (vs zbp) | guided + shrink auto (h = 1) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in (0.075, 0.44, 1.2):
         twin, s, r = twin_at(chain, params, x, y, g, make_twin, r)
         pat = ((s.double() - g) ** 2).sum().item() / g2
@@ -298,6 +298,8 @@ def shrinkage_table(keys: int, d: int = 64, n: int = 8, batch: int = 8, horizon:
         lam = [float(ef.sweep(chain, params, x, y, estimator=e).stats["medium"]["shrink"]) for e in (one, many)]
         one_s, many_s = draws(chain, params, x, y, one, keys)[0], draws(chain, params, x, y, many, keys)[0]
         guided = mse(draws(chain, params, x, y, E.guided(zbp, twin), keys)[0], 1)
+        shrunk = E.control_variate(E.guided(zbp, twin), twin, shrink="auto")
+        guided_shrunk = mse(draws(chain, params, x, y, shrunk, keys)[0], 1)
         cells = [
             f"{mse(zbp_samples, 1):.3f} / {mse(zbp_samples, horizon):.3f}",
             f"{pat:.4f}",
@@ -306,6 +308,7 @@ def shrinkage_table(keys: int, d: int = 64, n: int = 8, batch: int = 8, horizon:
             f"{mse(many_s, horizon):.4f} ({mse(many_s, horizon) / min(pat, mse(cv, horizon), mse(zbp_samples, horizon)):.2f}x)",
             f"{lam[0]:.3f} / {lam[1]:.3f}",
             f"{guided:.4f} ({guided / mse(zbp_samples, 1):.3f}x)",
+            f"{guided_shrunk:.4f} ({guided_shrunk / min(pat, mse(cv, 1), mse(zbp_samples, 1)):.2f}x the best)",
         ]
         print(f"| {r:.3f} | " + " | ".join(cells) + " |")
     print("\n(zbp and the control variate: one step / the mean of h; PAT's bias does not average.)")
@@ -347,7 +350,8 @@ def token_model(batch: int = 4, tokens: int = 6, width: int = 8, vocab: int = 16
 
 def token_table(keys: int, n: int = 8, off: float = 0.05) -> None:
     """np and direct (jvp form, n rademacher probes per sample, tokens × features in one probe) with
-    and without the twins as a control variate (β = 1, and shrunk: λ "auto") on ``token_model``: MSE over ``keys`` keys of
+    and without the twins as a control variate (β = 1, and shrunk: λ "auto"), and with probes guided by
+    the twins (alone and shrunk) on ``token_model``: MSE over ``keys`` keys of
     both physical stages' input costates and of the upstream parameter gradients (embedding and
     digital1), relative to the wrapped estimator's, at the same rows of the black boxes."""
     chain, params, ids, y, twins = token_model(off=off)
@@ -381,8 +385,16 @@ def token_table(keys: int, n: int = 8, off: float = 0.05) -> None:
         base, rows = errors(wrapped)
         print(f"| {name} | {rows} | 1 | 1 | 1 | 1 |")
         print(f"| PAT (E.twin) | {twin_rows} | " + " | ".join(f"{m / b:.4f}" for m, b in zip(twin_errors, base)) + " |")
-        for label, kw in (("control variate", {}), ('shrinkage cv (λ "auto")', {"shrink": "auto"})):
-            mine, cv_rows = errors(E.control_variate(wrapped, twins, **kw))
+        variants = {
+            "control variate": E.control_variate(wrapped, twins),
+            'shrinkage cv (λ "auto")': E.control_variate(wrapped, twins, shrink="auto"),
+            "guided probes": E.guided(wrapped, twins),
+            'guided probes + shrinkage cv (λ "auto")': E.control_variate(
+                E.guided(wrapped, twins), twins, shrink="auto"
+            ),
+        }
+        for label, estimator in variants.items():
+            mine, cv_rows = errors(estimator)
             print(f"| {name} + {label} | {cv_rows} | " + " | ".join(f"{m / b:.4f}" for m, b in zip(mine, base)) + " |")
 
 

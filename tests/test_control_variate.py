@@ -5,6 +5,7 @@ only, the stats pool over microbatches, and the estimate is unbiased with zbp's 
 from __future__ import annotations
 
 import copy
+
 import numpy as np
 import pytest
 import torch
@@ -526,7 +527,10 @@ def test_guided_np_and_direct_are_unbiased_with_the_error_of_the_orthogonal_part
     chain, params, x, y, twin = mlp()
     physical, n = [1, 3], 4
     twins = {chain.names[i]: twin for i in physical}
-    exact, pat = ef.sweep(chain, params, x, y), ef.sweep(chain, params, x, y, estimator=E.twin(twins), physical=physical)
+    exact, pat = (
+        ef.sweep(chain, params, x, y),
+        ef.sweep(chain, params, x, y, estimator=E.twin(twins), physical=physical),
+    )
     g = {i: exact.adjoints[len(chain) - i].value for i in physical}
     s = {i: pat.adjoints[len(chain) - i].value for i in physical}
     est = E.guided(make(E.Probes(n)), twins)

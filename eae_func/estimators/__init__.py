@@ -5,9 +5,10 @@
 ``exact()``: the exact local vjp (sanity check). ``zbp``: chained zeroth-order
 backprop, stage by stage. ``node_perturbation`` / ``direct``: model-level
 estimates of every physical stage's input costate from the loss, then replayed.
-``twin``: physics-aware training through a differentiable twin; ``control_variate``: zbp with
-the twin as a control variate (unbiased); ``guided``: zbp with one probe along the twin's costate
-and the rest orthogonal to it (unbiased); ``frozen``: no costate upstream (readout only). ``suggest_eps``: a finite-difference step from the measured noise.
+``twin``: physics-aware training through a differentiable twin; ``control_variate``: zbp, np or
+direct with the twin as a control variate (unbiased, or shrunk); ``guided``: zbp, np or direct with
+one probe along the twin's costate and the rest orthogonal to it (unbiased); ``frozen``: no costate
+upstream (readout only). ``suggest_eps``: a finite-difference step from the measured noise.
 """
 
 from .base import Estimator, Problem
