@@ -77,6 +77,7 @@ from .local import (
     exact_param_grads,
     param_directional,
     param_leaves,
+    param_vector,
     per_position,
     unflatten_params,
     where,
@@ -241,8 +242,7 @@ class ControlVariate:
     @property
     def fd(self) -> bool:
         """Whether the wrapped estimator measures by central differences (and probes parameters)."""
-        base = self.base
-        return base.method == "fd" if isinstance(base, ZBP) else base.form == "fd"
+        return self.base.fd
 
     def __repr__(self) -> str:
         shrink = "" if self.shrink is None else f", shrink={self.shrink!r}, horizon={self.horizon:g}"
@@ -343,17 +343,13 @@ class ControlVariate:
         if isinstance(wrapped, ZBP):
             twin_grads, twin_in = twin_vjp(problem, i, h_in, costate, fn)
             cost: dict = {"queries": 2 * wrapped.probes.n, "twin_calls": 1}
+            guide = self.guide_vjp(problem, i, h_in, costate, (twin_grads, twin_in), cost)
             estimate = []
             if flat.d:
                 s = flat.vector(optree.tree_leaves(twin_in, namespace=NAMESPACE))
                 draw = None
-                if self.guide is not None:  # along this estimator's twin's costate unless another twin guides
-                    guide, other = s, self.guide.of(problem, i)
-                    if other is not fn:
-                        guide = flat.vector(optree.tree_leaves(twin_vjp(problem, i, h_in, costate, other)[1],
-                                                               namespace=NAMESPACE))  # fmt: skip
-                        cost["twin_calls"] = 2
-                    draw = guided_draw(wrapped.probes, guide)
+                if guide is not None:
+                    draw = guided_draw(wrapped.probes, flat.vector(optree.tree_leaves(guide[1], namespace=NAMESPACE)))
                 twin = (
                     wrapped.directional(problem, i, h_in, costate, fn, draw=draw)
                     if self.twin_directional == "fd"
@@ -370,29 +366,43 @@ class ControlVariate:
         else:  # estimated in prepare; the twin's vjp here only for probed parameters
             twin_grads = twin_vjp(problem, i, h_in, costate, fn)[0] if probing else None
             cost = {**prepared.costs[i], "twin_calls": 1 + probing}
+            guide = self.guide_vjp(problem, i, h_in, costate, (twin_grads, None), cost) if probing else None
             estimate = flat.leaves(prepared.costates[i]) if flat.d else []
         if probing:
-            grads, param_cost = self.param_grads(problem, i, h_in, costate, fn, twin_grads)
+            draw = None if guide is None else guided_draw(wrapped.probes, param_vector(problem, i, guide[0]))
+            grads, param_cost = self.param_grads(problem, i, h_in, costate, fn, twin_grads, draw)
         elif self.fd:  # no parameters: the (empty) tree is its own gradient
             grads, param_cost = problem.params[i], {}
         else:
             grads, param_cost = exact_param_grads(problem, i, h_in, costate)
         return grads, costate_like(estimate), {**cost, **param_cost}
 
+    def guide_vjp(self, problem: Problem, i: int, h_in: Any, costate: Any, twin: tuple, cost: dict) -> tuple | None:
+        """The guiding twin's ``(parameter gradients, input costate)`` at stage i: ``twin`` (this
+        estimator's twin's) where the same twin guides, else its own vjp (one more twin call in
+        ``cost``); ``None`` unguided."""
+        if self.guide is None:
+            return None
+        other = self.guide.of(problem, i)
+        if other is self.twins.of(problem, i):
+            return twin
+        cost["twin_calls"] += 1
+        return twin_vjp(problem, i, h_in, costate, other)
+
     def param_grads(
-        self, problem: Problem, i: int, h_in: Any, costate: Any, fn: Callable, twin_grads: Any
+        self, problem: Problem, i: int, h_in: Any, costate: Any, fn: Callable, twin_grads: Any, draw: Callable | None
     ) -> tuple[Any, dict]:
-        """The control variate on stage i's probed parameter directions, ``s_W`` the twin's
-        parameter vjp ``twin_grads``."""
+        """The control variate on stage i's probed parameter directions (``draw``: guided ones), ``s_W``
+        the twin's parameter vjp ``twin_grads``."""
         wrapped = self.base
         probing = (wrapped.probes, wrapped.eps)
-        s = Flat(param_leaves(problem.params[i])[0], 0, f"params of {where(problem, i)}").vector(
-            optree.tree_leaves(twin_grads, namespace=NAMESPACE)
+        s = param_vector(problem, i, twin_grads)
+        twin = (
+            param_directional(problem, i, h_in, costate, *probing, fn, draw) if self.twin_directional == "fd" else None
         )
-        twin = param_directional(problem, i, h_in, costate, *probing, fn) if self.twin_directional == "fd" else None
         sums = self.sums(s)
         for (v, vg), paired in zip(
-            param_directional(problem, i, h_in, costate, *probing), repeat(None) if twin is None else twin
+            param_directional(problem, i, h_in, costate, *probing, draw=draw), repeat(None) if twin is None else twin
         ):
             sums.add(v, vg, (v * s).sum(-1) if paired is None else paired[1])
         total, cost = self.estimate(sums, problem.chain.names[i], "params")

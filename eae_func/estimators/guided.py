@@ -18,7 +18,8 @@ times n d / ((n−1)(d+1)). ``s``: for zbp the twin's vjp of the costate at the 
 input; for np and direct the input costates of a reverse sweep through the twins at the states the
 estimator measured (as ``E.control_variate`` takes them). The same rows and calls as the wrapped
 estimator, and one twin vjp (zbp) or twin sweep (np, direct); where ``s`` is zero, that scalar's
-probes are all isotropic.
+probes are all isotropic. Under fd the probed parameter directions (one vector for the batch) are
+guided alike, along the twin's parameter gradient (one more twin vjp per stage for np and direct).
 
 With the control variate, ``E.control_variate(E.guided(estimator, twin), twin)``: exact twin
 directional derivatives give ŝ·(g − βs) + ŝ·βs = ŝ·g and u⊥·s = 0, so at λ = 1 it is the guided
@@ -37,7 +38,7 @@ from .. import boundary as B
 from ..chain import Chain
 from ..tree import NAMESPACE
 from .base import Problem
-from .local import Flat, where
+from .local import Flat, param_leaves, param_vector, where
 from .model_level import ModelLevel, Prepared
 from .probes import Probes, guide
 from .twin import Twins, twin_costates, twin_network, twin_vjp
@@ -84,18 +85,21 @@ class Guided:
         return self.estimator.prepare(problem, guide=self.guides(problem))
 
     def stage_vjp(self, problem: Problem, prepared: Any, i: int, h_in: Any, costate: Any):
-        wrapped = self.estimator
-        if isinstance(wrapped, ModelLevel):
-            grads, input_costate, cost = wrapped.stage_vjp(problem, prepared, i, h_in, costate)
-            return grads, input_costate, {**cost, "twin_calls": 1}
+        wrapped, probes = self.estimator, self.estimator.probes
         floats, _, _ = B.split(h_in, f"input of {where(problem, i)}")
-        flat = Flat(floats, wrapped.probes.batch_dims, f"input of {where(problem, i)}")
+        flat = Flat(floats, probes.batch_dims, f"input of {where(problem, i)}")
+        probing = wrapped.fd and bool(param_leaves(problem.params[i])[0])  # probed parameter directions
+        guiding = probing or (isinstance(wrapped, ZBP) and flat.d > 0)
+        twin = twin_vjp(problem, i, h_in, costate, self.twins.of(problem, i)) if guiding else None
+        param_draw = guided_draw(probes, param_vector(problem, i, twin[0])) if twin is not None and probing else None
+        if isinstance(wrapped, ModelLevel):
+            grads, input_costate, cost = wrapped.stage_vjp(problem, prepared, i, h_in, costate, param_draw)
+            return grads, input_costate, {**cost, "twin_calls": 1 + probing}
         draw = None
-        if flat.d:
-            s = twin_vjp(problem, i, h_in, costate, self.twins.of(problem, i))[1]
-            draw = guided_draw(wrapped.probes, flat.vector(optree.tree_leaves(s, namespace=NAMESPACE)))
-        grads, input_costate, cost = wrapped.stage_vjp(problem, prepared, i, h_in, costate, draw=draw)
-        return grads, input_costate, {**cost, "twin_calls": 1}
+        if twin is not None and flat.d:
+            draw = guided_draw(probes, flat.vector(optree.tree_leaves(twin[1], namespace=NAMESPACE)))
+        grads, input_costate, cost = wrapped.stage_vjp(problem, prepared, i, h_in, costate, draw, param_draw)
+        return grads, input_costate, {**cost, "twin_calls": int(guiding)}
 
 
 def guided_draw(probes: Probes, s: torch.Tensor) -> Callable[..., Iterator[torch.Tensor]]:

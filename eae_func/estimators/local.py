@@ -33,6 +33,7 @@ __all__ = [
     "inner",
     "param_directional",
     "param_leaves",
+    "param_vector",
     "per_position",
     "perturb_folded",
     "unflatten_params",
@@ -177,6 +178,12 @@ def param_leaves(params: Any) -> tuple[list, Any]:
     return optree.tree_flatten(params, namespace=NAMESPACE)
 
 
+def param_vector(problem: Problem, i: int, grads: Any) -> torch.Tensor:
+    """Stage i's parameter gradient tree ``grads`` as one flat vector ``(d,)``."""
+    leaves = optree.tree_leaves(grads, namespace=NAMESPACE)
+    return Flat(param_leaves(problem.params[i])[0], 0, f"params of {where(problem, i)}").vector(leaves)
+
+
 def exact_param_grads(problem: Problem, i: int, h_in: Any, costate: Any) -> tuple[Any, dict]:
     """``J_W(h_i)ᵀ p`` by one local vjp w.r.t. the parameters only (``dense``)."""
     params = problem.params[i]
@@ -217,9 +224,12 @@ def dense(grads: Any, params: Any) -> Any:
     )
 
 
-def fd_param_grads(problem: Problem, i: int, h_in: Any, costate: Any, probes: Probes, eps: float) -> tuple[Any, dict]:
+def fd_param_grads(
+    problem: Problem, i: int, h_in: Any, costate: Any, probes: Probes, eps: float, draw: Callable | None = None
+) -> tuple[Any, dict]:
     """Parameter gradient from probed parameter directions v (shared by the whole batch):
-    ``ĝ_W = (1/n) Σ_i v_i <(h(W+εv_i, x) − h(W−εv_i, x)) / 2ε, p>``, the black box only run forward.
+    ``ĝ_W = (1/n) Σ_i v_i <(h(W+εv_i, x) − h(W−εv_i, x)) / 2ε, p>``, the black box only run forward
+    (``draw`` as in ``param_directional``).
 
     A black box takes one parameter setting per call, so each probe costs two calls on the whole
     batch (a loop over parameter probes, inherent to the hardware, not over samples)."""
@@ -227,23 +237,31 @@ def fd_param_grads(problem: Problem, i: int, h_in: Any, costate: Any, probes: Pr
     if not leaves:
         return problem.params[i], {}  # no parameters: the (empty) tree is its own gradient
     estimate = torch.zeros_like(Flat(leaves, 0, f"params of {where(problem, i)}").vector(leaves))
-    for v, slopes in param_directional(problem, i, h_in, costate, probes, eps):
+    for v, slopes in param_directional(problem, i, h_in, costate, probes, eps, draw=draw):
         estimate += (v * slopes[:, None]).sum(0)
     return unflatten_params(problem, i, estimate / probes.n), {"param_queries": 2 * probes.n}
 
 
 def param_directional(
-    problem: Problem, i: int, h_in: Any, costate: Any, probes: Probes, eps: float, fn: Callable | None = None
+    problem: Problem,
+    i: int,
+    h_in: Any,
+    costate: Any,
+    probes: Probes,
+    eps: float,
+    fn: Callable | None = None,
+    draw: Callable | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """``(v, <(h(W+εv) − h(W−εv)) / 2ε, p>)`` chunk by chunk: stage i's parameter probes ``v: (k, d)``
     (its ``"params"`` stream, all leaves flattened) and the central differences of its output along
     them against the costate ``p``, ``(k,)``; with ``fn(params, h)`` in place of the stage (a twin:
-    the same probes and steps, not a call of the stage)."""
+    the same probes and steps, not a call of the stage); with ``draw(seed, (), d, dtype, device)``,
+    the chunks of directions it yields in place of the probes'."""
     leaves, spec = param_leaves(problem.params[i])
     flat = Flat(leaves, 0, f"params of {where(problem, i)}")
     theta = flat.vector(leaves)
     stage = OutputLeaves(problem, i, fn)
-    for v in probes.chunks(problem.probe_seed(i, "params"), (), flat.d, theta.dtype, theta.device):
+    for v in (draw or probes.chunks)(problem.probe_seed(i, "params"), (), flat.d, theta.dtype, theta.device):
         slopes = []
         with torch.no_grad():  # not around the yield: a consumer's code would run without grad
             for direction in v:

@@ -286,6 +286,11 @@ class ModelLevel:
     def differentiates(self) -> bool:
         return self.form != "fd"
 
+    @property
+    def fd(self) -> bool:
+        """Whether it measures by central differences (and probes the stages' parameters)."""
+        return self.form == "fd"
+
     def __init__(self, probes: Probes, form: str = "oracle", eps: float = 1e-3, reduction: str = "mean"):
         self.probes = check_probes(self.name, probes)
         if form not in FORMS:
@@ -347,12 +352,16 @@ class ModelLevel:
     def costs(self, problem: Problem) -> dict:
         return {i: {"queries": self.queries(problem, i)} for i in problem.physical}
 
-    def stage_vjp(self, problem: Problem, prepared: Prepared, i: int, h_in: Any, costate: Any):
+    def stage_vjp(
+        self, problem: Problem, prepared: Prepared, i: int, h_in: Any, costate: Any, param_draw: Callable | None = None
+    ):
+        """Physical stage i's reverse step: its estimated input costate, and its parameters' gradient
+        (``param_draw``: the probed parameter directions, as in ``local.param_directional``)."""
         floats, _, costate_like = B.split(h_in, f"input of {where(problem, i)}")
         flat = Flat(floats, self.probes.batch_dims, f"input of {where(problem, i)}")
         input_costate = costate_like(flat.leaves(prepared.costates[i]) if flat.d else [])
         if self.form == "fd":
-            grads, param_cost = fd_param_grads(problem, i, h_in, costate, self.probes, self.eps)
+            grads, param_cost = fd_param_grads(problem, i, h_in, costate, self.probes, self.eps, param_draw)
         else:
             grads, param_cost = exact_param_grads(problem, i, h_in, costate)
         return grads, input_costate, merge_counters(prepared.costs[i], param_cost)

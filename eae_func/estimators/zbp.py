@@ -59,6 +59,11 @@ class ZBP:
     def differentiates(self) -> bool:
         return self.method == "jvp"
 
+    @property
+    def fd(self) -> bool:
+        """Whether it measures by central differences (and probes the stage's parameters)."""
+        return self.method == "fd"
+
     def __init__(self, probes: Probes, method: str = "jvp", eps: float = 1e-3):
         self.probes = check_probes("zbp", probes)
         if method not in METHODS:
@@ -77,9 +82,17 @@ class ZBP:
         return None
 
     def stage_vjp(
-        self, problem: Problem, prepared: None, i: int, h_in: Any, costate: Any, draw: Callable | None = None
+        self,
+        problem: Problem,
+        prepared: None,
+        i: int,
+        h_in: Any,
+        costate: Any,
+        draw: Callable | None = None,
+        param_draw: Callable | None = None,
     ):
-        """The reverse step of physical stage i; ``draw`` as in ``directional``."""
+        """The reverse step of physical stage i; ``draw`` as in ``directional``, ``param_draw`` the
+        parameter directions' (``local.param_directional``)."""
         floats, _, costate_like = B.split(h_in, f"input of {where(problem, i)}")
         flat = Flat(floats, self.probes.batch_dims, f"input of {where(problem, i)}")
         estimate = []
@@ -91,7 +104,7 @@ class ZBP:
         if self.method == "jvp":
             grads, param_cost = exact_param_grads(problem, i, h_in, costate)
         else:
-            grads, param_cost = fd_param_grads(problem, i, h_in, costate, self.probes, self.eps)
+            grads, param_cost = fd_param_grads(problem, i, h_in, costate, self.probes, self.eps, param_draw)
         return (
             grads,
             costate_like(estimate),
