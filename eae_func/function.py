@@ -27,25 +27,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
-import linecache
-import os
-import random
-import sys
-import sysconfig
 import threading
-import types
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import optree
 import torch
 from torch import nn
 from torch.export.graph_signature import InputKind
 
 from . import capture
+from . import user_code as U
 from .cache import kept, register
 from .chain import Stage
 from .tree import NAMESPACE
@@ -148,7 +141,7 @@ def captured(fn: Callable, params: Any, inputs: tuple) -> Captured:
     except TypeError:  # not weakly referenceable: captured every call
         cache = {}
     with capture.LOCK:  # a second thread capturing the same function waits and finds this capture
-        return kept(cache, key, closure(fn), lambda: capture_function(fn, params, inputs))
+        return kept(cache, key, U.closure(fn), lambda: capture_function(fn, params, inputs))
 
 
 def _layout(tree: Any) -> tuple:
@@ -168,7 +161,7 @@ def _hashable(value: Any) -> Any:
 
 def capture_function(fn: Callable, params: Any, inputs: tuple) -> Captured:
     """``fn(params, *inputs)`` captured and cut at its ``cut`` marks (see the module docstring)."""
-    label = _label(fn)
+    label = U.label(fn)
     paths, leaves, spec = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
     names = _leaf_names(paths)
     for name, t in zip(names, leaves):
@@ -183,7 +176,7 @@ def capture_function(fn: Callable, params: Any, inputs: tuple) -> Captured:
     except capture.Refused:
         raise
     except Exception as e:
-        where = _user_line(e) or label
+        where = U.user_line(e) or label
         if capture.data_dependent(e):
             raise ValueError(
                 f"{label}: a branch on a tensor's value at {where} cannot be captured (the cuts and "
@@ -198,7 +191,7 @@ def capture_function(fn: Callable, params: Any, inputs: tuple) -> Captured:
         del _MARKS.cuts
     if drew:
         raise ValueError(
-            f"{label} draws from Python's {' and '.join(drew)} at {_drawn_at(fn, params, inputs) or label}; "
+            f"{label} draws from Python's {' and '.join(drew)} at {U.drawn_at(fn, params, inputs) or label}; "
             f"a capture would bake that one draw into every later call: draw with torch's RNG "
             f"(torch.rand, dropout), which the sweep replays"
         )
@@ -261,11 +254,11 @@ def _sources(program: Any, names: list[str], fn: Callable) -> dict:
             j += 1
         elif spec.kind == InputKind.CONSTANT_TENSOR:
             value = program.constants[spec.target]
-            trainable = _trainable(fn) if trainable is None else trainable
+            trainable = U.trainable(fn) if trainable is None else trainable
             if isinstance(value, torch.Tensor) and (value.requires_grad or value.data_ptr() in trainable):
                 what = trainable.get(value.data_ptr(), f"a tensor of shape {tuple(value.shape)}")
                 raise ValueError(
-                    f"{_label(fn)} reads {what}, a tensor that requires grad, from outside its params: a "
+                    f"{U.label(fn)} reads {what}, a tensor that requires grad, from outside its params: a "
                     f"capture would treat it as a constant and give it no gradient. Pass it in params (a "
                     f"module's weights: torch.func.functional_call(module, params['block'], (h,))), or "
                     f"detach it (or requires_grad_(False)) if it is not trained"
@@ -273,137 +266,6 @@ def _sources(program: Any, names: list[str], fn: Callable) -> dict:
             sources[spec.arg.name] = ("constant", spec.target)
         else:
             raise RuntimeError(
-                f"{_label(fn)}: the captured graph has an input of kind {spec.kind}, which eae_func cannot feed"
+                f"{U.label(fn)}: the captured graph has an input of kind {spec.kind}, which eae_func cannot feed"
             )
     return sources
-
-
-def _label(fn: Callable) -> str:
-    """``model_fn (file.py:12)``: the function and where it is defined."""
-    target = getattr(fn, "func", fn)
-    code = getattr(getattr(target, "__func__", target), "__code__", None)
-    name = getattr(target, "__qualname__", type(target).__name__)
-    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
-
-
-def _values(fn: Any) -> list[tuple[str, Any]]:
-    """``(name, value)`` of what ``fn`` reads from outside its arguments: a partial's bound arguments,
-    a method's object, a function's closure cells and the globals its code names, a callable object's
-    attributes."""
-    if isinstance(fn, functools.partial):
-        return [("partial", (fn.args, fn.keywords)), *_values(fn.func)]
-    if inspect.ismethod(fn):
-        return [("self", fn.__self__), *_values(fn.__func__)]
-    if isinstance(fn, types.FunctionType):
-        found = inspect.getclosurevars(fn)
-        return [*found.nonlocals.items(), *found.globals.items()]
-    if callable(fn) and hasattr(fn, "__dict__"):
-        return list(vars(fn).items())
-    return []
-
-
-_LIBRARIES = (
-    *(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, optree, np)),
-    os.path.dirname(__file__) + os.sep,
-    sysconfig.get_paths()["stdlib"] + os.sep,
-)
-
-
-def _is_user(filename: str) -> bool:
-    return not filename.startswith(_LIBRARIES) and not filename.startswith("<frozen")
-
-
-def _reachable(fn: Any, depth: int = 0):
-    """``_values(fn)``, and those of the user's own helper functions it names, three calls deep."""
-    for name, v in _values(fn):
-        yield name, v
-        if isinstance(v, types.FunctionType) and _is_user(v.__code__.co_filename) and depth < 3:
-            yield from _reachable(v, depth + 1)
-
-
-def closure(fn: Any) -> tuple:
-    """A comparable fingerprint of what ``fn`` reads from outside (``_reachable``), each value by
-    ``capture.described``: at every depth, so a nested dict or ``cfg.sub.scale`` changed between
-    calls makes a new capture."""
-    seen: dict[int, Any] = {}
-    return tuple((name, capture.described(v, seen)) for name, v in _reachable(fn))
-
-
-def _trainable(fn: Callable) -> dict:
-    """``{storage address: name}`` of the tensors that require grad ``fn`` can reach from outside its
-    arguments (closed-over tensors, modules' parameters, one level into containers)."""
-    found: dict = {}
-
-    def visit(name: str, v: Any, nested: bool) -> None:
-        if isinstance(v, torch.Tensor) and v.requires_grad:
-            found.setdefault(v.data_ptr(), repr(name))
-        elif isinstance(v, nn.Module):
-            for path, t in v.named_parameters():
-                if t.requires_grad:
-                    found.setdefault(t.data_ptr(), f"{name}.{path}")
-        elif isinstance(v, (list, tuple)) and not nested:
-            for j, e in enumerate(v):
-                visit(f"{name}[{j}]", e, True)
-        elif isinstance(v, dict) and not nested:
-            for k, e in v.items():
-                visit(f"{name}[{k!r}]", e, True)
-
-    for name, v in _reachable(fn):
-        visit(name, v, False)
-    return found
-
-
-def _frame_line(filename: str, lineno: int) -> str:
-    return f"{filename}:{lineno} ({linecache.getline(filename, lineno).strip()})"
-
-
-def _user_line(error: BaseException) -> str | None:
-    """The deepest line of the user's code in ``error``'s traceback (or its causes')."""
-    line, seen, e = None, set(), error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        tb = e.__traceback__
-        while tb is not None:
-            if _is_user(tb.tb_frame.f_code.co_filename):
-                line = _frame_line(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
-            tb = tb.tb_next
-        if line is not None:
-            return line
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _drawn_at(fn: Callable, params: Any, inputs: tuple) -> str | None:
-    """Where ``fn`` first draws from Python's ``random`` or numpy's global generator: found by running
-    it once more, eagerly, tracing the lines of the user's code and comparing the generators' states
-    line by line (the states are put back)."""
-    found: list[str] = []
-    python_rng, numpy_rng = random.getstate(), np.random.get_state(legacy=False)
-
-    def moved() -> bool:
-        return random.getstate() != python_rng or capture.numpy_drew(numpy_rng)
-
-    def trace(frame, event, arg):
-        if not _is_user(frame.f_code.co_filename):
-            return None
-        last = [frame.f_lineno]
-
-        def local(frame, event, arg):
-            if not found and event in ("line", "return") and moved():
-                found.append(_frame_line(frame.f_code.co_filename, last[0]))
-            last[0] = frame.f_lineno
-            return local
-
-        return local
-
-    with torch.random.fork_rng(), torch.no_grad():
-        sys.settrace(trace)
-        try:
-            fn(params, *inputs)
-        except Exception:
-            pass  # only where it draws matters here
-        finally:
-            sys.settrace(None)
-            random.setstate(python_rng)
-            np.random.set_state(numpy_rng)
-    return found[0] if found else None
