@@ -673,6 +673,9 @@ def test_guided_probes_cost_what_the_estimator_costs_and_refuse_what_they_cannot
     other = ef.sweep(chain, params, x, y, estimator=E.control_variate(E.guided(wrapped[0], twin), lambda p, h: twin(p, h)),
                      physical=[2], key=1)  # fmt: skip
     assert other.stats[chain.names[2]]["twin_calls"] == 2  # a guide of its own: one more twin vjp
+    other = E.control_variate(E.guided(E.direct(E.Probes(4)), twin), lambda p, h: twin(p, h))
+    res = ef.sweep(chain, params, x, y, estimator=other, physical=[2], key=1)
+    assert res.stats[chain.names[2]]["twin_calls"] == 2  # and at the model level one more twin sweep
     for probes in (E.Probes(1), E.Probes(4, "orthogonal"), E.Probes(4, "sphere"), E.Probes(4, antithetic=True)):
         with pytest.raises(ValueError, match=r"guided: needs n >= 2 independent gaussian or rademacher probes"):
             E.guided(E.zbp(probes), twin)

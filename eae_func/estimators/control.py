@@ -114,7 +114,7 @@ class ControlVariate:
                 "control_variate: wraps E.zbp(...) (stage level), E.node_perturbation(...) or E.direct(...) "
                 f"(model level), or E.guided(...) of one, got {type(estimator).__name__}"
             )
-        self.base, self.guide = base, (estimator.twins if isinstance(estimator, Guided) else None)
+        self.base, self.guided = base, (estimator if isinstance(estimator, Guided) else None)
         self.twins = Twins("control_variate", twin)
         if beta not in BETAS and not (
             isinstance(beta, numbers.Real) and not isinstance(beta, bool) and abs(float(beta)) < float("inf")
@@ -142,7 +142,7 @@ class ControlVariate:
                 "control_variate: beta='xfit' fits each half of the probes on the other, so it needs two "
                 f"non-empty halves of independent probes, got {probes!r}; use another kind or more probes"
             )
-        if beta == "xfit" and self.guide is not None:
+        if beta == "xfit" and self.guided is not None:
             raise ValueError(
                 "control_variate: beta='xfit' needs halves of probes of one law, but guided probes are "
                 "not (the first goes along the twin's costate); use a number or 'ema'"
@@ -185,6 +185,11 @@ class ControlVariate:
     def check(self, chain: Chain, physical: tuple[int, ...]) -> None:
         self.twins.check(chain, physical)
 
+    @property
+    def own_guides(self) -> bool:
+        """Whether guided probes follow other twins than this estimator's (their own twin sweep)."""
+        return self.guided is not None and self.guided.twins.twin is not self.twins.twin
+
     def sums(self, s: torch.Tensor) -> Sums:
         return Sums(s, 2 if self.beta == "xfit" else 1, self.base.probes.antithetic)
 
@@ -192,7 +197,7 @@ class ControlVariate:
         """v: the wrapped estimator's ``E‖ĝ − g‖² / ‖g‖²`` for one scalar over dimension ``d``."""
         probes = self.base.probes
         n = probes.n / 2 if probes.antithetic else probes.n  # a pair is one independent direction
-        if self.guide is not None:  # one probe measures the twin's direction; n − 1 probe the other d − 1
+        if self.guided is not None:  # one probe measures the twin's direction; n − 1 probe the other d − 1
             n, d = n - 1, d - 1
         if probes.kind == "orthogonal":
             return max(d / n - 1, 0.0)
@@ -219,8 +224,8 @@ class ControlVariate:
             return measured["s"]
 
         guide = None
-        if self.guide is not None:  # the guides are this estimator's twins' costates unless other twins guide
-            guide = costates if self.guide.twin is self.twins.twin else Guided(wrapped, self.guide.twin).guides(problem)
+        if self.guided is not None:  # the guides are this estimator's twins' costates unless other twins guide
+            guide = costates if not self.own_guides else self.guided.guides(problem)
         run, chunks = wrapped.measurements(problem, guide=guide)
         s = measured["s"] if "s" in measured else costates(run)
         twin_call = measured["call"]
@@ -282,7 +287,7 @@ class ControlVariate:
                 cost.update(stats)
         else:  # estimated in prepare; the twin's vjp here only for probed parameters
             twin_grads = twin_vjp(problem, i, h_in, costate, fn)[0] if probing else None
-            cost = {**prepared.costs[i], "twin_calls": 1 + probing}
+            cost = {**prepared.costs[i], "twin_calls": 1 + probing + self.own_guides}
             guide = self.guide_vjp(problem, i, h_in, costate, (twin_grads, None), cost) if probing else None
             estimate = flat.leaves(prepared.costates[i]) if flat.d else []
         if probing:
@@ -298,9 +303,9 @@ class ControlVariate:
         """The guiding twin's ``(parameter gradients, input costate)`` at stage i: ``twin`` (this
         estimator's twin's) where the same twin guides, else its own vjp (one more twin call in
         ``cost``); ``None`` unguided."""
-        if self.guide is None:
+        if self.guided is None:
             return None
-        other = self.guide.of(problem, i)
+        other = self.guided.twins.of(problem, i)
         if other is self.twins.of(problem, i):
             return twin
         cost["twin_calls"] += 1
