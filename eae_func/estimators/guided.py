@@ -103,7 +103,8 @@ class Guided:
 
 
 def guided_draw(probes: Probes, s: torch.Tensor) -> Callable[..., Iterator[torch.Tensor]]:
-    """zbp's ``draw``: ``probes`` guided along ``s`` (``(*batch_shape, d)``: one scalar per position)."""
+    """A ``draw`` of ``probes`` guided along ``s``, one scalar per batch position: ``(*batch_shape, d)``
+    for zbp's input directions, ``(d,)`` for fd's parameter directions."""
 
     def draw(seed: int, batch_shape: Any, d: int, dtype: Any, device: Any) -> Iterator[torch.Tensor]:
         first = 0
