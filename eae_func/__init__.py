@@ -10,10 +10,11 @@ out = ef.apply(chain, params, x)  # the chain's output, its stages run forward
 from . import estimators, passes, remat
 from .adjoint import AdjointState, fold_in
 from .cache import clear_caches
-from .chain import Chain, Stage, apply, from_module, stage, write_back, write_buffers, write_grads
+from .chain import Chain, Stage, apply, stage
 from .chunked import chunked_loss
 from .estimators.base import Estimator, Problem
 from .function import cut
+from .module_chain import from_module, write_back, write_buffers, write_grads
 from .options import Options
 from .passes import Context, Pass, compose, global_norm, identity, map_costate, stateless
 from .physical import black_box

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .chain import check_same_tensor, through_hooks
+from .chain import through_hooks
+from .module_chain import check_same_tensor
 from .update import STEPPED, Fused, clipped, step_with
 
 __all__ = ["InBackward"]

@@ -27,11 +27,12 @@ from . import physical_cuts as PC
 from . import replay as R
 from .adjoint import Measurements
 from .capture import as_call, canonical_names
-from .chain import module_lock, through_hooks, trainable_names
+from .chain import module_lock, through_hooks
 from .compat import pytree
 from .cuts import Sweep, cut_modules, holding
 from .diagnose import closed_over, note
 from .in_backward import InBackward
+from .module_chain import trainable_names
 from .options import Options, Request
 from .physical import Meter
 

@@ -29,7 +29,8 @@ from .adjoint import Measurements
 from .cache import kept, register
 from .capture import canonical_names
 from .capture import layout as capture_layout
-from .chain import Chain, from_module, hooked_grads, ordered_children, trainable_names
+from .chain import Chain, hooked_grads
+from .module_chain import from_module, ordered_children, trainable_names
 from .options import Options, Request, make
 from .passes import compose
 from .physical import Meter

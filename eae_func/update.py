@@ -26,7 +26,8 @@ import torch
 
 from . import compat
 from .boundary import is_differentiable
-from .chain import check_same_tensor, through_hooks
+from .chain import through_hooks
+from .module_chain import check_same_tensor
 from .ties import InFold
 
 __all__ = ["Fused", "Pending", "STEPPED", "Updater", "clipped", "fused", "step_with"]

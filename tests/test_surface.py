@@ -61,3 +61,16 @@ def test_the_api_reference_documents_every_public_name(tmp_path):
         and id(obj) not in documented
     ]
     assert not missing, f"public but not in docs/api.md: {missing}"
+
+
+def test_the_module_functions_moved_out_of_chain_still_import_from_it_with_a_warning():
+    """``from_module`` and the write-backs moved from ``eae_func.chain`` to ``eae_func.module_chain``;
+    the old path gives the same function and says where it went."""
+    import eae_func.chain as old
+    from eae_func import module_chain
+
+    for name in ("from_module", "write_back", "write_grads", "write_buffers", "trainable_names"):
+        with pytest.warns(DeprecationWarning, match=f"eae_func.chain.{name} moved to eae_func.module_chain"):
+            assert getattr(old, name) is getattr(module_chain, name)
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        old.no_such_name  # noqa: B018

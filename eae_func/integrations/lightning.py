@@ -44,7 +44,7 @@ try:
 except ModuleNotFoundError as e:
     raise missing(__name__, "lightning", e) from e
 
-from ..chain import write_grads
+from ..module_chain import write_grads
 from ..sweep import stateful, sweep
 from ..update import fused as fused_update
 from .logs import DEFAULT, boundary_logs, chosen

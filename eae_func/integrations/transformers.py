@@ -59,8 +59,8 @@ except ModuleNotFoundError as e:
     raise missing(__name__, "hf", e) from e
 
 from ..adjoint import AdjointState
-from ..chain import write_buffers, write_grads
 from ..chunked import chunked_loss
+from ..module_chain import write_buffers, write_grads
 from ..options import make
 from ..sweep import carries_state, stateful, sweep
 from ..switch import Switch, enable, refusals
