@@ -471,9 +471,9 @@ def apply(chain: Chain, params: Sequence, x: Any, buffers: Sequence | None = Non
 def __getattr__(name: str) -> Any:
     """The module functions that moved to ``module_chain`` (``ef.from_module`` and friends), still
     importable from here, with a DeprecationWarning."""
-    if name in _MOVED:
-        from . import module_chain
+    from . import module_chain  # here: module_chain imports this module
 
+    if name in module_chain.__all__:
         warnings.warn(
             f"eae_func.chain.{name} moved to eae_func.module_chain (ef.{name} where public)",
             DeprecationWarning,
@@ -481,16 +481,3 @@ def __getattr__(name: str) -> Any:
         )
         return getattr(module_chain, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-_MOVED = frozenset(
-    {
-        "check_same_tensor",
-        "from_module",
-        "ordered_children",
-        "trainable_names",
-        "write_back",
-        "write_buffers",
-        "write_grads",
-    }
-)
