@@ -314,6 +314,64 @@ def shrinkage_table(keys: int, d: int = 64, n: int = 8, batch: int = 8, horizon:
     print("\n(zbp and the control variate: one step / the mean of h; PAT's bias does not average.)")
 
 
+def history_table(steps: int, widths=(3, 8), n: int = 8, batch: int = 8, lr: float = 0.05) -> None:
+    """Guided fd parameter directions (``E.guided(..., history=k)``): a physical stage linear in its
+    width² parameters (``h W``, central differences exact) between two digital ones, and a twin
+    ((h A) W, A off by noise) whose parameter gradient is off by r; the parameter estimate's MSE /
+    ‖g_W‖² over ``steps`` steps (the first 10 dropped), at fixed parameters and while SGD at ``lr``
+    moves them (g_W exact at each step): history 0 (the twin's direction only), the span of the last
+    1, 2 or 4 estimates, and the mean of the last 4 or 16."""
+    print(
+        f"\n### Guided parameter directions with history: h W (d = width² parameters), batch {batch}, "
+        f"n = {n} gaussian fd, {steps} steps; parameter MSE / ‖g_W‖²\n"
+    )
+    guides = ((0, "span"), (1, "span"), (2, "span"), (4, "span"), (4, "mean"), (16, "mean"))
+    print(
+        "| d | twin r | parameters | fd (unguided) | "
+        + " | ".join(f"{c} of {k}" if k else "twin only" for k, c in guides)
+        + " |"
+    )
+    print("|---:|---:|---|---:|" + "---:|" * len(guides))
+    for width, off in ((w, off) for w in widths for off in (0.3, 1.5)):
+        g = torch.Generator().manual_seed(5)
+        mix = torch.eye(width) + off * torch.randn(width, width, generator=g) / math.sqrt(width)
+        chain = ef.Chain(
+            [
+                ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="digital0"),
+                ef.stage(lambda p, h: h @ p["w"], name="box", physical=True),
+                ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="digital1"),
+            ],
+            loss=F.mse_loss,
+        )
+        start = tuple({"w": torch.randn(width, width, generator=g) / math.sqrt(width)} for _ in range(3))
+        x, y = torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+
+        def twin(p, h, mix=mix):
+            return (h @ mix) @ p["w"]
+
+        def exact(params, chain=chain, x=x, y=y):
+            return ef.sweep(chain, params, x, y, estimator=E.exact()).grads[1]["w"].flatten()
+
+        s = ef.sweep(chain, start, x, y, estimator=E.twin(twin)).grads[1]["w"].flatten()
+        r = ((s - exact(start)).norm() / exact(start).norm()).item()
+        fd = E.zbp(E.Probes(n), method="fd", eps=1e-2)
+        for training in (False, True):
+            cells = []
+            for estimator in (fd, *(E.guided(fd, twin, history=k, combine=c) for k, c in guides)):
+                params, errors = start, []
+                for step in range(steps):
+                    res = ef.sweep(chain, params, x, y, estimator=estimator, key=step)
+                    want = exact(params)
+                    errors.append(((res.grads[1]["w"].flatten() - want) ** 2).sum().item() / (want @ want).item())
+                    if hasattr(estimator, "observe"):
+                        estimator = estimator.observe(res)
+                    if training:
+                        params = tuple({"w": p["w"] - lr * gr["w"]} for p, gr in zip(params, res.grads))
+                cells.append(f"{sum(errors[10:]) / len(errors[10:]):.4f}")
+            where = f"SGD lr {lr:g}" if training else "fixed"
+            print(f"| {width * width} | {r:.2f} | {where} | " + " | ".join(cells) + " |")
+
+
 def token_model(batch: int = 4, tokens: int = 6, width: int = 8, vocab: int = 16, off: float = 0.05):
     """embedding, digital, physical, digital, physical, linear head + cross-entropy; the physical
     stages ``tanh(h M_k)`` per token, and their twins with ``M_k`` off by ``off`` (relative, random)."""
@@ -459,6 +517,7 @@ def main() -> None:
         control_variate_table(50 if args.quick else args.keys, plot=None if args.quick else (plt, args.out))
         shrinkage_table(50 if args.quick else args.keys)
         token_table(20 if args.quick else args.keys // 5)
+        history_table(20 if args.quick else args.keys // 5)
         return
     ns = [8, 32] if args.quick else [8, 32, 128, 512]
     width, batch = (16, 8) if args.quick else (64, 32)

@@ -5,6 +5,7 @@ only, the stats pool over microbatches, and the estimate is unbiased with zbp's 
 from __future__ import annotations
 
 import copy
+import types
 
 import numpy as np
 import pytest
@@ -591,15 +592,12 @@ def test_guided_probes_are_unit_on_average_orthogonal_to_the_guide_and_chunk_inv
     assert (mean - too_heavy)[[0, 2]].abs().max() > 0.2
 
 
-def test_guided_parameter_probes_are_unbiased_with_the_error_of_the_orthogonal_part():
-    """fd probes a physical stage's parameters along directions shared by the batch; guided, one goes
-    along the twin's parameter gradient s_W. A stage linear in its parameters (h W, so central
-    differences are exact) and a twin ((h A) W, A = I + 0.3 noise) whose s_W is off: the parameter
-    estimate is unbiased with error d/(n−1) ‖g_W − ŝ_W(ŝ_W·g_W)‖² (gaussian, d = 36), within 15%, far
-    under fd's own (d+1)/n ‖g_W‖²; the control variate over it (exact twin directions) is the same
-    estimate. Guiding by an unrelated direction would miss the formula."""
-    g = torch.Generator().manual_seed(3)
-    mix = torch.eye(D, dtype=F64) + 0.3 * torch.randn(D, D, generator=g, dtype=F64)
+def linear_box(dim: int, off: float, seed: int):
+    """A chain whose physical stage is linear in its parameters (h W, so central differences are
+    exact), with a twin ((h A) W, A = I + off · noise) whose parameter gradient s_W is off; returns
+    ``(chain, params, x, y, twin, g_W, s_W)``, the last two flat."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.eye(dim, dtype=F64) + off * torch.randn(dim, dim, generator=g, dtype=F64)
     chain = ef.Chain(
         [
             ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="digital0"),
@@ -608,14 +606,25 @@ def test_guided_parameter_probes_are_unbiased_with_the_error_of_the_orthogonal_p
         ],
         loss=F.mse_loss,
     )
-    params = tuple({"w": torch.randn(D, D, generator=g, dtype=F64)} for _ in range(3))
-    x, y = torch.randn(B, D, generator=g, dtype=F64), torch.randn(B, D, generator=g, dtype=F64)
+    params = tuple({"w": torch.randn(dim, dim, generator=g, dtype=F64)} for _ in range(3))
+    x, y = torch.randn(B, dim, generator=g, dtype=F64), torch.randn(B, dim, generator=g, dtype=F64)
 
     def twin(p, h):
         return (h @ mix) @ p["w"]
 
     want = ef.sweep(chain, params, x, y, estimator=E.exact()).grads[1]["w"].flatten()
     s = ef.sweep(chain, params, x, y, estimator=E.twin(twin)).grads[1]["w"].flatten()
+    return chain, params, x, y, twin, want, s
+
+
+def test_guided_parameter_probes_are_unbiased_with_the_error_of_the_orthogonal_part():
+    """fd probes a physical stage's parameters along directions shared by the batch; guided, one goes
+    along the twin's parameter gradient s_W. With a stage linear in its parameters and a twin whose
+    s_W is off, the parameter estimate is unbiased with error d/(n−1) ‖g_W − ŝ_W(ŝ_W·g_W)‖²
+    (gaussian, d = 36), within 15%, far under fd's own (d+1)/n ‖g_W‖²; the control variate over it
+    (exact twin directions) is the same estimate. Guiding by an unrelated direction would miss the
+    formula."""
+    chain, params, x, y, twin, want, s = linear_box(D, 0.3, 3)
     assert 0.2 < ((s - want).norm() / want.norm()).item() < 0.8
     n, d, keys = 4, D * D, 200
     guided = E.guided(E.zbp(E.Probes(n), method="fd", eps=1e-2), twin)
@@ -629,6 +638,100 @@ def test_guided_parameter_probes_are_unbiased_with_the_error_of_the_orthogonal_p
     assert error < 0.25 * (d + 1) / n * (want @ want).item()
     cv = ef.sweep(chain, params, x, y, estimator=E.control_variate(guided, twin, 0.5), key=5)
     torch.testing.assert_close(cv.grads[1]["w"], runs[5].grads[1]["w"], rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize(
+    "make", [lambda p: E.zbp(p, method="fd", eps=1e-2), lambda p: E.direct(p, form="fd", eps=1e-2)]
+)
+def test_guided_parameter_probes_with_history_are_unbiased_and_follow_the_last_estimates(make):
+    """``history=k``: the parameter probes also go along the last k estimates, made orthogonal to
+    s_W (Q: the m = 1 + k orthonormal guides). Given the guides the estimate is unbiased with error
+    (d−m+1)/(n−m) ‖(I − QQᵀ) g_W‖² (within 15%); threaded by ``observe``, the span of the last
+    estimates closes on g_W, so at fixed parameters the error falls far under the twin-guided one.
+    ``observe`` keeps the newest first, at most k, from ``stats["param_estimate"]``."""
+    chain, params, x, y, twin, want, s = linear_box(3, 1.0, 4)
+    n, d, keys = 8, 9, 200
+    guided = E.guided(make(E.Probes(n)), twin, history=1)
+    first = ef.sweep(chain, params, x, y, estimator=guided, key=10_000)
+    torch.testing.assert_close(first.stats["box"]["param_estimate"], first.grads[1]["w"].flatten())
+    fixed = guided.observe(first)  # one earlier estimate guides every key below
+    assert guided.past == {} and fixed.past["box"][0] is first.stats["box"]["param_estimate"]
+    samples = torch.stack(
+        [ef.sweep(chain, params, x, y, estimator=fixed, key=k).grads[1]["w"].flatten() for k in range(keys)]
+    )
+    assert unbiased(z_scores(samples, want, samples.var(0)))
+    q = torch.linalg.qr(torch.stack([s, first.grads[1]["w"].flatten()], 1)).Q
+    across = want - q @ (q.T @ want)
+    error = ((samples - want) ** 2).sum().item() / keys
+    assert 0.85 < error / ((d - 2 + 1) / (n - 2) * (across @ across).item()) < 1.15
+    errors = {}
+    for history in (0, 2):
+        estimator, seen = E.guided(make(E.Probes(n)), twin, history=history), []
+        for k in range(30):
+            res = ef.sweep(chain, params, x, y, estimator=estimator, key=k)
+            seen.append(((res.grads[1]["w"].flatten() - want) ** 2).sum().item())
+            estimator = estimator.observe(res)
+        assert len(estimator.past.get("box", ())) == history
+        errors[history] = sum(seen[10:]) / 20
+    assert errors[2] < 0.02 * errors[0], errors
+    threaded = E.control_variate(E.guided(make(E.Probes(n)), twin, history=2), twin, shrink="auto")
+    for k in range(3):
+        res = ef.sweep(chain, params, x, y, estimator=threaded, key=k)
+        threaded = threaded.observe(res)
+        m = 1 + min(k, 2)  # the guides this sweep had: s_W and the estimates observed before it
+        assert float(res.stats["box"]["param_shrink"]) == pytest.approx(1 / (1 + (d - m + 1) / (n - m)))
+    assert len(threaded.guided.past["box"]) == 2 and threaded.estimator is threaded.guided
+
+
+def test_guided_parameter_probes_by_the_mean_of_the_last_estimates():
+    """``combine="mean"``: one guide after the twin's, the mean of the last k estimates; a sweep
+    equals the span form given that mean as its one earlier estimate, bit for bit. Threaded at fixed
+    parameters (d = 36, n = 8, where the span of single estimates is too noisy to pay), the mean of
+    the last 16 brings the error far under the twin-guided one."""
+    chain, params, x, y, twin, want, _ = linear_box(D, 1.0, 4)
+    fd = E.zbp(E.Probes(8), method="fd", eps=1e-2)
+    mean = E.guided(fd, twin, history=16, combine="mean")
+    for k in range(3):
+        mean = mean.observe(ef.sweep(chain, params, x, y, estimator=mean, key=k))
+    average = torch.stack(mean.past["box"]).mean(0)
+    one = E.guided(fd, twin, history=1).observe(types.SimpleNamespace(stats={"box": {"param_estimate": average}}))
+    a, b = (ef.sweep(chain, params, x, y, estimator=e, key=9).grads[1]["w"] for e in (mean, one))
+    assert torch.equal(a, b)
+    errors = {}
+    for history, combine in ((0, "span"), (16, "mean")):
+        estimator, seen = E.guided(fd, twin, history=history, combine=combine), []
+        for k in range(60):
+            res = ef.sweep(chain, params, x, y, estimator=estimator, key=k)
+            seen.append(((res.grads[1]["w"].flatten() - want) ** 2).sum().item())
+            estimator = estimator.observe(res)
+        errors[combine] = sum(seen[30:]) / 30
+    assert errors["mean"] < 0.3 * errors["span"], errors
+
+
+def test_guided_probes_along_several_guides_are_unit_on_average_and_chunk_invariant():
+    """``guided_draw`` with earlier estimates: probes 0..m−1 are √n times an orthonormal basis of the
+    guides (s first, then each estimate made orthogonal to those before), the others have no part
+    in their span, chunking draws the same probes, and (1/n) Σ ũ ũᵀ averages to I (a guide probe
+    left at guide's √(n−j) would not)."""
+    from eae_func.estimators.guided import guided_draw
+
+    g = torch.Generator().manual_seed(0)
+    d, n, draws = 6, 5, 4000
+    s = torch.randn(d, generator=g, dtype=F64)
+    past = [torch.randn(d, generator=g, dtype=F64), torch.randn(d, generator=g, dtype=F64), 2 * s]
+    whole, chunked = guided_draw(E.Probes(n), s, past), guided_draw(E.Probes(n, chunk=2), s, past)
+    total = torch.zeros(d, d, dtype=F64)
+    for seed in range(draws):
+        u = torch.cat(list(chunked(seed, (), d, F64, "cpu")))
+        assert torch.equal(u, torch.cat(list(whole(seed, (), d, F64, "cpu"))))
+        total += u.T @ u / n
+    q = torch.linalg.qr(torch.stack([s, past[0], past[1]], 1)).Q
+    basis = u[:3] / n**0.5
+    torch.testing.assert_close(basis @ basis.T, torch.eye(3, dtype=F64))
+    torch.testing.assert_close(basis.T @ basis, q @ q.T)  # the same span
+    assert u[3].abs().max() == 0  # 2 s adds no direction: its probe is zero
+    assert (u[4:] @ q).abs().max() < 1e-12
+    assert ((total / draws) - torch.eye(d, dtype=F64)).abs().max() < 0.1
 
 
 @pytest.mark.parametrize("make", [E.zbp, E.node_perturbation, E.direct])
@@ -684,3 +787,15 @@ def test_guided_probes_cost_what_the_estimator_costs_and_refuse_what_they_cannot
             E.guided(bad, twin)
     with pytest.raises(ValueError, match=r"beta='xfit' needs halves of probes of one law"):
         E.control_variate(E.guided(E.zbp(E.Probes(4)), twin), twin, "xfit")
+    with pytest.raises(ValueError, match=r"history=1 guides the probed parameter directions, which only fd probes"):
+        E.guided(E.zbp(E.Probes(4)), twin, history=1)
+    with pytest.raises(ValueError, match=r"history=3, combine='span' takes 4 of the n probes .* needs n >= 5"):
+        E.guided(E.zbp(E.Probes(4), method="fd"), twin, history=3)
+    with pytest.raises(ValueError, match=r"history=8, combine='mean' takes 2 of the n probes .* needs n >= 3"):
+        E.guided(E.zbp(E.Probes(2), method="fd"), twin, history=8, combine="mean")
+    E.guided(E.zbp(E.Probes(3), method="fd"), twin, history=8, combine="mean")
+    with pytest.raises(ValueError, match=r"guided: combine is 'span' or 'mean'"):
+        E.guided(E.zbp(E.Probes(4), method="fd"), twin, history=2, combine="sum")
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=r"guided: history is how many earlier estimates guide"):
+            E.guided(E.zbp(E.Probes(4), method="fd"), twin, history=bad)

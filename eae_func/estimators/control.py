@@ -170,7 +170,8 @@ class ControlVariate:
 
     def observe(self, res: Any) -> ControlVariate:
         """This estimator with its running sums (what ``beta="ema"`` reads) updated from the
-        ``beta_fit`` of every physical stage in ``res.stats``, a sweep's result; ``self`` unchanged."""
+        ``beta_fit`` of every physical stage in ``res.stats``, a sweep's result (and guided probes'
+        last parameter estimates, ``Guided.observe``); ``self`` unchanged."""
         state = dict(self.state)
         for name, entry in res.stats.items():
             for space, prefix in PREFIX.items():
@@ -180,6 +181,8 @@ class ControlVariate:
                     state[(name, space)] = (self.decay * num + fit.num, self.decay * den + fit.den)
         new = copy.copy(self)
         new.state = MappingProxyType(state)
+        if self.guided is not None:  # and the guide's last parameter estimates
+            new.estimator = new.guided = self.guided.observe(res)
         return new
 
     def check(self, chain: Chain, physical: tuple[int, ...]) -> None:
@@ -193,12 +196,12 @@ class ControlVariate:
     def sums(self, s: torch.Tensor) -> Sums:
         return Sums(s, 2 if self.beta == "xfit" else 1, self.base.probes.antithetic)
 
-    def variance_factor(self, d: int) -> float:
-        """v: the wrapped estimator's ``E‖ĝ − g‖² / ‖g‖²`` for one scalar over dimension ``d``."""
+    def variance_factor(self, d: int, guides: int = 0) -> float:
+        """v: the wrapped estimator's ``E‖ĝ − g‖² / ‖g‖²`` for one scalar over dimension ``d``, with
+        ``guides`` of the probes measuring guide directions exactly (the others probe the other d − m)."""
         probes = self.base.probes
         n = probes.n / 2 if probes.antithetic else probes.n  # a pair is one independent direction
-        if self.guided is not None:  # one probe measures the twin's direction; n − 1 probe the other d − 1
-            n, d = n - 1, d - 1
+        n, d = n - guides, d - guides
         if probes.kind == "orthogonal":
             return max(d / n - 1, 0.0)
         return (d + 1) / n if probes.kind == "gaussian" else (d - 1) / n
@@ -207,7 +210,10 @@ class ControlVariate:
         """The estimate from ``sums``; ``d``: the dimension one scalar probes (default: ``s``'s last)."""
         shrink = None
         if self.shrink is not None:
-            v = self.variance_factor(sums.s.shape[-1] if d is None else d)
+            guides = 0
+            if self.guided is not None:  # the twin's direction, and the parameters' last estimates
+                guides = 1 + (len(self.guided.past_guides(name)) if space == "params" else 0)
+            v = self.variance_factor(sums.s.shape[-1] if d is None else d, guides)
             lam = self.horizon / (self.horizon + v) if self.shrink == "auto" else float(self.shrink)
             shrink = (lam, v, self.horizon)
         return sums.estimate(self.beta, self.state.get((name, space)), self.base.probes.n, PREFIX[space], shrink)
@@ -291,8 +297,10 @@ class ControlVariate:
             guide = self.guide_vjp(problem, i, h_in, costate, (twin_grads, None), cost) if probing else None
             estimate = flat.leaves(prepared.costates[i]) if flat.d else []
         if probing:
-            draw = None if guide is None else guided_draw(wrapped.probes, param_vector(problem, i, guide[0]))
+            draw = None if self.guided is None or guide is None else self.guided.param_draw(problem, i, guide[0])
             grads, param_cost = self.param_grads(problem, i, h_in, costate, fn, twin_grads, draw)
+            if self.guided is not None:
+                param_cost.update(self.guided.recorded(problem, i, grads))
         elif self.fd:  # no parameters: the (empty) tree is its own gradient
             grads, param_cost = problem.params[i], {}
         else:
