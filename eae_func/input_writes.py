@@ -15,7 +15,7 @@ from .cache import register
 from .compat import pytree
 
 if TYPE_CHECKING:
-    from .cuts import Call
+    from .cut_call import Call
 
 __all__ = ["InputWrites", "WRITES", "leaf_name", "param_name"]
 

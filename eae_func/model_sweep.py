@@ -29,7 +29,8 @@ from .adjoint import Measurements
 from .capture import as_call, canonical_names
 from .chain import module_lock, through_hooks
 from .compat import pytree
-from .cuts import Sweep, cut_modules, holding
+from .cut_call import cut_modules, holding
+from .cuts import Sweep
 from .diagnose import closed_over, note
 from .in_backward import InBackward
 from .module_chain import trainable_names

@@ -44,6 +44,7 @@ from . import cuts, model_sweep
 from . import fold as F
 from .adjoint import AdjointState
 from .boundary import is_differentiable
+from .cut_call import cut_modules
 from .in_backward import InBackward
 from .options import Options, make
 
@@ -64,7 +65,7 @@ class Switch:
 
     def __init__(self, model: nn.Module, split_at: Sequence[str], opts: Options):
         self.model, self.split_at, self.opts = model, list(split_at), opts
-        self.names = cuts.cut_modules(model, split_at)
+        self.names = cut_modules(model, split_at)
         self.device = F.device_of(dict(model.named_parameters()))
         self.pass_state = opts.passes.init()
         self.listeners: list[Callable[[AdjointState], Any]] = []
