@@ -24,28 +24,27 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import fnmatch
-import functools
-import itertools
-import operator
 import random
 import threading
-import types
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import optree
 import torch
 from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.node import map_arg
 from torch.fx.passes.split_module import split_module
 
+from .captured_stage import CapturedStage, Piece, layout, register_output_types
 from .compat import pytree as torch_pytree
-from .tree import NAMESPACE
+from .watch import (
+    GLOBAL_HOOKS,
+    HOOKS,
+    global_hooks,
+    numpy_drew,
+)
 
 __all__ = ["Refused"]
 
@@ -88,325 +87,10 @@ def _module_calls(node) -> list[tuple[str, str]]:
     return [(path[len(_ROOT) :], key) for key, (path, _) in stack.items() if path.startswith(_ROOT)]
 
 
-PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))  # its parameters, buffers, children and hooks: read apart
-
-
-def fingerprint(model: nn.Module, seen: dict[int, Any] | None = None, depth: int = 0) -> tuple:
-    """What a capture of ``model`` depends on, as one comparable value: the module tree (paths,
-    classes, identities, training flags, hooks), every parameter and buffer (identity, shape,
-    dtype, device, requires_grad) and every module's other attributes by ``described`` (numbers,
-    strings, flags, a Hugging Face config and what it holds, at any depth). A capture whose
-    fingerprint differs from the model's is stale."""
-    seen = {} if seen is None else seen
-
-    def attributes(module: nn.Module) -> tuple:
-        return tuple((k, described(v, seen, depth + 1)) for k, v in vars(module).items() if k not in _MODULE_INTERNALS)
-
-    modules = tuple(
-        (name, id(m), type(m), m.training, attributes(m), tuple(tuple(getattr(m, h).keys()) for h in _HOOKS))
-        for name, m in model.named_modules(remove_duplicate=False)
-    )
-    tensors = tuple(
-        (name, id(t), t.shape, t.dtype, t.device, t.requires_grad)
-        for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
-    )
-    hooks = tuple(tuple(d.keys()) for d in _global_hooks())
-    return modules, tensors, hooks
-
-
-DEPTH = 64  # levels ``described`` follows into containers and objects; deeper ones count by identity
-
-
-def described(v: Any, seen: dict[int, Any], depth: int = 0) -> Any:
-    """``v`` as a comparable value that changes when anything a captured program may read of it
-    changes: plain values as they are, tensors by identity, shape, dtype, device and requires_grad,
-    modules by ``fingerprint``, containers and objects' attributes at every depth (``cfg.sub.scale``),
-    functions, classes and Python modules by identity (and anything ``DEPTH`` levels down). ``seen``
-    holds what was described (an object met again gets the same description, whatever the order; one
-    met inside itself, a cycle mark)."""
-    if isinstance(v, PLAIN):
-        return v
-    key = id(v)
-    if key in seen:
-        return seen[key] if seen[key] is not None else ("cycle", key)
-    seen[key] = None
-    inner = depth + 1
-    if isinstance(v, torch.Tensor):
-        out: Any = (key, v.shape, v.dtype, v.device, v.requires_grad)
-    elif depth >= DEPTH:
-        out = key
-    elif isinstance(v, nn.Module):  # one the model holds beside its children: in the same walk
-        out = fingerprint(v, seen, inner)
-    elif isinstance(v, (types.ModuleType, type)) or callable(v):
-        out = key
-    elif isinstance(v, (list, tuple)):
-        out = type(v), tuple(described(e, seen, inner) for e in v)
-    elif isinstance(v, (set, frozenset)):
-        out = type(v), tuple(described(e, seen, inner) for e in sorted(v, key=repr))
-    elif isinstance(v, dict):
-        out = type(v), tuple((k, described(e, seen, inner)) for k, e in v.items())
-    elif hasattr(v, "__dict__"):
-        out = key, type(v), tuple((k, described(e, seen, inner)) for k, e in vars(v).items())
-    else:
-        out = key
-    seen[key] = out
-    return out
-
-
-_TENSOR = operator.attrgetter("shape", "dtype", "device", "requires_grad")
-_FLAT = itertools.chain.from_iterable
-
-
-class Watch:
-    """``fingerprint(model)`` with what it was read from: every object the walk met (modules and
-    objects with a ``__dict__``: their class), every container (their ``__dict__``, a module's
-    parameter, buffer, child and hook dicts, dicts, lists and sets: their lengths, keys and, by
-    identity, what they hold, kept alive so no identity is reused) and every tensor (shape, dtype,
-    device, requires_grad). While all of these are as they were, the fingerprint is too: ``current()``
-    checks a model in a few C loops of identity comparisons and walks it again only when something
-    moved (a plain value re-assigned an equal one walks again and keeps the capture). An object's
-    ``__dict__`` replaced wholesale is not seen."""
-
-    def __init__(self, model: nn.Module):
-        self.model = weakref.ref(model)
-        self.fingerprint = fingerprint(model)
-        self.objects: list = []
-        self.dicts: list = list(_global_hooks())
-        self.sequences: list = []
-        self.tensors: list = []
-        self._reach(model)
-        self.kind = type(self.objects.pop(0))  # the model itself is held weakly
-        self.filled_dicts = [d for d in self.dicts if d]
-        self.filled_sequences = [s for s in self.sequences if s]
-        self.held = list(self._held())
-        self.state = self._state()
-
-    def _reach(self, root: Any) -> None:
-        """Collect what ``fingerprint`` reads from ``root`` (a superset: at every depth, every key)."""
-        seen: set = set()
-        todo = [root]
-        while todo:
-            v = todo.pop()
-            if isinstance(v, PLAIN) or id(v) in seen:
-                continue
-            seen.add(id(v))
-            if isinstance(v, torch.Tensor):
-                self.tensors.append(v)
-            elif isinstance(v, nn.Module):
-                self.objects.append(v)
-                own = vars(v)
-                self.dicts += [own, own["_parameters"], own["_buffers"], own["_modules"], *(own[h] for h in _HOOKS)]
-                todo += [e for k, e in own.items() if k not in _MODULE_INTERNALS]
-                todo += [*own["_parameters"].values(), *own["_buffers"].values(), *own["_modules"].values()]
-            elif isinstance(v, (types.ModuleType, type)) or callable(v):
-                continue
-            elif isinstance(v, (list, set)):
-                self.sequences.append(v)
-                todo += v
-            elif isinstance(v, (tuple, frozenset)):
-                todo += v
-            elif isinstance(v, dict):
-                self.dicts.append(v)
-                todo += v.values()
-            elif hasattr(v, "__dict__"):
-                self.objects.append(v)
-                self.dicts.append(vars(v))
-                todo += vars(v).values()
-
-    def _held(self) -> Any:
-        return itertools.chain(_FLAT(map(dict.values, self.filled_dicts)), _FLAT(self.filled_sequences))
-
-    def _state(self) -> tuple:
-        return (
-            list(map(len, self.dicts)) + list(map(len, self.sequences)),
-            list(_FLAT(self.filled_dicts)),
-            list(map(type, self.objects)),
-            list(map(_TENSOR, self.tensors)),
-        )
-
-    def current(self) -> Watch:
-        """This watch while the model is as it was, else a new one (whose fingerprint may be equal)."""
-        model = self.model()
-        if model is None or (
-            type(model) is self.kind and self._state() == self.state and all(map(operator.is_, self._held(), self.held))
-        ):
-            return self
-        return Watch(model)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Watch) and (self is other or self.fingerprint == other.fingerprint)
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-def numpy_drew(before: dict) -> bool:
-    """Whether numpy's global generator moved since ``before`` (``get_state(legacy=False)``)."""
-    now = np.random.get_state(legacy=False)
-    return (
-        now["state"]["pos"] != before["state"]["pos"]
-        or now["has_gauss"] != before["has_gauss"]
-        or not np.array_equal(now["state"]["key"], before["state"]["key"])
-    )
-
-
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
-
-
-def _global_hooks() -> tuple:
-    from torch.nn.modules import module as M
-
-    return tuple(getattr(M, name) for name in _GLOBAL_HOOKS)
-
-
 def canonical_names(named) -> dict:
     """Every name of a tensor in ``named`` (aliases included) -> its first name."""
     first: dict = {}
     return {name: first.setdefault(id(t), name) for name, t in named}
-
-
-_NATIVE = (tuple, list, dict, collections.OrderedDict, collections.defaultdict, collections.deque, type(None))
-_REGISTERED: set = set()
-
-
-def _register_output_types(spec) -> None:
-    """Make optree (in this library's namespace) see through the output's pytree nodes the way
-    torch's pytree does (``ModelOutput`` and other registered classes)."""
-    cls = spec.type
-    if cls in torch_pytree.SUPPORTED_NODES and cls not in _NATIVE and cls not in _REGISTERED:
-        node = torch_pytree.SUPPORTED_NODES[cls]
-        optree.register_pytree_node(
-            cls, node.flatten_fn, lambda context, children: node.unflatten_fn(children, context), namespace=NAMESPACE
-        )
-        _REGISTERED.add(cls)
-    for child in spec.children():
-        _register_output_types(child)
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """One stage of a split graph: ``graph`` (``None``: no operation of its own) maps ``inputs``
-    (graph node names) to ``outputs``; ``sources[name]`` says where a non-boundary input comes
-    from (``("parameter" | "buffer", qualified name)`` or ``("constant", key)``); the boundary it
-    returns is ``{name: value}`` of the ``carried`` nodes, or the user's output (``out_spec``) for
-    the last piece. The first piece reads the user's input, flattened by ``flatten``, and refuses
-    one whose layout is not ``example``'s."""
-
-    graph: nn.Module | None
-    inputs: list
-    outputs: list
-    sources: dict
-    carried: list
-    user_inputs: list | None
-    user_outputs: list | None
-    out_spec: Any
-    constants: dict
-    example: list
-    flatten: Callable[[Any], list]
-
-    def environment(self, h: Any) -> dict:
-        if self.user_inputs is None:
-            return dict(h)
-        flat = self.flatten(h)
-        got = layout(flat)
-        if got != self.example:
-            raise ValueError(
-                f"captured stage: the model was captured for inputs {self.example}, got {got}; "
-                f"capture again with this input (ef.grad(model, ...) captures once per input layout)"
-            )
-        return dict(zip(self.user_inputs, flat))
-
-    def bind(self, lookup: Callable[[str], torch.Tensor], h: Any) -> tuple[list, dict]:
-        """``(args, env)``: the graph's positional inputs on boundary ``h`` (its parameters and buffers
-        read by ``lookup(name)``), and the values known so far by node name."""
-        env = self.environment(h)
-        args = []
-        for name in self.inputs:
-            kind, key = self.sources.get(name, ("value", name))
-            args.append(
-                lookup(key)
-                if kind in ("parameter", "buffer")
-                else self.constants[key]
-                if kind == "constant"
-                else env[name]
-            )
-        return args, env
-
-    def collect(self, env: dict, outs: Sequence) -> Any:
-        """The piece's output from ``env`` and the graph's outputs ``outs``: the boundary it carries,
-        or the user's output for the last piece."""
-        env.update(zip(self.outputs, outs))
-        if self.user_outputs is not None:
-            return torch_pytree.tree_unflatten([env[n] for n in self.user_outputs], self.out_spec)
-        return {name: env[name] for name in self.carried}
-
-    def run(self, lookup: Callable[[str], torch.Tensor], h: Any) -> Any:
-        """The piece on boundary ``h``, its parameters and buffers read by ``lookup(name)``."""
-        args, env = self.bind(lookup, h)
-        return self.collect(env, self.graph(*args) if self.graph is not None else ())
-
-
-def layout(leaves: list) -> list:
-    """What a capture is specialised to: each tensor leaf's shape and dtype, any other leaf itself."""
-    return [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves]
-
-
-class CapturedStage(nn.Module):
-    """One piece of a captured forward: ``h -> h'`` over the model's own parameters and buffers.
-
-    Its submodules mirror the model's module paths, so ``named_parameters()`` gives the
-    model's names; the engine substitutes the given tensors for them, and BatchNorm running statistics
-    are updated in place in the buffers it is given, as the model's own forward would.
-    """
-
-    def __init__(self, model: nn.Module, piece: Piece, training: bool):
-        super().__init__()
-        # Everything but the mirrored tensors lives in one attribute whose name no module path uses.
-        self._eae = types.SimpleNamespace(piece=piece, training=training, model=weakref.ref(model))
-        for kind, name in piece.sources.values():
-            if kind not in ("parameter", "buffer"):
-                continue
-            owner, leaf = self._mirror_owner(name)
-            if leaf in owner._parameters or leaf in owner._buffers:
-                continue
-            if kind == "parameter":
-                owner.register_parameter(leaf, model.get_parameter(name))
-            else:
-                owner.register_buffer(leaf, model.get_buffer(name))
-
-    def _mirror_owner(self, name: str) -> tuple[nn.Module, str]:
-        """The submodule of this stage at ``name``'s module path (made where missing) and the leaf name."""
-        *path, leaf = name.split(".")
-        module: nn.Module = self
-        for part in path:
-            child = module._modules.get(part)
-            if child is None:
-                child = nn.Module()
-                module.add_module(part, child)
-            module = child
-        return module, leaf
-
-    def _lookup(self, name: str) -> torch.Tensor:
-        return functools.reduce(getattr, name.split("."), self)
-
-    @property
-    def piece(self) -> Piece:
-        """The piece of the captured graph this stage runs, refused if the model changed mode since."""
-        plan = self._eae
-        model = plan.model()
-        if model is not None and model.training != plan.training:
-            mode = "train" if plan.training else "eval"
-            raise ValueError(
-                f"captured stage: the model was captured in {mode} mode and is now in the other; "
-                f"capture again (ef.grad(model, ...) captures once per mode)"
-            )
-        return plan.piece
-
-    def forward(self, h: Any) -> Any:
-        return self.piece.run(self._lookup, h)
 
 
 def _stage_of_nodes(graph, cut_modules: set) -> tuple[dict, list, list]:
@@ -519,11 +203,8 @@ def cut_model(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[
             f"split_at: no module of {type(model).__name__} matches {list(split_at)}; its modules include {shown}"
         )
     hooked = [
-        f"{name or '(the model)'}.{kind[1:]}"
-        for name, m in model.named_modules()
-        for kind in _HOOKS
-        if getattr(m, kind)
-    ] + [f"global {kind}" for kind, hooks in zip(_GLOBAL_HOOKS, _global_hooks()) if hooks]
+        f"{name or '(the model)'}.{kind[1:]}" for name, m in model.named_modules() for kind in HOOKS if getattr(m, kind)
+    ] + [f"global {kind}" for kind, hooks in zip(GLOBAL_HOOKS, global_hooks()) if hooks]
     if hooked:
         raise ValueError(
             f"split_at with capture='graph': {type(model).__name__} has hooks ({', '.join(hooked[:4])}); a captured "
@@ -650,7 +331,7 @@ def split(
             if name not in sources:
                 last_use[name] = max(last_use.get(name, -1), k)
     out_spec = program.call_spec.out_spec
-    _register_output_types(out_spec)
+    register_output_types(out_spec)
     return [
         Piece(
             graph,

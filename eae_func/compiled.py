@@ -42,7 +42,7 @@ from torch.func import functional_call, vjp
 
 from . import compat
 from .cache import kept, register
-from .capture import CapturedStage
+from .captured_stage import CapturedStage
 from .chain import module_lock
 from .compat import pytree
 

@@ -40,6 +40,7 @@ from torch.export.graph_signature import InputKind
 from . import capture
 from . import user_code as U
 from .cache import kept, register
+from .captured_stage import Piece, layout
 from .chain import Stage
 from .tree import NAMESPACE
 
@@ -91,7 +92,7 @@ class _Traced(nn.Module):
 class _Piece:
     """One stage of a captured function: ``fn(params_l, h) -> h'``, ``params_l`` a dict of its leaves."""
 
-    def __init__(self, piece: capture.Piece, name: str):
+    def __init__(self, piece: Piece, name: str):
         self.piece, self.__name__ = piece, name
 
     def __call__(self, params: dict, h: Any) -> Any:
@@ -145,10 +146,10 @@ def captured(fn: Callable, params: Any, inputs: tuple) -> Captured:
 
 
 def _layout(tree: Any) -> tuple:
-    """A capture's cache key for ``tree``: its structure, ``capture.layout`` of its leaves, their devices."""
+    """A capture's cache key for ``tree``: its structure, ``captured_stage.layout`` of its leaves, their devices."""
     leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
     devices = tuple(t.device for t in leaves if isinstance(t, torch.Tensor))
-    return spec, tuple(_hashable(v) for v in capture.layout(leaves)), devices
+    return spec, tuple(_hashable(v) for v in layout(leaves)), devices
 
 
 def _hashable(value: Any) -> Any:

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import capture
 from .cache import register
+from .watch import numpy_drew
 
 __all__ = [
     "HOST",
@@ -96,7 +96,7 @@ class HostRandom:
         if kind not in self.watched:
             self.watched.add(kind)
             assert before is not None
-            if random.getstate() != before[0] or capture.numpy_drew(before[1]):
+            if random.getstate() != before[0] or numpy_drew(before[1]):
                 self.drawing.add(kind)
         return before if kind in self.drawing else None
 

@@ -28,7 +28,7 @@ from . import replay as R
 from .adjoint import Measurements
 from .cache import kept, register
 from .capture import canonical_names
-from .capture import layout as capture_layout
+from .captured_stage import layout as capture_layout
 from .chain import Chain, hooked_grads
 from .module_chain import from_module, ordered_children, trainable_names
 from .options import Options, Request, make
@@ -38,6 +38,7 @@ from .runner import Range
 from .ties import tie_grads, tie_groups
 from .tree import NAMESPACE
 from .update import Updater
+from .watch import Watch
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -255,7 +256,7 @@ def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Seque
     """``(chain, qualified)`` for a model: ``qualified[i]`` maps stage i's parameter and buffer names
     to the model's own (canonical: a tied tensor has one name). A module's chain (one stage per
     position, or captured: per cut and input layout) and its names are kept per model with a
-    ``capture.Watch`` of it (its fingerprint:
+    ``watch.Watch`` of it (its fingerprint:
     modules, tensors, hooks, modes and plain attributes at any depth): a training loop builds them
     once, and a model changed since (a module replaced, a flag toggled, ``.double()``, a hook added)
     is built again. A list of stages, and a model with FSDP modules (the build runs FSDP's lazy
@@ -284,7 +285,7 @@ def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Seque
     with capture.LOCK:  # a second thread capturing the same model waits and finds this capture
         cache = _CAPTURED.setdefault(model, {})
         hit = cache.get(key)
-        watch = hit[0].current() if hit is not None else capture.Watch(model)
+        watch = hit[0].current() if hit is not None else Watch(model)
         chain, qualified = kept(cache, key, watch, made)
     return chain.ending_in(loss), qualified
 

@@ -21,7 +21,7 @@ import optree
 import torch
 from torch import nn
 
-from . import capture
+from . import watch
 
 __all__ = [
     "LIBRARIES",
@@ -82,10 +82,10 @@ def reachable(fn: Any, depth: int = 0):
 
 def closure(fn: Any) -> tuple:
     """A comparable fingerprint of what ``fn`` reads from outside (``reachable``), each value by
-    ``capture.described``: at every depth, so a nested dict or ``cfg.sub.scale`` changed between
+    ``watch.described``: at every depth, so a nested dict or ``cfg.sub.scale`` changed between
     calls makes a new capture."""
     seen: dict[int, Any] = {}
-    return tuple((name, capture.described(v, seen)) for name, v in reachable(fn))
+    return tuple((name, watch.described(v, seen)) for name, v in reachable(fn))
 
 
 def trainable(fn: Callable) -> dict:
@@ -140,7 +140,7 @@ def drawn_at(fn: Callable, params: Any, inputs: tuple) -> str | None:
     python_rng, numpy_rng = random.getstate(), np.random.get_state(legacy=False)
 
     def moved() -> bool:
-        return random.getstate() != python_rng or capture.numpy_drew(numpy_rng)
+        return random.getstate() != python_rng or watch.numpy_drew(numpy_rng)
 
     def trace(frame, event, arg):
         if not is_user(frame.f_code.co_filename):

@@ -55,7 +55,7 @@ Accelerate, Lightning and DDP.
 
 ``--capture-check`` times what a graph capture (``capture="graph"``) checks on every call to
 know the model is unchanged since it was captured, on the small-width 12-layer GPT-2: the full
-``capture.fingerprint`` walk and the ``capture.Watch`` identity pass that replaces it.
+``watch.fingerprint`` walk and the ``watch.Watch`` identity pass that replaces it.
 
     python examples/bench_hf.py --capture-check
 """
@@ -317,7 +317,7 @@ def capture_check(args: argparse.Namespace) -> None:
     with extra("hf"):
         import transformers
 
-    from eae_func import capture
+    from eae_func import watch
 
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
@@ -325,10 +325,10 @@ def capture_check(args: argparse.Namespace) -> None:
     print(f"# The graph capture's staleness check, GPT-2 {size['layers']} layers, width {size['width']}\n")
     print("| check | per call ms (median of 200) |\n|---|---|")
     model, _ = build("gpt2", "full", size["width"], size["layers"])
-    watch = capture.Watch(model)
+    watcher = watch.Watch(model)
     for name, check in (
-        ("capture.fingerprint (a full walk)", lambda: capture.fingerprint(model)),
-        ("capture.Watch.current (identity pass)", watch.current),
+        ("watch.fingerprint (a full walk)", lambda: watch.fingerprint(model)),
+        ("watch.Watch.current (identity pass)", watcher.current),
     ):
         times = []
         for _ in range(200):
@@ -336,7 +336,7 @@ def capture_check(args: argparse.Namespace) -> None:
             check()
             times.append(time.perf_counter() - start)
         print(f"| {name} | {statistics.median(times) * 1e3:.3f} |")
-    assert watch.current() is watch
+    assert watcher.current() is watcher
 
 
 def parse_args(argv=None) -> argparse.Namespace:

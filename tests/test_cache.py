@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eae_func import capture
+from eae_func import watch as W
 from eae_func.cache import kept
 
 
@@ -94,13 +94,13 @@ def test_a_watch_says_unchanged_only_when_the_fingerprint_is_unchanged(steps):
     """``Watch.current()`` is the watch itself only if the model's fingerprint is what it was, after
     any sequence of changes at any depth (and it is, while nothing changed)."""
     model = _Watched()
-    watch = capture.Watch(model)
+    watch = W.Watch(model)
     assert watch.current() is watch
     for which, v in steps:
-        before = capture.fingerprint(model)
+        before = W.fingerprint(model)
         _mutations()[which](model, v)
         now = watch.current()
-        assert now.fingerprint == capture.fingerprint(model)
+        assert now.fingerprint == W.fingerprint(model)
         if now is watch:
             assert before == now.fingerprint
         watch = now
@@ -109,7 +109,7 @@ def test_a_watch_says_unchanged_only_when_the_fingerprint_is_unchanged(steps):
 
 def test_a_watch_does_not_keep_the_model_alive():
     model = _Watched()
-    watch = capture.Watch(model)
+    watch = W.Watch(model)
     alive = weakref.ref(model)
     del model
     gc.collect()
@@ -134,11 +134,11 @@ def test_a_watch_sees_a_buffers_dtype_changed_in_place_or_replaced():
         lambda m: setattr(m, "scale", torch.ones(3, dtype=torch.float64)),
     ):
         model = _Buffered()
-        watch = capture.Watch(model)
+        watch = W.Watch(model)
         change(model)
         now = watch.current()
         assert now is not watch and now != watch
-        assert now.fingerprint == capture.fingerprint(model)
+        assert now.fingerprint == W.fingerprint(model)
 
 
 # ----------------------------------------------------------------------------- a module's chain, kept
@@ -176,10 +176,10 @@ def test_a_sequential_chain_is_built_once_and_again_after_any_change(steps):
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3)).double()
     x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
     for which, v in [(0, 0), *steps]:
-        before = capture.fingerprint(model)
+        before = W.fingerprint(model)
         _changes()[which](model, v)
         model.double()
-        changed, count = capture.fingerprint(model) != before, len(builds)
+        changed, count = W.fingerprint(model) != before, len(builds)
         params = dict(model.named_parameters())
         with mock.patch.object(S, "from_module", lambda *a, **k: builds.append(1) or build(*a, **k)):
             grads = ef.grad(model, params, x, y, loss=F.mse_loss)
