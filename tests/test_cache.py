@@ -2,7 +2,6 @@
 fingerprint changes, and hold at most their limit, dropping the least recently used."""
 
 import gc
-import importlib
 import types
 import weakref
 from unittest import mock
@@ -168,8 +167,8 @@ def test_a_sequential_chain_is_built_once_and_again_after_any_change(steps):
     import torch.nn.functional as F
 
     import eae_func as ef
+    from eae_func import sweep_model as S
 
-    S = importlib.import_module("eae_func.sweep")  # the module (``eae_func.sweep`` is the function)
     builds = []
     build = S.from_module
     torch.manual_seed(0)
@@ -201,10 +200,8 @@ def test_clear_caches_empties_every_cache_and_changes_no_result():
     from torch import nn
 
     import eae_func as ef
-    from eae_func import adjoint, early_stop, input_writes
+    from eae_func import adjoint, early_stop, input_writes, sweep_model
     from eae_func.cache import caches
-
-    sweep = importlib.import_module("eae_func.sweep")  # the module, not ef.sweep
 
     class Doubles(nn.Module):  # writes into its input: learned by run-time cuts
         def forward(self, h):
@@ -221,10 +218,10 @@ def test_clear_caches_empties_every_cache_and_changes_no_result():
         return run, graph
 
     before = both()
-    assert len(sweep._CAPTURED) and len(input_writes.WRITES.seen) and adjoint.fold_in.cache_info().currsize
+    assert len(sweep_model._CAPTURED) and len(input_writes.WRITES.seen) and adjoint.fold_in.cache_info().currsize
     assert {"captured models", "compiled", "early_stop", "input writes", "boundary keys"} <= set(caches())
     ef.clear_caches()
-    assert not len(sweep._CAPTURED) and not len(input_writes.WRITES.seen) and not early_stop._KINDS
+    assert not len(sweep_model._CAPTURED) and not len(input_writes.WRITES.seen) and not early_stop._KINDS
     assert adjoint.fold_in.cache_info().currsize == 0
     after = both()
     for got, want in zip(after, before):

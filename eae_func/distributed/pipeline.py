@@ -51,7 +51,8 @@ from ..chain import Chain, hooked_grads
 from ..options import Options, make
 from ..physical import Meter
 from ..runner import Range
-from ..sweep import SweepResult, carries_state, metered
+from ..sweep import carries_state
+from ..sweep_chain import SweepResult, metered
 from ..ties import tie_grads, tie_groups
 from ..tree import NAMESPACE
 from .codecs import Codec, Raw
