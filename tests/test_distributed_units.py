@@ -15,7 +15,7 @@ from eae_func import passes as P
 from eae_func.adjoint import AdjointState
 from eae_func.distributed import balance
 from eae_func.distributed import codecs as K
-from eae_func.distributed.pipeline import ideal_bubble
+from eae_func.distributed.plan import ideal_bubble
 from eae_func.options import make
 from eae_func.runner import Range
 

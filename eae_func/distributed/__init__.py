@@ -16,7 +16,8 @@ from . import codecs
 from .codecs import Codec
 from .data_parallel import Mesh, average_gradients, mesh
 from .launch import Outcome, PeerError, default_backend, free_port, init, run, spawn
-from .pipeline import SCHEDULES, Pipeline, PipelineResult, balance
+from .pipeline import Pipeline, PipelineResult
+from .plan import SCHEDULES, balance
 
 __all__ = [
     "Codec",
