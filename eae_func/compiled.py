@@ -43,8 +43,8 @@ from torch.func import functional_call, vjp
 from . import compat
 from .cache import kept, register
 from .captured_stage import CapturedStage
-from .chain import module_lock
 from .compat import pytree
+from .slots import module_lock
 
 __all__ = ["call", "eligible", "forward", "reverse"]
 

@@ -12,8 +12,8 @@ from torch import nn
 
 from . import boundary as B
 from .capture import matches
-from .chain import Slots
 from .compat import pytree
+from .slots import Slots
 
 __all__ = ["ACTIVE", "Call", "cut_modules", "holding", "refuse_caches", "routes", "sums", "walk"]
 

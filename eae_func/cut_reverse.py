@@ -24,13 +24,13 @@ from . import replay
 from . import tree as T
 from . import vjp as V
 from .adjoint import AdjointState, fold_in
-from .chain import module_lock
 from .cut_call import ACTIVE, Call, holding, sums
 from .diagnose import note
 from .input_writes import leaf_name, param_name
 from .options import Options
 from .passes import Context
 from .physical import Meter
+from .slots import module_lock
 from .timing import timer
 
 __all__ = ["CutReverse"]

@@ -27,7 +27,7 @@ from . import physical_cuts as PC
 from . import replay as R
 from .adjoint import Measurements
 from .capture import as_call, canonical_names
-from .chain import module_lock, through_hooks
+from .chain import through_hooks
 from .compat import pytree
 from .cut_call import cut_modules, holding
 from .cuts import Sweep
@@ -36,6 +36,7 @@ from .in_backward import InBackward
 from .module_chain import trainable_names
 from .options import Options, Request
 from .physical import Meter
+from .slots import module_lock
 
 __all__ = ["multi_process", "needs_graph", "replicas_of", "sweep_model"]
 

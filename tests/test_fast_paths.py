@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import eae_func as ef
 from eae_func import estimators as E
 from eae_func import passes as P
-from eae_func.chain import Slots
 from eae_func.models import Block
+from eae_func.slots import Slots
 
 from helpers import mlp, mse
 
