@@ -96,17 +96,7 @@ def sweep_model(model: nn.Module, req: Request) -> Swept:
     params, x, loss_args, loss, split_at, opts = req.params, req.x, req.loss_args, req.loss, req.split_at, req.opts
     assert loss is not None and split_at is not None  # sweep checked them
     pass_state, buffers = req.pass_state, req.buffers
-    every = list(model.named_modules(remove_duplicate=False))  # the one walk of the model a sweep makes
-    own_params = [(f"{m}.{n}" if m else n, p) for m, mod in every for n, p in mod._parameters.items() if p is not None]
-    own_buffers = [(f"{m}.{n}" if m else n, b) for m, mod in every for n, b in mod._buffers.items() if b is not None]
-    first = canonical_names([*own_params, *own_buffers])  # a tied tensor's names -> its first name
-    seen: set[int] = set()
-    unique = [(n, m) for n, m in every if not (id(m) in seen or seen.add(id(m)))]  # named_modules()
-    named = {}  # named_parameters(): each tensor under its first name
-    for n, p in own_params:
-        named.setdefault(first[n], p)
-    trainable = trainable_names(model, params, named)  # the module's flags, not the given tensors'
-    kept = {n: b for n, b in own_buffers if first[n] == n}
+    first, trainable, kept, hooked, unique = walked(model, params)
     wrong = sorted(set(buffers or {}) - set(kept))
     if wrong:
         raise ValueError(f"buffers: {wrong[:5]} are not buffers of {type(model).__name__} (named_buffers' names)")
@@ -115,7 +105,6 @@ def sweep_model(model: nn.Module, req: Request) -> Swept:
     meter = None if roster is None else Meter(roster, tuple(range(len(roster))), opts.budget)  # over every piece
     leaves = {n: p.detach().requires_grad_(n in trainable and B.is_differentiable(p)) for n, p in params.items()}
     wanted = [n for n, t in leaves.items() if t.requires_grad]
-    hooked = {first[n]: p for n, p in own_params if p._backward_hooks}  # p.register_hook(fn): run on the sum
     update = (
         None if opts.update is None else InBackward.prepare(opts.update, model, params, wanted, list(names), hooked)
     )
@@ -160,10 +149,10 @@ def sweep_model(model: nn.Module, req: Request) -> Swept:
                 h.remove()
     value = values[0] if len(values) == 1 else torch.stack(values).sum()
     stats, trace = M.sum_stats(all_stats), M.join_adjoints(traces)
-    for k, counts in (meter.counts if meter is not None else {}).items():  # the physical modules' rows, all pieces
-        assert roster is not None
-        name = roster.stages[k].name
-        stats[name] = M.merge_counters(stats.get(name, {}), counts)
+    if meter is not None and roster is not None:  # the physical modules' rows, over every piece
+        for k, counts in meter.counts.items():
+            name = roster.stages[k].name
+            stats[name] = M.merge_counters(stats.get(name, {}), counts)
     if update is not None:
         pure = update.spec.fn is not None
         new = {n: update.params.get(n, t) for n, t in params.items()} if pure else None
@@ -180,6 +169,27 @@ def sweep_model(model: nn.Module, req: Request) -> Swept:
 
         grads, stats["data_parallel"] = average_model_grads(replicas, params, grads)
     return Swept(value, grads, trace, fresh, state, Measurements(stats))
+
+
+def walked(model: nn.Module, params: Mapping[str, torch.Tensor]) -> tuple[dict, frozenset, dict, dict, list]:
+    """The one walk of ``model`` a sweep makes: ``(first, trainable, kept, hooked, modules)``, each
+    parameter's and buffer's name -> its first name (a tied tensor has one), the names that train
+    (the module's flags, not the given tensors'), the buffers by their first names, the parameters
+    with hooks of their own (``p.register_hook(fn)``: run on the summed gradient) and
+    ``named_modules()``."""
+    every = list(model.named_modules(remove_duplicate=False))
+    own_params = [(f"{m}.{n}" if m else n, p) for m, mod in every for n, p in mod._parameters.items() if p is not None]
+    own_buffers = [(f"{m}.{n}" if m else n, b) for m, mod in every for n, b in mod._buffers.items() if b is not None]
+    first = canonical_names([*own_params, *own_buffers])
+    seen: set[int] = set()
+    unique = [(n, m) for n, m in every if not (id(m) in seen or seen.add(id(m)))]
+    named = {}  # named_parameters(): each tensor under its first name
+    for n, p in own_params:
+        named.setdefault(first[n], p)
+    trainable = trainable_names(model, params, named)
+    kept = {n: b for n, b in own_buffers if first[n] == n}
+    hooked = {first[n]: p for n, p in own_params if p._backward_hooks}
+    return first, trainable, kept, hooked, unique
 
 
 def piece(run: Sweep, model: nn.Module, mb: M.Microbatch, loss: Callable, inputs: list, update: Any) -> torch.Tensor:

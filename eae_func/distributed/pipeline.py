@@ -191,11 +191,6 @@ class Pipeline(Peers):
                  whole chain from its input); ``zbp``, ``exact``, ``twin`` and ``frozen`` need
                  only their stage.
         """
-        if self.failure is not None:
-            raise PeerError(
-                f"rank {self.rank}: an earlier step of this pipeline failed ({self.failure}); its links "
-                f"may be closed: re-create the process group and the pipeline"
-            )
         chain, first = self.chain, self.position == 0
         opts = make("Pipeline.sweep", options).bind(chain)
         self._refuse(opts)
@@ -298,6 +293,12 @@ class Pipeline(Peers):
         return stats
 
     def _refuse(self, opts: Options) -> None:
+        """Refuse a step after a failed one (its links may be closed), and what a pipeline cannot run."""
+        if self.failure is not None:
+            raise PeerError(
+                f"rank {self.rank}: an earlier step of this pipeline failed ({self.failure}); its links "
+                f"may be closed: re-create the process group and the pipeline"
+            )
         if opts.update is not None:
             raise ValueError(
                 "Pipeline.sweep: update= cannot cross ranks: a fused step needs the gradient summed over "
