@@ -7,7 +7,7 @@ central differences with the probes' copies folded into the batch).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import optree
 import torch
@@ -19,18 +19,25 @@ from ..physical import rows_of
 from ..tree import NAMESPACE
 from .base import Problem
 from .local import Flat, call, fold, forward_mode, perturb_folded, where
-from .probes import guide
+from .probes import Probes, guide
 
-if TYPE_CHECKING:
-    from .model_level import ModelLevel
+__all__ = ["NetworkRun", "Probing"]
 
-__all__ = ["NetworkRun"]
+
+class Probing(Protocol):
+    """What a run reads of its model-level estimator (``ModelLevel``)."""
+
+    name: str
+    probes: Probes
+    form: str
+    eps: float
+    reduction: str
 
 
 class NetworkRun:
     """One ``prepare``: the physical stages' boundaries and probe layouts."""
 
-    def __init__(self, estimator: ModelLevel, problem: Problem):
+    def __init__(self, estimator: Probing, problem: Problem):
         self.estimator, self.problem = estimator, problem
         self.physical = problem.physical
         self.loss_args: tuple = problem.loss_args or ()
