@@ -23,14 +23,10 @@ train / eval mode at capture; a stage called otherwise says so.
 from __future__ import annotations
 
 import collections
-import contextlib
 import fnmatch
-import random
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
@@ -39,11 +35,11 @@ from torch.fx.passes.split_module import split_module
 
 from .captured_stage import CapturedStage, Piece, layout, register_output_types
 from .compat import pytree as torch_pytree
+from .exporting import Refused, data_dependent, exported
 from .watch import (
     GLOBAL_HOOKS,
     HOOKS,
     global_hooks,
-    numpy_drew,
 )
 
 __all__ = ["Refused"]
@@ -127,90 +123,11 @@ def _occurrences(names: list) -> list[int]:
     return out
 
 
-def exported(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, list[str]]:
-    """``(program, drew)``: ``torch.export.export(module, args, kwargs, strict=False)`` with torch's
-    RNG forked (a capture draws no random numbers the next forward should see); ``drew`` names the
-    Python-level generators (``random``, ``numpy.random``) the forward drew from, whose states are
-    put back: a capture would bake that one draw into every later call. A forward that applies a
-    custom ``torch.autograd.Function`` is refused: export traces its forward and drops its backward."""
-    python_rng, numpy_rng = random.getstate(), np.random.get_state(legacy=False)
-    try:
-        with torch.random.fork_rng(), custom_functions() as applied:
-            program = torch.export.export(module, args, kwargs, strict=False)
-    finally:
-        drew = [
-            name
-            for name, moved in (("random", random.getstate() != python_rng), ("numpy.random", numpy_drew(numpy_rng)))
-            if moved
-        ]
-        random.setstate(python_rng)
-        np.random.set_state(numpy_rng)
-    if applied:
-        raise Refused(
-            f"capture: the forward applies the custom autograd Function{'s' if len(applied) > 1 else ''} "
-            f"{', '.join(sorted(applied))}; torch.export traces its forward and drops its own backward, so the "
-            f"gradients would silently differ. Cut a model at run time (capture='run', the default for a model "
-            f"with split_at), which runs it as written"
-        )
-    return program, drew
-
-
-class Refused(ValueError):
-    """What a capture refuses to run (it would differ from eager silently), raised as it is."""
-
-
-LOCK = threading.RLock()
-"""Held by a capture from first look to cache entry: ``torch.export`` swaps a model's tensors for fake
-ones while it traces, so a second thread capturing (or fingerprinting) the same model meanwhile would
-read the fakes. One capture at a time; the second finds the first's in the cache."""
-
-
-@contextlib.contextmanager
-def custom_functions():
-    """The names of the custom ``torch.autograd.Function`` classes applied in the block (a set)."""
-    applied: set[str] = set()
-    function = torch.autograd.Function
-    original = function.__dict__["apply"]
-
-    def apply(cls, *args, **kwargs):
-        if cls.__module__.split(".")[0] != "torch":  # torch's own Functions export with their backward
-            applied.add(cls.__qualname__)
-        return original.__func__(cls, *args, **kwargs)
-
-    with LOCK:
-        function.apply = classmethod(apply)  # type: ignore[method-assign, assignment]
-        try:
-            yield applied
-        finally:
-            function.apply = original  # type: ignore[method-assign]
-
-
-def data_dependent(e: BaseException) -> bool:
-    """Whether an export failed on a branch on a tensor's value (a guard on data)."""
-    return "data-dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__
-
-
 def cut_model(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[list[CapturedStage], list[str], dict]:
     """``(stages, names, shown)``: ``model``'s forward on ``example`` cut before and after every module
     whose path matches a pattern of ``split_at`` (see the module docstring); ``shown``: the boundaries
     the cuts' calls output, as run-time cuts show them (``_shown``)."""
-    if isinstance(split_at, str) or not all(isinstance(p, str) for p in split_at) or not split_at:
-        raise TypeError(f"split_at: expected a list of module paths (glob patterns), got {split_at!r}")
-    cut_modules = {n for n, _ in model.named_modules() if n and any(matches(n, p) for p in split_at)}
-    if not cut_modules:
-        shown = [n for n, _ in model.named_modules() if n][:12]
-        raise ValueError(
-            f"split_at: no module of {type(model).__name__} matches {list(split_at)}; its modules include {shown}"
-        )
-    hooked = [
-        f"{name or '(the model)'}.{kind[1:]}" for name, m in model.named_modules() for kind in HOOKS if getattr(m, kind)
-    ] + [f"global {kind}" for kind, hooks in zip(GLOBAL_HOOKS, global_hooks()) if hooks]
-    if hooked:
-        raise ValueError(
-            f"split_at with capture='graph': {type(model).__name__} has hooks ({', '.join(hooked[:4])}); a captured "
-            f"graph runs a hook once, at capture, and bakes its effect in. Cut at run time (capture='run', the "
-            f"default), which runs hooks on every call"
-        )
+    cut_modules = _cuttable(model, split_at)
     args, kwargs = as_call(example)
     try:
         program, drew = exported(_Exportable(model), args, kwargs)
@@ -246,6 +163,36 @@ def cut_model(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[
             f"e.g. 'h.*'), or a layer called as layer.forward(x), which bypasses the module call the capture "
             f"sees. Cut at modules that are called"
         )
+    pieces = split(program, stage_of, len(names), _sources(model, signature), _model_leaves, example, "split_at")
+    return [CapturedStage(model, piece, model.training) for piece in pieces], names, _shown(pieces, names, cuts)
+
+
+def _cuttable(model: nn.Module, split_at: Sequence[str]) -> set[str]:
+    """The paths of ``model``'s modules that ``split_at`` matches; refused where none does, or where
+    the model has hooks (a captured graph would run them once, at capture)."""
+    if isinstance(split_at, str) or not all(isinstance(p, str) for p in split_at) or not split_at:
+        raise TypeError(f"split_at: expected a list of module paths (glob patterns), got {split_at!r}")
+    cut_modules = {n for n, _ in model.named_modules() if n and any(matches(n, p) for p in split_at)}
+    if not cut_modules:
+        shown = [n for n, _ in model.named_modules() if n][:12]
+        raise ValueError(
+            f"split_at: no module of {type(model).__name__} matches {list(split_at)}; its modules include {shown}"
+        )
+    hooked = [
+        f"{name or '(the model)'}.{kind[1:]}" for name, m in model.named_modules() for kind in HOOKS if getattr(m, kind)
+    ] + [f"global {kind}" for kind, hooks in zip(GLOBAL_HOOKS, global_hooks()) if hooks]
+    if hooked:
+        raise ValueError(
+            f"split_at with capture='graph': {type(model).__name__} has hooks ({', '.join(hooked[:4])}); a captured "
+            f"graph runs a hook once, at capture, and bakes its effect in. Cut at run time (capture='run', the "
+            f"default), which runs hooks on every call"
+        )
+    return cut_modules
+
+
+def _sources(model: nn.Module, signature: Any) -> dict:
+    """Where each graph input that is not the user's comes from: ``("parameter" | "buffer", the
+    model's canonical name)`` or ``("constant", key)``."""
     parameters = canonical_names(model.named_parameters(remove_duplicate=False))
     buffers = canonical_names(model.named_buffers(remove_duplicate=False))
     sources = {}
@@ -262,8 +209,7 @@ def cut_model(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[
                 f"split_at: the captured graph has an input of kind {spec.kind}, which eae_func "
                 f"cannot feed; cut the model by hand"
             )
-    pieces = split(program, stage_of, len(names), sources, _model_leaves, example, "split_at")
-    return [CapturedStage(model, piece, model.training) for piece in pieces], names, _shown(pieces, names, cuts)
+    return sources
 
 
 def _shown(pieces: list[Piece], names: list[str], cuts: list) -> dict:
@@ -296,14 +242,7 @@ def split(
     module, signature = program.graph_module, program.graph_signature
     _keep_casts(module, stage_of)
     user_inputs = [s.arg.name for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
-    returned = next(v for v in module.graph.nodes if v.op == "output").args[0]  # after _keep_casts rewired them
-    user_outputs = [v.name for v, s in zip(returned, signature.output_specs) if s.kind == OutputKind.USER_OUTPUT]
-    if len(user_outputs) != len(signature.output_specs):
-        kinds = sorted({str(s.kind) for s in signature.output_specs if s.kind != OutputKind.USER_OUTPUT})
-        raise RuntimeError(
-            f"{where}: the captured graph returns {kinds} besides the model output (in-place "
-            f"updates of inputs); cut the model by hand"
-        )
+    user_outputs = _user_outputs(module, signature, where)
     split = split_module(
         module,
         module,
@@ -348,6 +287,20 @@ def split(
         )
         for k, (graph, inputs, outputs) in enumerate(graphs)
     ]
+
+
+def _user_outputs(module: Any, signature: Any, where: str) -> list[str]:
+    """The names of the graph's outputs that are the model's; refused where it returns more (in-place
+    updates of its inputs)."""
+    returned = next(v for v in module.graph.nodes if v.op == "output").args[0]  # after _keep_casts rewired them
+    user_outputs = [v.name for v, s in zip(returned, signature.output_specs) if s.kind == OutputKind.USER_OUTPUT]
+    if len(user_outputs) != len(signature.output_specs):
+        kinds = sorted({str(s.kind) for s in signature.output_specs if s.kind != OutputKind.USER_OUTPUT})
+        raise RuntimeError(
+            f"{where}: the captured graph returns {kinds} besides the model output (in-place "
+            f"updates of inputs); cut the model by hand"
+        )
+    return user_outputs
 
 
 def structure(graph: Any) -> Any:

@@ -1,4 +1,5 @@
-"""One call of a cut module (cuts): what its reverse step needs, and the helpers that read a call's inputs, outputs and module."""
+"""One call of a cut module (``cuts``): ``Call``, what its reverse step needs, and the helpers that
+read a call's inputs, outputs and module."""
 
 from __future__ import annotations
 

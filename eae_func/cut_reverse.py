@@ -198,25 +198,7 @@ class CutReverse:
             raise
         finally:
             ACTIVE.depth -= 1
-        if call.sums is not None and not all(torch.equal(a, b) for a, b in zip(sums(out), call.sums)):
-            raise ValueError(
-                f"cut {call.name!r} seeds torch's generator afresh (torch.seed(), as Reformer's layers do for "
-                f"their dropout) and its rebuild came to other outputs than its forward: its gradients would "
-                f"belong to other random numbers. Cut a module that does not reseed, or turn its randomness off"
-            )
-        spec = T.flatten_output(out)[1]
-        if spec != call.out_spec:
-            raise ValueError(
-                f"cut {call.name!r}: its rebuild returned another structure than its forward ({spec} vs "
-                f"{call.out_spec}): cut a module whose output has one structure for its inputs"
-            )
-        for i, t in zip(call.written, written):
-            if t.requires_grad and i not in call.inputs:
-                raise ValueError(
-                    f"cut {call.name!r} writes into its input {leaf_name(call, i)}, which requires no grad, a value "
-                    f"that depends on its parameters: the caller's tensor cannot take that gradient. Write out "
-                    f"of place in the module, or pass it a tensor that requires grad"
-                )
+        check_rebuilt(call, out, written)
         return out, written, inputs, [own[id(p)] for p in call.trained]
 
     def estimate(self, call: Call, leaves: list, costates: list) -> list:
@@ -257,3 +239,28 @@ class CutReverse:
             raise
         stats.update(cost)
         return [*g_in[: len(call.inputs)], *(grads.get(n) for n in names)]
+
+
+def check_rebuilt(call: Call, out: Any, written: tuple) -> None:
+    """Refuse a rebuild that did not repeat its forward: other outputs after a reseed of torch's
+    generator, another output structure, or a write into an input that requires no grad of a
+    value that depends on the parameters."""
+    if call.sums is not None and not all(torch.equal(a, b) for a, b in zip(sums(out), call.sums)):
+        raise ValueError(
+            f"cut {call.name!r} seeds torch's generator afresh (torch.seed(), as Reformer's layers do for "
+            f"their dropout) and its rebuild came to other outputs than its forward: its gradients would "
+            f"belong to other random numbers. Cut a module that does not reseed, or turn its randomness off"
+        )
+    spec = T.flatten_output(out)[1]
+    if spec != call.out_spec:
+        raise ValueError(
+            f"cut {call.name!r}: its rebuild returned another structure than its forward ({spec} vs "
+            f"{call.out_spec}): cut a module whose output has one structure for its inputs"
+        )
+    for i, t in zip(call.written, written):
+        if t.requires_grad and i not in call.inputs:
+            raise ValueError(
+                f"cut {call.name!r} writes into its input {leaf_name(call, i)}, which requires no grad, a value "
+                f"that depends on its parameters: the caller's tensor cannot take that gradient. Write out "
+                f"of place in the module, or pass it a tensor that requires grad"
+            )

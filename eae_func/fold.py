@@ -17,7 +17,7 @@ built from it, are freed when the step returns.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, cast
 
 import optree
@@ -274,112 +274,102 @@ class Step:
             grads, g_in = done
         elif rebuilt and self.defer_weights and s.sharded is None:
             cot = V.cotangent(costate, entry.out_layout)
-            grads, g_in = deferred_vjp(s, params[i], entry, floats, rebuild, cot, wanted, opts, stats, device)
+            grads, g_in = self.deferred_vjp(entry, floats, rebuild, cot, wanted, stats)
         else:
             if closure is None:
-                closure = rebuilt_closure(s, params[i], entry, floats, rebuild, opts, stats, device)
+                closure = self.rebuilt_closure(entry, floats, rebuild, stats)
             with timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device):
                 grads, g_in = closure(V.cotangent(costate, entry.out_layout), wanted)
         if s.sharded is not None:
             fsdp.prefetch_below(self.chain, i)
         return grads, None if g_in is None else costate_like(g_in)
 
+    def rebuilt_closure(
+        self,
+        entry: Entry,
+        floats: list,
+        rebuild: Callable,
+        stats: dict,
+        params_too: bool = True,
+        inputs_too: bool = True,
+    ) -> Callable:
+        """``rebuilt_vjp`` of the entry's stage under its replayed RNG state, modes and autocast,
+        stopped early (``early_stop``) where the options allow and the stage is neither FSDP's nor
+        ``remat.save``'s."""
+        s, params, opts, device = self.chain.stages[entry.index], self.params[entry.index], self.opts, self.device
+
+        def attempt(run: Callable) -> Callable:
+            with (
+                timer(opts, stats, "recompute_s", f"eae/{s.name}/recompute", device),
+                replay_rng(entry.rng, device),
+                in_modes(entry.modes),
+                autocast(opts.autocast, device),
+            ):
+                step = replaying(entry.cached, run)
+                return rebuilt_vjp(s, params, entry, floats, rebuild, params_too, inputs_too, step)
+
+        kind = None  # the rebuild's kind for early_stop (None: in full)
+        if (
+            opts.early_stop
+            and s.sharded is None
+            and entry.cached is None
+            and ES.may_pay(floats)
+            and not ES.observed(m for m, _ in entry.modes)
+        ):
+            kind = (  # what a rebuild's ops depend on, cheaply (the rest, layouts and dtypes, is checked op for op)
+                id(s.module if s.module is not None else s.fn),
+                tuple(f.shape for f in floats),
+                entry.frozen,
+                params_too,
+                inputs_too,
+                opts.autocast,
+                entry.modes[0][1] if entry.modes else None,  # the stage's training flag
+            )
+        return ES.rebuilt(kind, attempt)
+
+    def deferred_vjp(
+        self, entry: Entry, floats: list, rebuild: Callable, cot: list, inputs_too: bool, stats: dict
+    ) -> tuple:
+        """``(Deferred J_W^T p, J_x^T p)`` of the entry's stage: the input half now (the stage rebuilt
+        with its parameters detached; ``None`` without ``inputs_too``), the weight half when the
+        ``Deferred`` is computed (rebuilt with its input detached), both under the replayed RNG state."""
+        name, opts, device = self.chain.stages[entry.index].name, self.opts, self.device
+
+        def pullback(weights: bool) -> Callable:
+            inputs = [f.detach() for f in floats] if weights else floats
+            return self.rebuilt_closure(entry, inputs, rebuild, stats, weights, not weights)
+
+        def weights() -> Any:
+            rebuilt = pullback(True)
+            with timer(opts, stats, "weight_s", f"eae/{name}/weights", device):
+                return rebuilt(cot, False)[0]
+
+        if not inputs_too:
+            return Deferred(weights), None
+        rebuilt = pullback(False)
+        with timer(opts, stats, "vjp_s", f"eae/{name}/vjp", device):
+            return Deferred(weights), rebuilt(cot, True)[1]
+
 
 def rebuilt_vjp(
     s: Any,
     params: Any,
-    buffers: Mapping,
+    entry: Entry,
     floats: list,
     rebuild: Callable,
-    frozen: frozenset[str],
     params_too: bool = True,
     inputs_too: bool = True,
     run: Callable = ES.whole,
 ) -> Callable:
     """The pullback of stage ``s`` rebuilt from its boundary (``floats`` put back by ``rebuild``) at
-    ``params`` (``vjp.local_vjp``), its forward called through ``run`` (``early_stop``); an FSDP
-    stage's runs FSDP's own backward (``fsdp.local_vjp``)."""
+    ``params`` (``vjp.local_vjp``; the entry's buffers, its frozen parameters held), its forward
+    called through ``run`` (``early_stop``); an FSDP stage's runs FSDP's own backward
+    (``fsdp.local_vjp``)."""
+    buffers = entry.buffers
     if s.sharded is not None:
         return fsdp.local_vjp(s, buffers, floats, rebuild)[1]
     call = lambda p, x: run(s.call, p, buffers, x)[0]
-    return V.local_vjp(call, params, floats, rebuild, frozen, params_too, inputs_too)[1]
-
-
-def rebuilt_closure(
-    s: Any,
-    params: Any,
-    entry: Entry,
-    floats: list,
-    rebuild: Callable,
-    opts: Options,
-    stats: dict,
-    device: torch.device,
-    params_too: bool = True,
-    inputs_too: bool = True,
-) -> Callable:
-    """``rebuilt_vjp`` under the stage's replayed RNG state, modes and autocast, stopped early
-    (``early_stop``) where the options allow and the stage is neither FSDP's nor ``remat.save``'s."""
-
-    def attempt(run: Callable) -> Callable:
-        with (
-            timer(opts, stats, "recompute_s", f"eae/{s.name}/recompute", device),
-            replay_rng(entry.rng, device),
-            in_modes(entry.modes),
-            autocast(opts.autocast, device),
-        ):
-            step = replaying(entry.cached, run)
-            return rebuilt_vjp(s, params, entry.buffers, floats, rebuild, entry.frozen, params_too, inputs_too, step)
-
-    kind = None  # the rebuild's kind for early_stop (None: in full)
-    if (
-        opts.early_stop
-        and s.sharded is None
-        and entry.cached is None
-        and ES.may_pay(floats)
-        and not ES.observed(m for m, _ in entry.modes)
-    ):
-        kind = (  # what a rebuild's ops depend on, cheaply (the rest, layouts and dtypes, is checked op for op)
-            id(s.module if s.module is not None else s.fn),
-            tuple(f.shape for f in floats),
-            entry.frozen,
-            params_too,
-            inputs_too,
-            opts.autocast,
-            entry.modes[0][1] if entry.modes else None,  # the stage's training flag
-        )
-    return ES.rebuilt(kind, attempt)
-
-
-def deferred_vjp(
-    s: Any,
-    params: Any,
-    entry: Entry,
-    floats: list,
-    rebuild: Callable,
-    cot: list,
-    inputs_too: bool,
-    opts: Options,
-    stats: dict,
-    device: torch.device,
-) -> tuple:
-    """``(Deferred J_W^T p, J_x^T p)`` of one stage: the input half now (the stage rebuilt with its
-    parameters detached; ``None`` without ``inputs_too``), the weight half when the ``Deferred`` is
-    computed (rebuilt with its input detached), both under the replayed RNG state."""
-
-    def pullback(weights: bool) -> Callable:
-        inputs = [f.detach() for f in floats] if weights else floats
-        return rebuilt_closure(s, params, entry, inputs, rebuild, opts, stats, device, weights, not weights)
-
-    def weights() -> Any:
-        rebuilt = pullback(True)
-        with timer(opts, stats, "weight_s", f"eae/{s.name}/weights", device):
-            return rebuilt(cot, False)[0]
-
-    if not inputs_too:
-        return Deferred(weights), None
-    rebuilt = pullback(False)
-    with timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device):
-        return Deferred(weights), rebuilt(cot, True)[1]
+    return V.local_vjp(call, params, floats, rebuild, entry.frozen, params_too, inputs_too)[1]
 
 
 def reverse(

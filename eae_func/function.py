@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.export.graph_signature import InputKind
 
-from . import capture
+from . import capture, exporting
 from . import user_code as U
 from .cache import kept, register
 from .captured_stage import Piece, layout
@@ -141,7 +141,7 @@ def captured(fn: Callable, params: Any, inputs: tuple) -> Captured:
         cache = _CAPTURED.setdefault(owner, {})
     except TypeError:  # not weakly referenceable: captured every call
         cache = {}
-    with capture.LOCK:  # a second thread capturing the same function waits and finds this capture
+    with exporting.LOCK:  # a second thread capturing the same function waits and finds this capture
         return kept(cache, key, U.closure(fn), lambda: capture_function(fn, params, inputs))
 
 
@@ -173,12 +173,12 @@ def capture_function(fn: Callable, params: Any, inputs: tuple) -> Captured:
     cuts: list = []
     _MARKS.cuts = cuts
     try:
-        program, drew = capture.exported(_Traced(fn, spec, inputs_spec), (*(t.detach() for t in leaves), *data), {})
-    except capture.Refused:
+        program, drew = exporting.exported(_Traced(fn, spec, inputs_spec), (*(t.detach() for t in leaves), *data), {})
+    except exporting.Refused:
         raise
     except Exception as e:
         where = U.user_line(e) or label
-        if capture.data_dependent(e):
+        if exporting.data_dependent(e):
             raise ValueError(
                 f"{label}: a branch on a tensor's value at {where} cannot be captured (the cuts and "
                 f"stages must be the same for every input); compute the branch with torch.where, or "

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import capture, fsdp
+from . import capture, exporting, fsdp
 from .chain import Chain, Shown, Stage
 
 __all__ = [
@@ -84,7 +84,7 @@ def from_module(
         if not isinstance(model, nn.Module):
             raise TypeError(f"from_module: split_at cuts a model's own forward, got a {type(model).__name__}")
         fsdp.refuse_capture(model)
-        with capture.LOCK:
+        with exporting.LOCK:
             stages, names, calls = capture.cut_model(model, example, split_at)
         named_children = list(zip(names, stages))
         shown = {l: Shown(*call) for l, call in calls.items()}

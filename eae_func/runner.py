@@ -16,6 +16,7 @@ next stage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -152,6 +153,21 @@ class Range:
         """The options for microbatch ``mb`` (its own key)."""
         return self.opts if mb.key == self.opts.key else dataclasses.replace(self.opts, key=mb.key)
 
+    def exact_trace(self, probed: Chain, buffers: tuple, mb: Microbatch) -> tuple:
+        """The exact trace of ``probed`` (the chain with every boundary shown) on this microbatch: the
+        model-level estimators' oracle, run without passes, timers or physical stages."""
+        opts = self.at(mb)
+        exact = Options(
+            key=opts.key,
+            boundary_dtype=opts.boundary_dtype,
+            offload=opts.offload,
+            autocast=opts.autocast,
+            timers=False,
+        ).bind(probed)
+        piece = Microbatch(mb.x, mb.loss_args, 1.0, opts.key)
+        whole = Range(probed.showing_all(), 0, len(probed), self.params, exact, self.device)
+        return whole.run(buffers, piece, None).trace
+
     def problem(self, tape: TP.Tape, buffers: tuple, mb: Microbatch) -> Problem:
         """What the estimators see of this microbatch: stages run as the tape ran them (digital
         stages' RNG replayed, physical ones drawing afresh), the exact trace from this runner."""
@@ -173,18 +189,6 @@ class Range:
                 return out
             return rounding.store(out, B.Layout.of(out))[1]
 
-        def exact_trace(probed: Chain) -> tuple:
-            exact = Options(
-                key=opts.key,
-                boundary_dtype=opts.boundary_dtype,
-                offload=opts.offload,
-                autocast=opts.autocast,
-                timers=False,
-            ).bind(probed)
-            piece = Microbatch(mb.x, mb.loss_args, 1.0, opts.key)
-            whole = Range(probed.showing_all(), 0, len(probed), self.params, exact, device)
-            return whole.run(buffers, piece, None).trace
-
         def state(i: int) -> Any:
             entry = next((e for e in tape.entries if e.index == i), None)  # looked up, not held: the fold frees them
             if entry is None:
@@ -205,7 +209,7 @@ class Range:
             opts.physical,
             opts.key,
             mb.scale if mb.scale is not None else 1.0,
-            exact_trace if whole else None,
+            functools.partial(self.exact_trace, buffers=buffers, mb=mb) if whole else None,
             self.meter,
             call,
             feed,

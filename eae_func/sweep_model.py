@@ -13,7 +13,7 @@ import optree
 import torch
 from torch import nn
 
-from . import capture, fsdp, model_sweep
+from . import exporting, fsdp, model_sweep
 from . import microbatch as M
 from .cache import kept, register
 from .capture import canonical_names
@@ -63,7 +63,7 @@ def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Seque
             chain = from_module(model, loss, split_at=split_at, example=x)[0]
             return chain, _names(model, chain, [None] * len(chain))
 
-    with capture.LOCK:  # a second thread capturing the same model waits and finds this capture
+    with exporting.LOCK:  # a second thread capturing the same model waits and finds this capture
         cache = _CAPTURED.setdefault(model, {})
         hit = cache.get(key)
         watch = hit[0].current() if hit is not None else Watch(model)
