@@ -56,23 +56,7 @@ def synthetic(lr: float = 0.5, momentum: float = 0.9, warmup: int = 100, replace
         return {}
 
     def update(adj: AdjointState, state: Any, ctx: Context) -> tuple:
-        if not isinstance(state, dict):
-            raise TypeError(
-                f"synthetic: expected a dict state (boundary index -> predictor), got {type(state).__name__}"
-            )
-        if ctx.boundary is None:
-            raise ValueError(
-                f"synthetic: boundary {adj.index} has no boundary state (ctx.boundary is None); "
-                f"the pass predicts the costate from it: run it inside ef.sweep on a chain, or on a model with "
-                f"split_at and capture='graph' (run-time cuts keep no boundary state for the passes)"
-            )
-        costates, spec = optree.tree_flatten(adj.value, none_is_leaf=True, namespace=NAMESPACE)
-        boundaries = optree.tree_leaves(ctx.boundary, none_is_leaf=True, namespace=NAMESPACE)
-        if len(boundaries) != len(costates):
-            raise ValueError(
-                f"synthetic: at boundary {adj.index} the costate has {len(costates)} leaves "
-                f"but the boundary state has {len(boundaries)}"
-            )
+        costates, spec, boundaries = _leaves(adj, state, ctx)
         entry = state.get(adj.index)
         step = entry["step"] if entry else 0
         use = replace and step >= warmup
@@ -82,42 +66,70 @@ def synthetic(lr: float = 0.5, momentum: float = 0.9, warmup: int = 100, replace
                 for kept in (sent, weights, velocities):
                     kept.append(None)
                 continue
-            phi, target = _features(x), p.detach().float().reshape(-1, p.shape[-1] if p.ndim else 1)
-            if phi.shape[0] != target.shape[0]:
-                raise ValueError(
-                    f"synthetic: at boundary {adj.index}, leaf {i}: boundary state {tuple(x.shape)} "
-                    f"and costate {tuple(p.shape)} differ in their leading dims"
-                )
-            W = entry["W"][i] if entry else phi.new_zeros(phi.shape[1], target.shape[1])
-            v = entry["v"][i] if entry else torch.zeros_like(W)
-            prediction = phi @ W
-            error = prediction - target
-            v = momentum * v + phi.T @ error / (phi.shape[0] * phi.shape[1])
-            weights.append(W - lr * v)
+            prediction, W, v, leaf_sums = _lms_step(p, x, entry, i, adj.index, lr, momentum)
+            weights.append(W)
             velocities.append(v)
-            sums.append(
-                torch.stack(
-                    [
-                        error.square().sum(),
-                        target.square().sum(),
-                        (prediction * target).sum(),
-                        prediction.square().sum(),
-                    ]
-                )
-            )
+            sums.append(leaf_sums)
             sent.append(prediction.reshape(p.shape).to(p.dtype) if use else p)
         new_entry = {"step": step + 1, "W": tuple(weights), "v": tuple(velocities)}
-        meta: dict[str, Any] = dict(
-            synthetic_error=float("nan"), synthetic_cosine=0.0, synthetic_step=step + 1, synthetic_used=use
-        )
-        if sums:
-            err, norm2, dot, pred2 = torch.stack(sums).sum(0)
-            meta.update(
-                synthetic_error=Lazy.of(torch.where(norm2 > 0, err / norm2, torch.full_like(err, float("nan")))),
-                synthetic_cosine=Lazy.of(
-                    torch.where(norm2 * pred2 > 0, dot / (norm2 * pred2).sqrt(), torch.zeros_like(dot))
-                ),
-            )
+        meta = _meta(sums, step + 1, use)
         return adj.applied("synthetic", spec.unflatten(sent), **meta), {**state, adj.index: new_entry}
 
     return Pass(init, update, f"synthetic(lr={lr:g}, momentum={momentum:g}, warmup={warmup}, replace={replace})")
+
+
+def _leaves(adj: AdjointState, state: Any, ctx: Context) -> tuple:
+    """``(costate leaves, their spec, boundary leaves)`` at ``adj``'s boundary, refused where the state
+    is not the pass's, there is no boundary state, or the two trees differ in length."""
+    if not isinstance(state, dict):
+        raise TypeError(f"synthetic: expected a dict state (boundary index -> predictor), got {type(state).__name__}")
+    if ctx.boundary is None:
+        raise ValueError(
+            f"synthetic: boundary {adj.index} has no boundary state (ctx.boundary is None); "
+            f"the pass predicts the costate from it: run it inside ef.sweep on a chain, or on a model with "
+            f"split_at and capture='graph' (run-time cuts keep no boundary state for the passes)"
+        )
+    costates, spec = optree.tree_flatten(adj.value, none_is_leaf=True, namespace=NAMESPACE)
+    boundaries = optree.tree_leaves(ctx.boundary, none_is_leaf=True, namespace=NAMESPACE)
+    if len(boundaries) != len(costates):
+        raise ValueError(
+            f"synthetic: at boundary {adj.index} the costate has {len(costates)} leaves "
+            f"but the boundary state has {len(boundaries)}"
+        )
+    return costates, spec, boundaries
+
+
+def _lms_step(p: torch.Tensor, x: torch.Tensor, entry: Any, i: int, index: int, lr: float, momentum: float) -> tuple:
+    """Leaf i's step: ``(p_hat as rows, new W, new v, [|p_hat - p|^2, |p|^2, <p_hat, p>, |p_hat|^2])``,
+    ``p_hat = phi W`` from W before the step (``entry``: the boundary's state, ``None`` at first)."""
+    phi, target = _features(x), p.detach().float().reshape(-1, p.shape[-1] if p.ndim else 1)
+    if phi.shape[0] != target.shape[0]:
+        raise ValueError(
+            f"synthetic: at boundary {index}, leaf {i}: boundary state {tuple(x.shape)} "
+            f"and costate {tuple(p.shape)} differ in their leading dims"
+        )
+    W = entry["W"][i] if entry else phi.new_zeros(phi.shape[1], target.shape[1])
+    v = entry["v"][i] if entry else torch.zeros_like(W)
+    prediction = phi @ W
+    error = prediction - target
+    v = momentum * v + phi.T @ error / (phi.shape[0] * phi.shape[1])
+    sums = torch.stack(
+        [error.square().sum(), target.square().sum(), (prediction * target).sum(), prediction.square().sum()]
+    )
+    return prediction, W - lr * v, v, sums
+
+
+def _meta(sums: list, step: int, use: bool) -> dict[str, Any]:
+    """The records of a visit: the prediction's relative error and cosine over every leaf (lazily)."""
+    meta: dict[str, Any] = dict(
+        synthetic_error=float("nan"), synthetic_cosine=0.0, synthetic_step=step, synthetic_used=use
+    )
+    if sums:
+        err, norm2, dot, pred2 = torch.stack(sums).sum(0)
+        meta.update(
+            synthetic_error=Lazy.of(torch.where(norm2 > 0, err / norm2, torch.full_like(err, float("nan")))),
+            synthetic_cosine=Lazy.of(
+                torch.where(norm2 * pred2 > 0, dot / (norm2 * pred2).sqrt(), torch.zeros_like(dot))
+            ),
+        )
+    return meta
