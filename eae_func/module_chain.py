@@ -76,18 +76,7 @@ def from_module(
     (``fully_shard``) becomes a stage that runs through FSDP (``eae_func.fsdp``).
     """
     if split_at is not None:
-        if example is None:
-            raise ValueError(
-                "from_module: split_at captures the model's forward on an input: give example= (a "
-                "tensor, a tuple of positional inputs or a dict of keyword inputs)"
-            )
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"from_module: split_at cuts a model's own forward, got a {type(model).__name__}")
-        fsdp.refuse_capture(model)
-        with exporting.LOCK:
-            stages, names, calls = capture.cut_model(model, example, split_at)
-        named_children = list(zip(names, stages))
-        shown = {l: Shown(*call) for l, call in calls.items()}
+        named_children, shown = _captured(model, split_at, example)
     else:
         named_children = [(n if isinstance(model, nn.Sequential) else None, c) for n, c in ordered_children(model)]
         shown = None
@@ -99,22 +88,7 @@ def from_module(
     for i, (child_name, child) in enumerate(named_children):
         name = child_name if child_name and not child_name.isdigit() else None
         if isinstance(child, nn.Module):
-            own = list(child.named_parameters())
-            names, layout = tuple(n for n, _ in own), tuple((t.shape, t.dtype) for _, t in own)
-            tensors = [*child.named_parameters(remove_duplicate=False), *child.named_buffers(remove_duplicate=False)]
-            aliased = len({id(t) for _, t in tensors}) < len(tensors)
-            stages.append(
-                Stage(
-                    fn=None,
-                    name=name,
-                    module=child,
-                    param_names=names,
-                    param_layout=layout,
-                    aliased=aliased,
-                    sharded=fsdp.sharded_params(child, own),
-                    buffer_names=tuple(n for n, _ in child.named_buffers()),
-                )
-            )
+            stages.append(_module_stage(child, name))
             stage_params = {}
             for n, p in child.named_parameters():
                 stage_params[n] = detached.setdefault(id(p), p.detach())
@@ -134,6 +108,39 @@ def from_module(
         shown=shown,
     )
     return chain, tuple(params)
+
+
+def _captured(model: Any, split_at: Sequence[str], example: Any) -> tuple[list, dict]:
+    """``(named pieces, shown boundaries)`` of ``model``'s forward on ``example`` captured and cut at
+    ``split_at`` (``capture.cut_model``, one capture at a time)."""
+    if example is None:
+        raise ValueError(
+            "from_module: split_at captures the model's forward on an input: give example= (a "
+            "tensor, a tuple of positional inputs or a dict of keyword inputs)"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"from_module: split_at cuts a model's own forward, got a {type(model).__name__}")
+    fsdp.refuse_capture(model)
+    with exporting.LOCK:
+        stages, names, calls = capture.cut_model(model, example, split_at)
+    return list(zip(names, stages)), {l: Shown(*call) for l, call in calls.items()}
+
+
+def _module_stage(child: nn.Module, name: str | None) -> Stage:
+    """The stage of a module: its parameters' names and layouts, whether a tensor of it has two names
+    (``aliased``), its FSDP2 shards, its buffers' names."""
+    own = list(child.named_parameters())
+    tensors = [*child.named_parameters(remove_duplicate=False), *child.named_buffers(remove_duplicate=False)]
+    return Stage(
+        fn=None,
+        name=name,
+        module=child,
+        param_names=tuple(n for n, _ in own),
+        param_layout=tuple((t.shape, t.dtype) for _, t in own),
+        aliased=len({id(t) for _, t in tensors}) < len(tensors),
+        sharded=fsdp.sharded_params(child, own),
+        buffer_names=tuple(n for n, _ in child.named_buffers()),
+    )
 
 
 def _entries(model: nn.Module | Sequence, tree: Any, what: str):
