@@ -201,6 +201,21 @@ def capture_function(fn: Callable, params: Any, inputs: tuple) -> Captured:
             f"{label} has no ef.cut: mark where one stage ends and the next begins, e.g. "
             f"h = ef.cut(block(p['layers'][i], h), f'block{{i}}') after each block"
         )
+    stage_of = _unmarked(program)
+    sources = _sources(program, names, fn)
+    n = len(cuts) + 1
+    pieces = capture.split(
+        program, stage_of, n, sources, functools.partial(optree.tree_leaves, namespace=NAMESPACE), inputs, label
+    )
+    stage_names = [c or f"stage_{k}" for k, c in enumerate(cuts)] + ["output"]
+    stage_names = [s if stage_names.count(s) == 1 else f"{s}#{k}" for k, s in enumerate(stage_names)]
+    stages, ties = _stages(pieces, stage_names, {name: (t.shape, t.dtype) for name, t in zip(names, leaves)})
+    return Captured(stages, ties, tuple(names), spec)
+
+
+def _unmarked(program: Any) -> dict:
+    """Each node's stage, counted by the ``cut`` marks before it, the marks taken out of the graph
+    (a function that returns a cut's output returns the value it marked)."""
     graph = program.graph_module.graph
     stage_of, current, marked = {}, 0, {}
     for node in list(graph.nodes):
@@ -211,19 +226,18 @@ def capture_function(fn: Callable, params: Any, inputs: tuple) -> Captured:
         elif node.op not in ("placeholder", "output"):
             stage_of[node] = current
     program.graph_module.recompile()
-    for out in program.graph_signature.output_specs:  # a function that returns a cut's output
+    for out in program.graph_signature.output_specs:
         out.arg.name = marked.get(out.arg.name, out.arg.name)
-    sources = _sources(program, names, fn)
-    n = len(cuts) + 1
-    pieces = capture.split(
-        program, stage_of, n, sources, functools.partial(optree.tree_leaves, namespace=NAMESPACE), inputs, label
-    )
-    stage_names = [c or f"stage_{k}" for k, c in enumerate(cuts)] + ["output"]
-    stage_names = [s if stage_names.count(s) == 1 else f"{s}#{k}" for k, s in enumerate(stage_names)]
-    layout = {name: (t.shape, t.dtype) for name, t in zip(names, leaves)}
+    return stage_of
+
+
+def _stages(pieces: list, stage_names: list[str], layout: dict) -> tuple[tuple, tuple]:
+    """``(stages, ties)``: a stage per piece, reading the parameter leaves it reads (``layout``: each
+    leaf's shape and dtype, in the params' order); a leaf read by several stages is tied."""
+    order = list(layout)
     stages, readers = [], {}
     for k, (piece, name) in enumerate(zip(pieces, stage_names)):
-        read = tuple(sorted({key for kind, key in piece.sources.values() if kind == "parameter"}, key=names.index))
+        read = tuple(sorted({key for kind, key in piece.sources.values() if kind == "parameter"}, key=order.index))
         for leaf in read:
             readers.setdefault(leaf, []).append((k, leaf))
         stages.append(
@@ -234,8 +248,7 @@ def capture_function(fn: Callable, params: Any, inputs: tuple) -> Captured:
                 param_layout=tuple(layout[leaf] for leaf in read),
             )
         )
-    ties = tuple(tuple(group) for group in readers.values() if len(group) > 1)
-    return Captured(tuple(stages), ties, tuple(names), spec)
+    return tuple(stages), tuple(tuple(group) for group in readers.values() if len(group) > 1)
 
 
 def _leaf_names(paths: list) -> list[str]:
