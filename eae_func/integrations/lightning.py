@@ -31,6 +31,7 @@ the passes, a device scalar Lightning reads when it logs; ``log=`` chooses more 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -120,9 +121,10 @@ def manual_step(
     state = getattr(module, "eae_pass_state", None)
     if state is None:
         checkpointed(module, options.get("passes"))
+    run = functools.partial(sweep, model, params, x, *loss_args, loss=loss, split_at=split_at, pass_state=state)
     if not fused:  # value_and_grad's options, with the costates kept for the norm
         options = {"timers": False, "keep_costates": log == "all" or "norm" in log, **options}
-        res = sweep(model, params, x, *loss_args, loss=loss, split_at=split_at, pass_state=state, **options)
+        res = run(**options)
         module.eae_pass_state = res.pass_state
         logged(module, res, log)
         opt.zero_grad()
@@ -138,6 +140,12 @@ def manual_step(
             "manual_step: fused=True clips per stage: give max_norm= (ef.fused's per-stage clip) instead of "
             "gradient_clip_val, which needs every gradient before the first update"
         )
+    return fused_step(module, opt, run, log, options)
+
+
+def fused_step(module: Any, opt: Any, run: Callable, log: str | tuple[str, ...], options: dict) -> torch.Tensor:
+    """``manual_step`` fused: the sweep (``run``) inside the optimizer's closure, each stage stepped
+    in the backward (``ef.fused``, clipped per stage by ``max_norm=``); fp16's loss scaler refused."""
     if getattr(module.trainer, "precision", None) == "16-mixed":
         raise ValueError(
             "manual_step: fused=True under precision='16-mixed': the loss scaler checks .grad for infs before "
@@ -147,14 +155,15 @@ def manual_step(
     out: dict[str, torch.Tensor] = {}
 
     def closure() -> torch.Tensor:
-        update = fused_update(opt.optimizer, max_norm=max_norm)
-        res = sweep(
-            model, params, x, *loss_args, loss=loss, split_at=split_at, update=update, pass_state=state, **options
-        )
+        res = run(update=fused_update(opt.optimizer, max_norm=max_norm), **options)
         module.eae_pass_state = res.pass_state
         logged(module, res, log)
         out["loss"] = res.loss.detach()
         return out["loss"]
+
+    opt.zero_grad(set_to_none=True)  # a fused step refuses stale .grad
+    opt.step(closure=closure)
+    return out["loss"]
 
     opt.zero_grad(set_to_none=True)  # a fused step refuses stale .grad
     opt.step(closure=closure)
