@@ -18,8 +18,8 @@ from .module_chain import from_module, write_back, write_buffers, write_grads
 from .options import Options
 from .passes import Context, Pass, compose, global_norm, identity, map_costate, stateless
 from .physical import black_box
+from .result import SweepResult
 from .sweep import grad, sweep, value_and_grad
-from .sweep_chain import SweepResult
 from .switch import disable, enable, enabled, records
 from .tree import tree_leaves, tree_map, tree_structure
 from .update import fused

@@ -22,8 +22,9 @@ from torch.nn.parallel import DistributedDataParallel
 from . import function
 from .chain import Chain
 from .options import Options, Request, make
-from .passes import compose
-from .sweep_chain import SweepResult, on_chain
+from .passes.combinators import stateful
+from .result import SweepResult
+from .sweep_chain import on_chain
 from .sweep_model import on_model, piece_of
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from .options import SweepOptions
 
 
-__all__ = ["carries_state", "grad", "stateful", "sweep", "value_and_grad"]
+__all__ = ["grad", "sweep", "value_and_grad"]
 
 
 def _python(entry: Callable) -> Callable:
@@ -226,19 +227,6 @@ def grad(
     dropping("grad", opts, has_state)
     res = run(Request(chain, params, x, loss_args, loss, split_at, pass_state, buffers, opts))
     return (res.grads, res.pass_state) if has_state else res.grads
-
-
-def carries_state(state: Any) -> bool:
-    """Whether a pass state is more than ``None`` (a stateless pass) or a tuple of such (a compose of them)."""
-    return state is not None and not (isinstance(state, tuple) and not any(carries_state(s) for s in state))
-
-
-def stateful(passes: Any) -> list[str]:
-    """The names of the members of ``passes`` (``None``: none) whose state carries from call to call."""
-    if passes is None:
-        return []
-    p = compose(passes)
-    return [m.name for m in (p.members or (p,)) if carries_state(m.init())]
 
 
 def dropping(where: str, opts: Options, has_state: bool) -> None:

@@ -1,11 +1,10 @@
 """A sweep of a chain, the one path of ``ef.sweep`` that runs the engine: the chain checked, one
 fold per microbatch over its whole range (``runner.Range``), the data-parallel reducer, the ties'
-gradients summed; and what a sweep returns, ``SweepResult``."""
+gradients summed."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -18,32 +17,12 @@ from .adjoint import Measurements
 from .chain import Chain, hooked_grads
 from .options import Request
 from .physical import Meter
+from .result import SweepResult, metered
 from .runner import Range
 from .ties import tie_grads, tie_groups
 from .update import Updater
 
-__all__ = ["Folded", "SweepResult", "metered", "on_chain", "reducer_of"]
-
-
-@dataclasses.dataclass(frozen=True)
-class SweepResult:
-    """loss: the scalar loss; grads: same tree as params (``None`` with fused updates: consumed
-    in the fold); adjoints: one ``AdjointState`` per boundary, L down to 0, as they were after
-    the passes; buffers: updated buffers, one dict per stage; pass_state: the threaded pass
-    state; stats: per stage ``stats[name]`` the forward, recompute, vjp, pass (and update)
-    seconds, the bytes of its stored input boundary and an estimator's costs, ``stats["loss"]``,
-    and ``stats["boundaries"][l]``: what the passes recorded in ``meta`` at boundary l;
-    params, update_state: with a fused pure update, the new params and its state (with a
-    torch.optim optimizer, ``params`` are the ones given, updated in place)."""
-
-    loss: torch.Tensor
-    grads: Any  # params' structure: a tuple of per-stage dicts, or a flat dict; None when fused
-    adjoints: tuple
-    buffers: Any  # one dict per stage, or a flat dict
-    pass_state: Any
-    stats: Mapping[str, Any]
-    params: Any = None
-    update_state: Any = None
+__all__ = ["Folded", "on_chain", "reducer_of"]
 
 
 @dataclasses.dataclass
@@ -146,10 +125,3 @@ def reducer_of(group: Any, chain: Chain, params: tuple, groups: list) -> Any:
 
     agree(group, replica_layout(chain, params, groups))
     return Reducer(group)
-
-
-def metered(stats: dict, chain: Chain, meter: Meter) -> dict:
-    """``stats`` with each physical stage's rows and calls of the whole step (forward included)."""
-    for i, counts in meter.counts.items():
-        stats[chain.stages[i].name] = M.merge_counters(stats[chain.stages[i].name], counts)
-    return stats

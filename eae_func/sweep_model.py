@@ -21,7 +21,8 @@ from .captured_stage import layout as capture_layout
 from .chain import Chain
 from .module_chain import from_module, ordered_children, trainable_names
 from .options import Options, Request
-from .sweep_chain import SweepResult, on_chain
+from .result import SweepResult
+from .sweep_chain import on_chain
 from .tree import NAMESPACE
 from .watch import Watch
 

@@ -46,10 +46,10 @@ from .. import microbatch as M
 from ..adjoint import Measurements
 from ..chain import Chain, hooked_grads
 from ..options import Options, make
+from ..passes.combinators import carries_state
 from ..physical import Meter
+from ..result import SweepResult, metered
 from ..runner import Range
-from ..sweep import carries_state
-from ..sweep_chain import SweepResult, metered
 from ..ties import tie_groups
 from .codecs import Codec, Raw
 from .data_parallel import host_group

@@ -46,7 +46,8 @@ except ModuleNotFoundError as e:
     raise missing(__name__, "lightning", e) from e
 
 from ..module_chain import write_grads
-from ..sweep import stateful, sweep
+from ..passes.combinators import stateful
+from ..sweep import sweep
 from ..update import fused as fused_update
 from .logs import DEFAULT, boundary_logs, chosen
 

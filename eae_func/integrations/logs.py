@@ -18,7 +18,7 @@ import torch
 from ..adjoint import AdjointState
 from ..lazy import Lazy
 from ..passes import global_norm
-from ..sweep_chain import SweepResult
+from ..result import SweepResult
 
 __all__ = ["DEFAULT", "boundary_logs", "chosen", "record_logs"]
 

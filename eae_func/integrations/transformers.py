@@ -62,7 +62,8 @@ from ..adjoint import AdjointState
 from ..chunked import chunked_loss
 from ..module_chain import write_buffers, write_grads
 from ..options import make
-from ..sweep import carries_state, stateful, sweep
+from ..passes.combinators import carries_state, stateful
+from ..sweep import sweep
 from ..switch import Switch, enable, refusals
 from .logs import DEFAULT, boundary_logs, chosen, record_logs
 

@@ -10,7 +10,7 @@ from typing import Any
 from ..adjoint import AdjointState
 from .base import Context, Pass, identity, stateless, valued
 
-__all__ = ["compose", "lift", "only", "tap", "when"]
+__all__ = ["carries_state", "compose", "lift", "only", "stateful", "tap", "when"]
 
 
 def lift(p: Any, where: str = "compose") -> Pass:
@@ -117,3 +117,17 @@ def tap(fn: Callable[[AdjointState], Any]) -> Pass:
         return adj
 
     return stateless(observe, f"tap({getattr(fn, '__name__', 'fn')})")
+
+
+def carries_state(state: Any) -> bool:
+    """Whether a pass state is more than ``None`` (a stateless pass) or a tuple of such (a compose of them)."""
+    return state is not None and not (isinstance(state, tuple) and not any(carries_state(s) for s in state))
+
+
+def stateful(passes: Any) -> list[str]:
+    """The names of the members of ``passes`` (a pass, several to compose, or ``None``: none) whose
+    state carries from call to call."""
+    if passes is None:
+        return []
+    p = compose(passes)
+    return [m.name for m in (p.members or (p,)) if carries_state(m.init())]
