@@ -12,12 +12,13 @@ from .adjoint import AdjointState, fold_in
 from .cache import clear_caches
 from .chain import Chain, Stage, apply, stage
 from .chunked import chunked_loss
-from .estimators.base import Estimator, Problem
+from .estimators.base import Estimator
 from .function import cut
 from .module_chain import from_module, write_back, write_buffers, write_grads
 from .options import Options
 from .passes import Context, Pass, compose, global_norm, identity, map_costate, stateless
 from .physical import black_box
+from .problem import Problem
 from .result import SweepResult
 from .sweep import grad, sweep, value_and_grad
 from .switch import disable, enable, enabled, records

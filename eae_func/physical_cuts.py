@@ -22,9 +22,9 @@ from typing import Any
 from torch import nn
 
 from .chain import Chain, Stage
-from .estimators.base import Problem
 from .options import Options
 from .physical import Meter, ProbeChecks, rows_of
+from .problem import Problem
 
 __all__ = ["charge_forward", "estimate", "needs_graph", "roster"]
 

@@ -28,10 +28,10 @@ from . import replay as R
 from . import tape as TP
 from .adjoint import AdjointState, fold_in
 from .chain import Chain
-from .estimators.base import Problem
 from .microbatch import Microbatch, merge_counters
 from .options import Options
 from .physical import Meter, ProbeChecks
+from .problem import Problem
 from .update import Pending, Updater
 
 __all__ = ["Piece", "Range"]

@@ -69,8 +69,8 @@ import torch
 from .. import boundary as B
 from ..chain import Chain
 from ..lazy import Ratio
+from ..problem import Problem
 from ..tree import NAMESPACE
-from .base import Problem
 from .guided import Guided, guided_draw
 from .local import (
     Flat,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..physical import rows_of
-from .base import Problem
+from ..problem import Problem
 from .local import exact_vjp
 
 __all__ = ["exact"]

@@ -50,8 +50,8 @@ import torch
 
 from .. import boundary as B
 from ..chain import Chain
+from ..problem import Problem
 from ..tree import NAMESPACE
-from .base import Problem
 from .local import Flat, param_leaves, param_vector, where
 from .model_level import ModelLevel, Prepared
 from .probes import Probes, guide

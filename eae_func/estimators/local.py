@@ -15,8 +15,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .. import boundary as B
 from .. import vjp as V
 from ..physical import rows_of
+from ..problem import Problem
 from ..tree import NAMESPACE
-from .base import Problem
 from .probes import Probes
 
 __all__ = [

@@ -42,7 +42,7 @@ from typing import Any
 
 from .. import boundary as B
 from ..microbatch import merge_counters
-from .base import Problem
+from ..problem import Problem
 from .local import (
     Flat,
     check_eps,

@@ -16,8 +16,8 @@ from torch.func import jvp, vmap
 from .. import boundary as B
 from ..chain import Chain, stage
 from ..physical import rows_of
+from ..problem import Problem
 from ..tree import NAMESPACE
-from .base import Problem
 from .local import Flat, call, fold, forward_mode, perturb_folded, where
 from .probes import Probes, guide
 

@@ -28,21 +28,11 @@ import torch
 
 from ..adjoint import fold_in
 
-__all__ = ["INPUT_STREAM", "PARAM_STREAM", "Probes", "guide", "probe_seed"]
+__all__ = ["Probes", "guide"]
 
 
 KINDS = ("gaussian", "rademacher", "sphere", "orthogonal")
 DRAW_BLOCK = 16
-
-# Seeds of the probe streams: fold_in(fold_in(fold_in(key, _DOMAIN), stage), stream); _DOMAIN keeps them
-# apart from the boundary keys fold_in(key, l) that passes draw from.
-_DOMAIN = 0x45535449_4D41544F  # "ESTIMATO"
-INPUT_STREAM, PARAM_STREAM = 0, 1
-
-
-def probe_seed(key: int, stage: int, stream: int) -> int:
-    """Seed of the probes of ``stream`` (input or parameter directions) at ``stage`` for sweep key ``key``."""
-    return fold_in(fold_in(fold_in(key, _DOMAIN), stage), stream)
 
 
 class Probes:

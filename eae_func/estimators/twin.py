@@ -21,8 +21,8 @@ import torch
 
 from .. import boundary as B
 from ..chain import Chain, stage
+from ..problem import Problem
 from ..tree import NAMESPACE
-from .base import Problem
 from .local import exact_vjp, where
 
 __all__ = ["Twins", "frozen", "twin", "twin_costates", "twin_network", "twin_vjp"]

@@ -27,7 +27,7 @@ from torch.func import jvp, vmap
 
 from .. import boundary as B
 from ..physical import rows_of
-from .base import Problem
+from ..problem import Problem
 from .local import (
     Flat,
     OutputLeaves,
