@@ -24,7 +24,7 @@ import optree
 import torch
 
 from . import boundary as B
-from . import compiled, fsdp
+from . import compiled, fsdp_reverse
 from . import early_stop as ES
 from . import vjp as V
 from .adjoint import AdjointState, fold_in
@@ -281,7 +281,7 @@ class Step:
             with timer(opts, stats, "vjp_s", f"eae/{s.name}/vjp", device):
                 grads, g_in = closure(V.cotangent(costate, entry.out_layout), wanted)
         if s.sharded is not None:
-            fsdp.prefetch_below(self.chain, i)
+            fsdp_reverse.prefetch_below(self.chain, i)
         return grads, None if g_in is None else costate_like(g_in)
 
     def rebuilt_closure(
@@ -364,10 +364,10 @@ def rebuilt_vjp(
     """The pullback of stage ``s`` rebuilt from its boundary (``floats`` put back by ``rebuild``) at
     ``params`` (``vjp.local_vjp``; the entry's buffers, its frozen parameters held), its forward
     called through ``run`` (``early_stop``); an FSDP stage's runs FSDP's own backward
-    (``fsdp.local_vjp``)."""
+    (``fsdp_reverse.local_vjp``)."""
     buffers = entry.buffers
     if s.sharded is not None:
-        return fsdp.local_vjp(s, buffers, floats, rebuild)[1]
+        return fsdp_reverse.local_vjp(s, buffers, floats, rebuild)[1]
     call = lambda p, x: run(s.call, p, buffers, x)[0]
     return V.local_vjp(call, params, floats, rebuild, entry.frozen, params_too, inputs_too)[1]
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from . import fold as F
-from . import fsdp, model_sweep
+from . import fsdp_reverse, model_sweep
 from . import microbatch as M
 from . import replay as R
 from .adjoint import Measurements
@@ -48,7 +48,7 @@ def on_chain(chain: Chain, req: Request) -> SweepResult:
     opts = req.opts.bind(chain)
     sharded = any(s.sharded is not None for s in chain.stages)
     if sharded:
-        fsdp.check(chain, params, buffers, opts)
+        fsdp_reverse.check(chain, params, buffers, opts)
     state = opts.passes.init() if req.pass_state is None else req.pass_state
     meter = Meter(chain, opts.physical, opts.budget)
     groups = tie_groups(chain, params)
@@ -84,7 +84,7 @@ def _fold(whole: Range, pieces: list, folded: Folded, updater: Any, sharded: boo
     the last fold's steps run the fused ``updater``, which finishes after it (FSDP2 stages: under its
     sweep, each fold reduce-scattering as the last one must)."""
     try:
-        with fsdp.Sweep(whole.chain) if sharded else R.NULL as on_fsdp:
+        with fsdp_reverse.Sweep(whole.chain) if sharded else R.NULL as on_fsdp:
             for j, mb in enumerate(pieces):
                 last = j == len(pieces) - 1
                 # each stage's step adds the earlier microbatches' gradients to its own and lets go of

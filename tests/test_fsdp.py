@@ -65,9 +65,9 @@ def _reference(microbatches: int = 1) -> dict:
 
 
 def _equivalence(prefetch: bool):
-    from eae_func import fsdp
+    from eae_func import fsdp_reverse
 
-    fsdp.PREFETCH_ON_CPU = prefetch  # the next stage's all-gather started early, as on an accelerator
+    fsdp_reverse.PREFETCH_ON_CPU = prefetch  # the next stage's all-gather started early, as on an accelerator
     rank = dist.get_rank()
     x, y = _batch(rank)
     want = _reference()
