@@ -7,23 +7,26 @@ res.loss, res.grads, res.adjoints, res.buffers, res.pass_state, res.stats
 out = ef.apply(chain, params, x)  # the chain's output, its stages run forward
 """
 
-from . import estimators, passes, remat
+import sys
+
+from . import estimators, old_paths, passes
 from .adjoint import AdjointState, fold_in
 from .cache import clear_caches
-from .chain import Chain, Stage, apply, stage
 from .chunked import chunked_loss
+from .core import remat
+from .core.options import Options
+from .core.problem import Problem
+from .core.result import SweepResult
+from .core.update import fused
+from .drivers.sweep import grad, sweep, value_and_grad
+from .drivers.switch import disable, enable, enabled, records
 from .estimators.base import Estimator
-from .function import cut
-from .module_chain import from_module, write_back, write_buffers, write_grads
-from .options import Options
 from .passes import Context, Pass, compose, global_norm, identity, map_costate, stateless
-from .physical import black_box
-from .problem import Problem
-from .result import SweepResult
-from .sweep import grad, sweep, value_and_grad
-from .switch import disable, enable, enabled, records
+from .program.chain import Chain, Stage, apply, stage
+from .program.function import cut
+from .program.module_chain import from_module, write_back, write_buffers, write_grads
+from .program.physical import black_box
 from .tree import tree_leaves, tree_map, tree_structure
-from .update import fused
 
 __version__ = "0.2.0"
 
@@ -68,3 +71,5 @@ __all__ = [
     "write_buffers",
     "write_grads",
 ]
+
+old_paths.install(sys.modules[__name__])

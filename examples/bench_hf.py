@@ -317,7 +317,7 @@ def capture_check(args: argparse.Namespace) -> None:
     with extra("hf"):
         import transformers
 
-    from eae_func import watch
+    from eae_func.program import watch
 
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()

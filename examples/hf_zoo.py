@@ -449,9 +449,9 @@ def refused_or_failing(e: Exception) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def every_tail_stopped(skipped: list):
-    """``eae_func.early_stop`` counting every tail worth stopping, each skipped kernel's output
+    """``eae_func.core.early_stop`` counting every tail worth stopping, each skipped kernel's output
     appended to ``skipped``, its learned kinds apart; all put back afterwards."""
-    from eae_func import early_stop as ES
+    from eae_func.core import early_stop as ES
 
     before = ES.WORTH, ES.allocated, ES._KINDS
     allocated = ES.allocated

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 import eae_func as ef
-from eae_func import early_stop as ES
 from eae_func import estimators as E
 from eae_func import passes as P
 from eae_func import remat
 from eae_func.adjoint import NAMESPACE
+from eae_func.core import early_stop as ES
 
 
 def problem(depth, width, seed):
@@ -507,8 +507,8 @@ def test_a_pytree_costate_crosses_a_rank_boundary_as_sent_or_is_named(leaves, as
 def test_replicas_that_differ_are_named_and_the_same_ones_agree(widths, change, pick, ranks):
     """The check ``data_parallel=`` makes at its first step, without ranks: equal layouts have one
     digest and no difference; a replica changed in one way is named, with its rank and the stage."""
+    from eae_func.core.ties import tie_groups
     from eae_func.distributed import data_parallel as DP
-    from eae_func.ties import tie_groups
 
     def layout(changed):
         torch.manual_seed(0)

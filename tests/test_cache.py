@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eae_func import watch as W
 from eae_func.cache import kept
+from eae_func.program import watch as W
 
 
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 1)), max_size=40), st.integers(1, 4))
@@ -167,7 +167,7 @@ def test_a_sequential_chain_is_built_once_and_again_after_any_change(steps):
     import torch.nn.functional as F
 
     import eae_func as ef
-    from eae_func import sweep_model as S
+    from eae_func.drivers import sweep_model as S
 
     builds = []
     build = S.from_module
@@ -200,8 +200,10 @@ def test_clear_caches_empties_every_cache_and_changes_no_result():
     from torch import nn
 
     import eae_func as ef
-    from eae_func import adjoint, early_stop, input_writes, sweep_model
+    from eae_func import adjoint
     from eae_func.cache import caches
+    from eae_func.core import early_stop
+    from eae_func.drivers import input_writes, sweep_model
 
     class Doubles(nn.Module):  # writes into its input: learned by run-time cuts
         def forward(self, h):

@@ -1,4 +1,4 @@
-"""Run-time cuts (``eae_func.cuts``): a model's forward runs as written and each call of a module
+"""Run-time cuts (``eae_func.drivers.cuts``): a model's forward runs as written and each call of a module
 matched by ``split_at`` is one stage. What graph capture got silently wrong or refused is exact here:
 custom autograd Functions, hooks whose behaviour changes between calls, a module called twice,
 data-dependent control flow (Hugging Face MoE models in float64); the live peak is checkpointing's."""

@@ -9,15 +9,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import eae_func as ef
-from eae_func import fold as Fold
-from eae_func import microbatch as M
 from eae_func import passes as P
 from eae_func.adjoint import AdjointState
+from eae_func.core import fold as Fold
+from eae_func.core import microbatch as M
+from eae_func.core.options import make
+from eae_func.core.runner import Range
 from eae_func.distributed import balance
 from eae_func.distributed import codecs as K
 from eae_func.distributed.plan import ideal_bubble
-from eae_func.options import make
-from eae_func.runner import Range
 
 CODECS_AND_PASSES = [
     (K.int8(), P.int8()),

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import eae_func as ef
-from eae_func import early_stop as ES
+from eae_func.core import early_stop as ES
 
 from live_bytes import LiveBytes
 
@@ -252,10 +252,10 @@ def test_a_kind_keeps_no_argument_of_the_call_alive():
 def test_the_zero_bubble_halves_stopped_early_give_the_full_backward(depth, dim, seed):
     """The I half and the W half of a zero-bubble backward, each a rebuild of its own kind, learn
     and then stop early, and still give the full reverse step's gradients bit for bit."""
-    from eae_func import fold as Fold
-    from eae_func import microbatch as M
-    from eae_func.options import make
-    from eae_func.runner import Range
+    from eae_func.core import fold as Fold
+    from eae_func.core import microbatch as M
+    from eae_func.core.options import make
+    from eae_func.core.runner import Range
 
     g = torch.Generator().manual_seed(seed)
     stage = ef.stage(lambda p, h: h + torch.tanh(h @ p["a"]) @ p["b"])

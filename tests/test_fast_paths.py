@@ -20,7 +20,7 @@ import eae_func as ef
 from eae_func import estimators as E
 from eae_func import passes as P
 from eae_func.models import Block
-from eae_func.slots import Slots
+from eae_func.program.slots import Slots
 
 from helpers import mlp, mse
 

@@ -65,7 +65,7 @@ def _reference(microbatches: int = 1) -> dict:
 
 
 def _equivalence(prefetch: bool):
-    from eae_func import fsdp_reverse
+    from eae_func.core import fsdp_reverse
 
     fsdp_reverse.PREFETCH_ON_CPU = prefetch  # the next stage's all-gather started early, as on an accelerator
     rank = dist.get_rank()

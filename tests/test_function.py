@@ -17,8 +17,8 @@ from torch.func import functional_call
 
 import eae_func as ef
 from eae_func import estimators as E
-from eae_func import function
 from eae_func import passes as P
+from eae_func.program import function
 from eae_func.tree import NAMESPACE
 
 from live_bytes import LiveBytes

@@ -17,8 +17,8 @@ import eae_func.distributed as D
 from eae_func import estimators as E
 from eae_func import passes as P
 from eae_func import remat
+from eae_func.core.options import NAMES, Options, SweepOptions
 from eae_func.lazy import Lazy
-from eae_func.options import NAMES, Options, SweepOptions
 
 F64 = torch.float64
 
@@ -219,8 +219,8 @@ def test_a_pipeline_sums_a_shared_tensor_as_the_sweep_does(ranks):
 def test_tie_sums_of_two_stage_ranges_combined_are_the_whole_chains():
     """``tie_grads`` over part of the stages (a pipeline rank's), with ``combine`` adding both parts'
     sums, gives every use the total it gets over the whole chain, bit for bit."""
-    from eae_func.microbatch import add
-    from eae_func.ties import tie_grads, tie_groups
+    from eae_func.core.microbatch import add
+    from eae_func.core.ties import tie_grads, tie_groups
 
     chain, params, x, y = _shared_tensor_chain()
     untied = ef.sweep(chain, tuple({n: t.clone() for n, t in p.items()} for p in params), x, y).grads

@@ -226,8 +226,8 @@ class FakeEvent:
 def test_gpu_seconds_add_lazily_and_are_read_when_used_as_numbers():
     """GPU timers: sums of event pairs stay lazy through the stats' counters (no wait for the GPU
     inside the sweep) and become seconds when read."""
+    from eae_func.core.microbatch import merge_counters
     from eae_func.lazy import event_seconds
-    from eae_func.microbatch import merge_counters
 
     FakeEvent.waits = 0
     a, b = event_seconds(FakeEvent(0), FakeEvent(250)), event_seconds(FakeEvent(10), FakeEvent(760))
@@ -240,7 +240,7 @@ def test_gpu_seconds_add_lazily_and_are_read_when_used_as_numbers():
 def test_the_compute_device_comes_from_the_params_not_the_input():
     """``x`` may live on the CPU while the stages compute elsewhere (a first stage moves it): the
     device whose RNG state is saved, whose autocast runs and where offload prefetches is the params'."""
-    from eae_func.fold import device_of
+    from eae_func.core.fold import device_of
 
     elsewhere = ({"w": torch.empty(2, device="meta")}, {})
     assert device_of(elsewhere, torch.randn(2)) == torch.device("meta")
@@ -249,8 +249,8 @@ def test_the_compute_device_comes_from_the_params_not_the_input():
 
 def test_stored_boundaries_keep_their_memory_format():
     """A channels_last boundary stored in bf16 stays channels_last, so the recompute runs the same kernels."""
-    from eae_func.options import Options
-    from eae_func.tape import forward
+    from eae_func.core.options import Options
+    from eae_func.core.tape import forward
 
     chain = ef.Chain(
         [ef.stage(lambda p, h: torch.tanh(h) * 2, name="a"), ef.stage(lambda p, h: h * h, name="b")],
@@ -326,11 +326,11 @@ def test_the_options_are_declared_once():
     has its doc where it is declared."""
     import dataclasses
 
-    from eae_func.options import SweepOptions
+    from eae_func.core.options import SweepOptions
 
     fields = [f.name for f in dataclasses.fields(ef.Options)]
     assert list(SweepOptions.__annotations__) == fields
     griffe = pytest.importorskip("griffe")  # reads the attribute docstrings as the API reference does
     root = pathlib.Path(__file__).resolve().parents[1]
-    options = griffe.load("eae_func.options", search_paths=[str(root)])["Options"]
+    options = griffe.load("eae_func.core.options", search_paths=[str(root)])["Options"]
     assert all(options.members[name].docstring for name in fields)

@@ -1,5 +1,5 @@
 """``update=`` and ``microbatches=`` on a model cut at run time: the optimizer steps inside the
-backward (``eae_func.in_backward``), bit for bit what autograd + ``optimizer.step()`` gives, with no
+backward (``eae_func.drivers.in_backward``), bit for bit what autograd + ``optimizer.step()`` gives, with no
 torch.export, and without the whole network's gradients alive at once."""
 
 import copy

@@ -341,7 +341,7 @@ def _changes():
 
 @pytest.mark.parametrize("change", _changes(), ids=lambda f: f.__name__)
 def test_a_captured_model_changed_after_capture_is_captured_again(change, monkeypatch):
-    from eae_func import capture
+    from eae_func.program import capture
 
     captures = []
     cut = capture.cut_model

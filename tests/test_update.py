@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import eae_func as ef
-from eae_func import fold
+from eae_func.core import fold
+from eae_func.core.update import Updater
 from eae_func.models import lm_loss, transformer_lm
-from eae_func.update import Updater
 
 STEPS = 3
 

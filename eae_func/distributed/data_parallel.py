@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..adjoint import NAMESPACE
-from ..boundary import is_differentiable
-from ..chain import Chain
+from ..core.boundary import is_differentiable
+from ..program.chain import Chain
 from .codecs import Codec, Encoded
 from .launch import PeerError
 

@@ -14,10 +14,10 @@ import optree
 import torch
 import torch.distributed as dist
 
-from .. import microbatch as M
-from ..chain import Chain
-from ..options import Options
-from ..ties import tie_grads
+from ..core import microbatch as M
+from ..core.options import Options
+from ..core.ties import tie_grads
+from ..program.chain import Chain
 from ..tree import NAMESPACE
 from .codecs import Codec
 from .data_parallel import digest

@@ -41,16 +41,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .. import fold as F
-from .. import microbatch as M
 from ..adjoint import Measurements
-from ..chain import Chain, hooked_grads
-from ..options import Options, make
+from ..core import fold as F
+from ..core import microbatch as M
+from ..core.options import Options, make
+from ..core.result import SweepResult, metered
+from ..core.runner import Range
+from ..core.ties import tie_groups
 from ..passes.combinators import carries_state
-from ..physical import Meter
-from ..result import SweepResult, metered
-from ..runner import Range
-from ..ties import tie_groups
+from ..program.chain import Chain, hooked_grads
+from ..program.physical import Meter
 from .codecs import Codec, Raw
 from .data_parallel import host_group
 from .launch import PeerError
@@ -61,7 +61,7 @@ from .stage import RangeStage, Step
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from ..options import SweepOptions
+    from ..core.options import SweepOptions
 
 __all__ = ["Pipeline", "PipelineResult"]
 

@@ -1,5 +1,5 @@
 """One stage range of a rank as a ``torch.distributed.pipelining`` stage: pipelining's schedules
-call it, the engine's one runner (``eae_func.runner.Range``) computes inside it.
+call it, the engine's one runner (``eae_func.core.runner.Range``) computes inside it.
 
     F(j):  tape_j  = Range.forward(x_lo of microbatch j)              send x_hi   (boundary codec)
     B(j):  piece_j = Range.backward(tape_j, the received p_hi)         send p_lo   (costate codec)
@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
-from .. import boundary as B
-from .. import fold as F
-from ..microbatch import Microbatch
-from ..runner import Piece, Range
-from ..tape import Tape
+from ..core import boundary as B
+from ..core import fold as F
+from ..core.microbatch import Microbatch
+from ..core.runner import Piece, Range
+from ..core.tape import Tape
 from .codecs import Codec, Encoded, Raw, round_trip
 
 __all__ = [

@@ -11,7 +11,7 @@ one probe along the twin's costate and the rest orthogonal to it (unbiased); ``f
 upstream (readout only). ``suggest_eps``: a finite-difference step from the measured noise.
 """
 
-from ..problem import Problem
+from ..core.problem import Problem
 from .base import Estimator
 from .control import control_variate
 from .exact import exact

@@ -1,4 +1,4 @@
-"""The estimator protocol (the ``Problem`` an estimator sees is ``eae_func.problem``'s).
+"""The estimator protocol (the ``Problem`` an estimator sees is ``eae_func.core.problem``'s).
 
 A physical stage can be run forward but not differentiated; an estimator gives it a reverse
 step. The engine calls ``prepare(problem)`` once after the forward sweep of a microbatch (a
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ..problem import Problem
+from ..core.problem import Problem
 
 __all__ = ["Estimator"]
 

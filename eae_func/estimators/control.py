@@ -66,10 +66,10 @@ from typing import Any
 import optree
 import torch
 
-from .. import boundary as B
-from ..chain import Chain
+from ..core import boundary as B
+from ..core.problem import Problem
 from ..lazy import Ratio
-from ..problem import Problem
+from ..program.chain import Chain
 from ..tree import NAMESPACE
 from .guided import Guided, guided_draw
 from .local import (

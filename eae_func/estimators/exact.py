@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..physical import rows_of
-from ..problem import Problem
+from ..core.problem import Problem
+from ..program.physical import rows_of
 from .local import exact_vjp
 
 __all__ = ["exact"]

@@ -48,9 +48,9 @@ from typing import Any
 import optree
 import torch
 
-from .. import boundary as B
-from ..chain import Chain
-from ..problem import Problem
+from ..core import boundary as B
+from ..core.problem import Problem
+from ..program.chain import Chain
 from ..tree import NAMESPACE
 from .local import Flat, param_leaves, param_vector, where
 from .model_level import ModelLevel, Prepared

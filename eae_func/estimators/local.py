@@ -12,10 +12,10 @@ import optree
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .. import boundary as B
-from .. import vjp as V
-from ..physical import rows_of
-from ..problem import Problem
+from ..core import boundary as B
+from ..core import vjp as V
+from ..core.problem import Problem
+from ..program.physical import rows_of
 from ..tree import NAMESPACE
 from .probes import Probes
 

@@ -40,18 +40,10 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import boundary as B
-from ..microbatch import merge_counters
-from ..problem import Problem
-from .local import (
-    Flat,
-    check_eps,
-    check_probes,
-    exact_param_grads,
-    fd_param_grads,
-    per_position,
-    where,
-)
+from ..core import boundary as B
+from ..core.microbatch import merge_counters
+from ..core.problem import Problem
+from .local import Flat, check_eps, check_probes, exact_param_grads, fd_param_grads, per_position, where
 from .network_run import NetworkRun
 from .probes import Probes
 

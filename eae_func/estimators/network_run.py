@@ -13,10 +13,10 @@ import optree
 import torch
 from torch.func import jvp, vmap
 
-from .. import boundary as B
-from ..chain import Chain, stage
-from ..physical import rows_of
-from ..problem import Problem
+from ..core import boundary as B
+from ..core.problem import Problem
+from ..program.chain import Chain, stage
+from ..program.physical import rows_of
 from ..tree import NAMESPACE
 from .local import Flat, call, fold, forward_mode, perturb_folded, where
 from .probes import Probes, guide

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..chain import Stage
+from ..program.chain import Stage
 
 __all__ = ["NoiseEstimate", "suggest_eps"]
 

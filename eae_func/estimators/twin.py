@@ -19,9 +19,9 @@ from typing import Any
 import optree
 import torch
 
-from .. import boundary as B
-from ..chain import Chain, stage
-from ..problem import Problem
+from ..core import boundary as B
+from ..core.problem import Problem
+from ..program.chain import Chain, stage
 from ..tree import NAMESPACE
 from .local import exact_vjp, where
 

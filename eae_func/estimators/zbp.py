@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch.func import jvp, vmap
 
-from .. import boundary as B
-from ..physical import rows_of
-from ..problem import Problem
+from ..core import boundary as B
+from ..core.problem import Problem
+from ..program.physical import rows_of
 from .local import (
     Flat,
     OutputLeaves,

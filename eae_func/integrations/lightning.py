@@ -45,10 +45,10 @@ try:
 except ModuleNotFoundError as e:
     raise missing(__name__, "lightning", e) from e
 
-from ..module_chain import write_grads
+from ..core.update import fused as fused_update
+from ..drivers.sweep import sweep
 from ..passes.combinators import stateful
-from ..sweep import sweep
-from ..update import fused as fused_update
+from ..program.module_chain import write_grads
 from .logs import DEFAULT, boundary_logs, chosen
 
 __all__ = ["PassState", "manual_step"]

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from ..adjoint import AdjointState
+from ..core.result import SweepResult
 from ..lazy import Lazy
 from ..passes import global_norm
-from ..result import SweepResult
 
 __all__ = ["DEFAULT", "boundary_logs", "chosen", "record_logs"]
 

@@ -60,11 +60,11 @@ except ModuleNotFoundError as e:
 
 from ..adjoint import AdjointState
 from ..chunked import chunked_loss
-from ..module_chain import write_buffers, write_grads
-from ..options import make
+from ..core.options import make
+from ..drivers.sweep import sweep
+from ..drivers.switch import Switch, enable, refusals
 from ..passes.combinators import carries_state, stateful
-from ..sweep import sweep
-from ..switch import Switch, enable, refusals
+from ..program.module_chain import write_buffers, write_grads
 from .logs import DEFAULT, boundary_logs, chosen, record_logs
 
 __all__ = ["EAETrainer", "layers_of"]

@@ -1,0 +1,155 @@
+"""One call of a cut module (``cuts``): ``Call``, what its reverse step needs, and the helpers that
+read a call's inputs, outputs and module."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..compat import pytree
+from ..core import boundary as B
+from ..program.capture import matches
+from ..program.slots import Slots
+
+__all__ = ["ACTIVE", "Call", "cut_modules", "holding", "refuse_caches", "routes", "sums", "walk"]
+
+ACTIVE = threading.local()  # .depth: > 0 while a cut module runs (its forward, rebuild or estimate) on this thread
+
+
+@dataclasses.dataclass
+class Call:
+    """One call of a cut module, what its reverse step needs: the call's input leaves (detached) and
+    their ``spec``, which of them require grad (``inputs``), the tensors the module held in its
+    parameters' places (the sweep's leaves, by the module's own names, aliases included), its buffers
+    as they were before the call, torch's RNG and the autocast state, the modes of its modules
+    (``replay.modes_of``), Python's and numpy's generator states where the module draws from them
+    (``replay.HostRandom``); after the forward, the output's spec, the position of each of its floating
+    tensors of its own (``through``: one position per distinct tensor, the ones autograd's node
+    returns), each leaf's tensor of the node (``routes``, ``None``: a leaf the caller gets as the
+    forward returned it), until the caller has them, those leaves (``constants``), the leaves its
+    forward wrote into (``InputWrites``: kept as copies from before the call) and the others'
+    versions (-1: not a tensor, or written), which must still be theirs when it is rebuilt; the
+    parameters it trains (``trained``: inputs of its node, so autograd accumulates their gradients
+    after its reverse step, and a fused update steps them only then) and their versions; with a
+    boundary policy (``boundary_dtype=``, ``offload=``), the positions of the inputs kept as it
+    stores them (``stored``) and their ``layout`` as computed; for a physical cut, its place in the
+    sweep's roster of them (``physical``); the shape, dtype and device of each output of its node
+    (``outs``); where ``recompute=`` keeps its graph from the forward, ``(output, inputs, parameters)``
+    of that graph (``graph``), and where it keeps some ops' outputs, the context that replays them
+    in the rebuild (``cached``); whether its forward ran compiled (``compile=``: its rebuild does too,
+    so a dropout mask is drawn by the same ops)."""
+
+    index: int
+    name: str
+    module: nn.Module
+    forward: Callable
+    leaves: list
+    spec: Any
+    inputs: list
+    params: dict
+    buffers: dict
+    rng: tuple | None
+    autocast: tuple
+    modes: tuple
+    host: tuple | None = None
+    sums: list | None = None
+    out_spec: Any = None
+    through: tuple = ()
+    routes: tuple = ()
+    constants: list | None = None
+    versions: list = dataclasses.field(default_factory=list)
+    written: tuple = ()
+    trained: list = dataclasses.field(default_factory=list)
+    trained_versions: list = dataclasses.field(default_factory=list)
+    stored: tuple = ()
+    layout: Any = None
+    physical: int | None = None
+    outs: list = dataclasses.field(default_factory=list)
+    graph: tuple | None = None
+    cached: Any = None
+    compiled: bool = False
+
+
+def walk(modules: Iterable[tuple[str, nn.Module]]) -> tuple[dict, dict, tuple]:
+    """Over a cut module's ``named_modules(remove_duplicate=False)``: its parameters by name (aliases
+    included, as ``named_parameters(remove_duplicate=False)``), clones of its buffers by name, its
+    modes (``replay.modes_of``)."""
+    params, buffers, modes = {}, {}, []
+    for prefix, m in modules:
+        modes.append((m, m.training))
+        dot = f"{prefix}." if prefix else ""
+        params.update((dot + n, p) for n, p in m._parameters.items() if p is not None)
+        buffers.update((dot + n, b.detach().clone()) for n, b in m._buffers.items() if b is not None)
+    return params, buffers, tuple(modes)
+
+
+def routes(leaves: list, call: Call) -> tuple[tuple, tuple]:
+    """For each output leaf, its tensor of the node or ``None`` (the leaf reaches the caller as the
+    forward returned it: a non-tensor, an integer tensor, an input that requires no grad returned as
+    it was given); and each node tensor's first position. A floating tensor returned twice is one
+    tensor of the node, with one costate (the sum of both uses')."""
+    given = {id(call.leaves[i]) for i in call.inputs}
+    constant = {id(t) for t in call.leaves if isinstance(t, torch.Tensor)} - given
+    first: dict[int, int] = {}  # a node tensor's id -> its index among the node's outputs
+    route = tuple(
+        first.setdefault(id(t), len(first))
+        if isinstance(t, torch.Tensor) and B.is_differentiable(t) and id(t) not in constant
+        else None
+        for t in leaves
+    )
+    return route, tuple(route.index(k) for k in range(len(first)))
+
+
+def refuse_caches(name: str, leaves: list, split_at: list[str]) -> None:
+    """Refuse a call passed a key/value cache (what has ``update`` and ``get_seq_length``, as Hugging Face's
+    ``Cache`` does): its forward fills it, so its rebuild would read its own keys and values back (twice as
+    many, or silently another attention)."""
+    cache = next(
+        (t for t in leaves if callable(getattr(t, "update", None)) and callable(getattr(t, "get_seq_length", None))),
+        None,
+    )
+    if cache is None:
+        return
+    others = [p for p in split_at if not matches(name, p)]
+    instead = f"split_at={others}" if others else "a module that is not passed one"
+    raise ValueError(
+        f"cut {name!r} is passed a key/value cache ({type(cache).__name__}) that its forward fills: its rebuild "
+        f"would attend to its own keys and values again. Call the model with use_cache=False; where it makes a "
+        f"cache even then (XLM's and Flaubert's attentions), cut modules it is not passed to: {instead}"
+    )
+
+
+def sums(out: Any) -> list:
+    """One number per floating output leaf, to tell whether a rebuild repeated its forward."""
+    return [t.detach().sum() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and B.is_differentiable(t)]
+
+
+def cut_modules(
+    model: nn.Module, split_at: Sequence[str], modules: Iterable[tuple[str, nn.Module]] | None = None
+) -> dict[str, nn.Module]:
+    """The modules of ``model`` matched by a pattern of ``split_at`` (glob per dotted part), among
+    ``modules`` (``model.named_modules()``, where the caller has it)."""
+    if isinstance(split_at, str) or not split_at or not all(isinstance(p, str) for p in split_at):
+        raise TypeError(f"split_at: expected a list of module paths (glob patterns), got {split_at!r}")
+    modules = list(model.named_modules() if modules is None else modules)
+    found = {n: m for n, m in modules if n and any(matches(n, p) for p in split_at)}
+    if not found:
+        shown = [n for n, _ in modules if n][:12]
+        raise ValueError(
+            f"split_at: no module of {type(model).__name__} matches {list(split_at)}; its modules include {shown}"
+        )
+    return found
+
+
+def holding(module: nn.Module, tensors: Mapping[str, torch.Tensor]):
+    """A context with ``module`` holding ``tensors`` in the places of its parameters and buffers of
+    those names."""
+    slots = Slots.of(module, tuple(tensors))
+    if slots is None:
+        raise RuntimeError(f"cuts: {type(module).__name__} no longer has the parameters it ran with")
+    return slots.holding(tensors)

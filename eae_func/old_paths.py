@@ -1,0 +1,82 @@
+"""The module paths from before the ``program`` / ``core`` / ``drivers`` layout: ``import
+eae_func.chain`` (or ``from eae_func.sweep import SweepResult``) still finds the module at its new
+place, ``eae_func.program.chain``, with a DeprecationWarning that names it."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+from types import ModuleType
+from typing import Any
+
+__all__ = ["ALIASED", "MOVED", "install"]
+
+MOVED = {
+    **dict.fromkeys(
+        "capture captured_stage chain exporting fsdp function module_chain physical slots user_code watch".split(),
+        "program",
+    ),
+    **dict.fromkeys(
+        "boundary compiled costates diagnose early_stop fold fsdp_reverse microbatch options problem remat replay "
+        "result runner tape ties timing update vjp".split(),
+        "core",
+    ),
+    **dict.fromkeys(
+        "cut_call cut_reverse cuts in_backward input_writes model_sweep physical_cuts switch sweep sweep_chain "
+        "sweep_model".split(),
+        "drivers",
+    ),
+}
+"""Each moved module's name -> the folder of ``eae_func`` it is in now."""
+
+ALIASED: set[str] = set()
+"""The moved modules whose names the package binds, put in ``sys.modules`` by ``install``."""
+
+
+class Moved(ModuleType):
+    """A moved module under its old path: every attribute is read from the module at its new path."""
+
+    def __init__(self, name: str, target: ModuleType):
+        super().__init__(name, target.__doc__)
+        self._target = target
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._target, attr)
+
+    def __dir__(self) -> list[str]:
+        return dir(self._target)
+
+
+class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``eae_func.<name>`` for a moved module and loads it as a ``Moved`` view of the module at
+    its new path."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        package, _, name = fullname.rpartition(".")
+        if package != "eae_func" or name not in MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> ModuleType:
+        name = spec.name.rpartition(".")[2]
+        new = f"eae_func.{MOVED[name]}.{name}"
+        warnings.warn(f"{spec.name} moved to {new}", DeprecationWarning, stacklevel=2)
+        return Moved(spec.name, importlib.import_module(new))
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing to run: the module at the new path ran when it was imported."""
+
+
+def install(package: ModuleType) -> None:
+    """Put the finder on ``sys.meta_path`` (once). A moved module whose name the package binds
+    (``ef.sweep``, the function; ``ef.remat``, the module) is put in ``sys.modules`` under its old
+    path now, without a warning: a first import through the finder would rebind the package's name."""
+    for name, folder in MOVED.items():
+        if name in vars(package):
+            sys.modules.setdefault(f"eae_func.{name}", importlib.import_module(f"eae_func.{folder}.{name}"))
+            ALIASED.add(name)
+    if not any(isinstance(f, OldPaths) for f in sys.meta_path):
+        sys.meta_path.append(OldPaths())
