@@ -40,5 +40,5 @@ class SweepResult:
 def metered(stats: dict, chain: Chain, meter: Meter) -> dict:
     """``stats`` with each physical stage's rows and calls of the whole step (forward included)."""
     for i, counts in meter.counts.items():
-        stats[chain.stages[i].name] = M.merge_counters(stats[chain.stages[i].name], counts)
+        stats[chain.stages[i].name] = M.merge_counters(stats.get(chain.stages[i].name, {}), counts)
     return stats

@@ -28,6 +28,7 @@ from ..core import microbatch as M
 from ..core import replay as R
 from ..core.diagnose import closed_over, note
 from ..core.options import Options, Request
+from ..core.result import metered
 from ..program.capture import as_call, canonical_names
 from ..program.chain import through_hooks
 from ..program.module_chain import trainable_names
@@ -84,15 +85,12 @@ class Swept:
 
 
 def sweep_model(model: nn.Module, req: Request) -> Swept:
-    """``model`` cut at run time at ``req.split_at``, at ``req.params``, a flat ``{qualified name: tensor}`` dict
-    as ``dict(model.named_parameters())`` gives (a frozen parameter it lacks is used as the module holds
-    it; a trainable one is differentiated whatever the given tensor's ``requires_grad``:
-    ``chain.trainable_names``). ``grads`` has the names of ``params`` and ``buffers`` every buffer's,
-    updated (BatchNorm's running statistics), the module's own never written. With ``microbatches=k``
-    the pieces run forward and backward in turn, their gradients summed into one set; with ``update=``
-    the last piece's backward steps each stage as its gradients are complete (``in_backward``). With
-    ``data_parallel=`` the replicas agree on the model before its forward and ``grads`` are their
-    average (``data_parallel.average_model_grads``)."""
+    """``model`` cut at run time at ``req.split_at``, at ``req.params``, a flat ``{qualified name: tensor}``
+    dict as ``dict(model.named_parameters())`` gives (a frozen parameter it lacks is used as the module
+    holds it; a trainable one is differentiated whatever the given tensor's ``requires_grad``).
+    ``grads`` has the names of ``params``, ``buffers`` every buffer's, updated, the module's own never
+    written. Microbatches run in turn (``run_pieces``), their gradients summed; with ``data_parallel=``
+    ``grads`` are the replicas' average (``data_parallel.average_model_grads``)."""
     params, x, loss_args, loss, split_at, opts = req.params, req.x, req.loss_args, req.loss, req.split_at, req.opts
     assert loss is not None and split_at is not None  # sweep checked them
     pass_state, buffers = req.pass_state, req.buffers
@@ -118,41 +116,17 @@ def sweep_model(model: nn.Module, req: Request) -> Swept:
     device = F.device_of(leaves, x)
     state = opts.passes.init() if pass_state is None else pass_state
     pieces = M.split(x, loss_args, opts.microbatches, opts.reduction, opts.key)
-    values, traces, all_stats = [], [], []
+
+    def sweep_of(mb: M.Microbatch, state: Any) -> Sweep:
+        mb_opts = opts if mb.key == opts.key else dataclasses.replace(opts, key=mb.key)
+        return Sweep(model, split_at, mb_opts, state, device, names, meter=meter)
+
     with module_lock(model), holding(model, {n: given[f] for n, f in first.items() if f in given}):
-        handles = []
-        try:
-            for j, mb in enumerate(pieces):
-                run = Sweep(
-                    model,
-                    split_at,
-                    opts if mb.key == opts.key else dataclasses.replace(opts, key=mb.key),
-                    state,
-                    device,
-                    names,
-                    meter=meter,
-                )
-                if update is not None and j == len(pieces) - 1:
-                    handles = update.install(leaves)
-                values.append(piece(run, model, mb, loss, [leaves[n] for n in wanted], update))
-                state = run.pass_state
-                traces.append(tuple(run.trace))
-                all_stats.append({**run.stats, "boundaries": {a.index: dict(a.meta) for a in run.trace}})
-            if update is not None:
-                update.finish()
-        except BaseException as e:  # KeyboardInterrupt too: say which stages a fused update already stepped
-            if update is not None:
-                update.failed(e)
-            raise
-        finally:
-            for h in handles:
-                h.remove()
+        values, traces, all_stats, state = run_pieces(model, pieces, loss, state, sweep_of, leaves, wanted, update)
     value = values[0] if len(values) == 1 else torch.stack(values).sum()
     stats, trace = M.sum_stats(all_stats), M.join_adjoints(traces)
     if meter is not None and roster is not None:  # the physical modules' rows, over every piece
-        for k, counts in meter.counts.items():
-            name = roster.stages[k].name
-            stats[name] = M.merge_counters(stats.get(name, {}), counts)
+        stats = metered(stats, roster, meter)
     if update is not None:
         pure = update.spec.fn is not None
         new = {n: update.params.get(n, t) for n, t in params.items()} if pure else None
@@ -169,6 +143,41 @@ def sweep_model(model: nn.Module, req: Request) -> Swept:
 
         grads, stats["data_parallel"] = average_model_grads(replicas, params, grads)
     return Swept(value, grads, trace, fresh, state, Measurements(stats))
+
+
+def run_pieces(
+    model: nn.Module,
+    pieces: list,
+    loss: Callable,
+    state: Any,
+    sweep_of: Callable[[M.Microbatch, Any], Sweep],
+    leaves: dict,
+    wanted: list,
+    update: Any,
+) -> tuple[list, list, list, Any]:
+    """Each microbatch's forward and backward in turn (``sweep_of(mb, pass state)``: its ``Sweep``),
+    the pass state threaded; with ``update``, the last one's backward steps each stage as its
+    gradients are complete. ``(losses, traces, stats, pass state)``."""
+    values, traces, all_stats, handles = [], [], [], []
+    try:
+        for j, mb in enumerate(pieces):
+            run = sweep_of(mb, state)
+            if update is not None and j == len(pieces) - 1:
+                handles = update.install(leaves)
+            values.append(piece(run, model, mb, loss, [leaves[n] for n in wanted], update))
+            state = run.pass_state
+            traces.append(tuple(run.trace))
+            all_stats.append({**run.stats, "boundaries": {a.index: dict(a.meta) for a in run.trace}})
+        if update is not None:
+            update.finish()
+    except BaseException as e:  # KeyboardInterrupt too: say which stages a fused update already stepped
+        if update is not None:
+            update.failed(e)
+        raise
+    finally:
+        for h in handles:
+            h.remove()
+    return values, traces, all_stats, state
 
 
 def walked(model: nn.Module, params: Mapping[str, torch.Tensor]) -> tuple[dict, frozenset, dict, dict, list]:
