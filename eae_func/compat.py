@@ -24,7 +24,7 @@ it has run on (``tests/test_compat.py`` fails loudly, by name, where a torch cha
 
 Not here, because they are overrides, not calls: ``distributed/stage.py`` subclasses pipelining's
 ``PipelineStage`` and overrides its ``_compute_outputs``, ``_send_meta`` and ``_recv_meta``, and
-``capture.py`` swaps a custom ``autograd.Function``'s public ``apply`` for the length of an export
+``program/exporting.py`` swaps a custom ``autograd.Function``'s public ``apply`` for the length of an export
 (run on torch 2.13).
 """
 
