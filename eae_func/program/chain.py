@@ -18,7 +18,6 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ..cache import register
 from ..tree import NAMESPACE
 from . import fsdp
 from .slots import Slots, module_lock
@@ -147,10 +146,6 @@ def hooked_grads(grads: tuple, hooks: Mapping[tuple[int, str], torch.Tensor]) ->
                 done[id(g)] = through_hooks(param, g)
             out[i][name] = done[id(g)]
     return tuple(out)
-
-
-register("module slots", "where a module keeps the tensors of each set of dotted names (weakly, per module)",
-         lambda: Slots._cache.clear())  # fmt: skip
 
 
 def stage(fn: Callable, name: str | None = None, physical: bool = False, differentiable: bool = True) -> Stage:

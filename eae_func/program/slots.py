@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..cache import register
+
 __all__ = ["Slots", "module_lock"]
 
 
@@ -107,3 +109,7 @@ class Slots:
     def put_back(self, own: list) -> None:
         for (store, key, _), tensor in zip(self.places, own):
             store[key] = tensor
+
+
+register("module slots", "where a module keeps the tensors of each set of dotted names (weakly, per module)",
+         lambda: Slots._cache.clear())  # fmt: skip
