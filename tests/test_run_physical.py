@@ -72,6 +72,27 @@ def test_a_physical_cut_is_the_estimator_on_a_chain_of_the_cut_modules(name, dep
     assert {k: got.stats[str(physical)][k] for k in costs} == costs
 
 
+def test_guided_history_threads_the_same_estimates_at_run_time_as_on_a_chain():
+    """``E.guided(..., history=2)`` under fd, threaded by ``observe`` over 3 steps: a physical cut's
+    parameter estimates, and every gradient, are the chain's bit for bit at each step (the guides
+    are the estimates the same stats hold)."""
+    model, (x, y) = blocks(3), batch()
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    on_chain = on_cuts = E.guided(E.zbp(E.Probes(6), method="fd"), twin, history=2)
+    for key in range(3):
+        want = ef.sweep(chain, params, x, y, physical=[1], estimator=on_chain, key=key)
+        got = ef.sweep(
+            model, dict(model.named_parameters()), x, y, loss=F.mse_loss, split_at=["0", "1", "2"],
+            physical=["1"], estimator=on_cuts, key=key,
+        )  # fmt: skip
+        assert torch.equal(got.stats["1"]["param_estimate"], want.stats[chain.names[1]]["param_estimate"])
+        for i in range(3):
+            for n, g in want.grads[i].items():
+                assert torch.equal(g, got.grads[f"{i}.{n}"]), (key, i, n)
+        on_chain, on_cuts = on_chain.observe(want), on_cuts.observe(got)
+    assert len(on_cuts.past["1"]) == 2
+
+
 class Net(nn.Module):
     """A stem, blocks on a residual stream, a head: the glue runs around the cuts."""
 
