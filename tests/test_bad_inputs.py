@@ -306,6 +306,33 @@ def test_bad_pipeline_calls_are_named():
     assert "key must be an int seed" in out["a bad key"]
 
 
+def _last_rank_without_rows():
+    """Two ranks, a loss of the output alone and a mean over 2 microbatches: the last rank, given no
+    x, has nothing to weigh its microbatches by."""
+    import torch.distributed as dist
+
+    import eae_func.distributed as D
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)])
+    chain, params = ef.from_module(model, loss=lambda out: out.pow(2).mean())
+    pipe = D.Pipeline(chain, [(0, 1), (1, 2)], timeout=10)
+    x = torch.randn(4, 4) if dist.get_rank() == 0 else None
+    try:
+        pipe.sweep(params, x, microbatches=2)
+    except (ValueError, D.PeerError) as e:
+        return type(e).__name__, _message(e)
+    return "accepted", ""
+
+
+def test_the_last_rank_refuses_microbatches_it_cannot_weigh():
+    import eae_func.distributed as D
+
+    first, last = D.run(_last_rank_without_rows, 2, timeout=120)
+    assert last[0] == "ValueError" and "needs a batched tensor to weigh the microbatches" in last[1], last
+    assert first[0] == "PeerError", first  # the first rank waits for it, and says so within the timeout
+
+
 # ----------------------------------------------------------------------------- black boxes and captures
 
 

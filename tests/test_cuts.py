@@ -799,3 +799,34 @@ def test_a_view_leaf_the_forward_makes_is_its_own_but_a_callers_view_leaf_is_ref
     scale = torch.randn(8, 4).detach()[:4].requires_grad_()  # a view, and a leaf the caller holds
     with pytest.raises(ValueError, match=r"outside params \(shapes \[\(4, 4\)\]\)"):
         ef.grad(model, dict(model.named_parameters()), x, loss=lambda h: (h @ scale).sum(), split_at=["blocks.*"])
+
+
+class Shifty(nn.Module):
+    """A block that returns a tensor on its first call and a tuple after: its rebuild (a second call)
+    returns another structure than its forward."""
+
+    def __init__(self, width=4):
+        super().__init__()
+        self.linear, self.calls = nn.Linear(width, width), 0
+
+    def forward(self, h):
+        self.calls += 1
+        out = torch.tanh(self.linear(h))
+        return out if self.calls == 1 else (out,)
+
+
+class ShiftyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Shifty()
+
+    def forward(self, x):
+        out = self.block(x)
+        return out if isinstance(out, torch.Tensor) else out[0]
+
+
+def test_a_rebuild_that_returns_another_structure_is_refused():
+    torch.manual_seed(0)
+    model, x, y = ShiftyNet(), torch.randn(3, 4), torch.randn(3, 4)
+    with pytest.raises(ValueError, match=r"cut 'block': its rebuild returned another structure than its forward"):
+        ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, split_at=["block"])

@@ -164,3 +164,30 @@ def test_the_places_found_keep_no_module_alive():
     del model, chain, params
     gc.collect()
     assert stage_module() is None
+
+
+class TiedInside(nn.Module):
+    """Two layers sharing one weight inside one module (one tensor under two names)."""
+
+    def __init__(self, width=6):
+        super().__init__()
+        self.first, self.second = nn.Linear(width, width), nn.Linear(width, width)
+        self.second.weight = self.first.weight
+
+    def forward(self, h):
+        return self.second(torch.tanh(self.first(h)))
+
+
+def test_a_stage_with_one_tensor_under_two_names_gets_both_uses_gradients():
+    """Such a stage runs through ``functional_call`` (which ties the names), not the fast ``Slots``
+    path (which would put the given tensor in one place and leave the module's own in the other):
+    its weight's gradient sums both uses, as autograd's does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), TiedInside(), nn.Linear(6, 3)).double()
+    x, y = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    chain, params = ef.from_module(model, loss=mse)
+    assert chain.stages[1].aliased
+    grads = ef.grad(chain, params, x, y)
+    mse(model(x), y).backward()
+    for (_, g), (_, p) in zip(((n, g) for stage in grads for n, g in stage.items()), model.named_parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-12, atol=1e-14)
