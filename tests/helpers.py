@@ -54,3 +54,16 @@ def assert_grads_match(chain, grads, reference: dict, rtol: float, atol: float) 
                 atol=atol,
                 msg=lambda m, stage=stage, name=name: f"{stage.name}.{name}: {m}",
             )
+
+
+class TiedInside(nn.Module):
+    """Two layers sharing one weight inside one module (one tensor under two names): its gradient
+    sums both uses."""
+
+    def __init__(self, width: int = 6):
+        super().__init__()
+        self.first, self.second = nn.Linear(width, width), nn.Linear(width, width)
+        self.second.weight = self.first.weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(h)))

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 import eae_func as ef
 from eae_func import passes as P
 
+from helpers import TiedInside
 from live_bytes import LiveBytes
 
 F64 = torch.float64
@@ -699,18 +700,6 @@ def test_a_cut_drawing_from_pythons_random_alone_is_replayed():
         random.seed(3)
         _, reference = autograd_grads(model, x, y)
         assert_exact(res.grads, reference)
-
-
-class TiedInside(nn.Module):
-    """Two layers sharing one weight inside one cut module: its gradient sums both uses."""
-
-    def __init__(self, width=6):
-        super().__init__()
-        self.first, self.second = nn.Linear(width, width), nn.Linear(width, width)
-        self.second.weight = self.first.weight
-
-    def forward(self, h):
-        return self.second(torch.tanh(self.first(h)))
 
 
 def test_a_weight_tied_inside_a_cut_module_gets_both_uses_gradients():

@@ -22,7 +22,7 @@ from eae_func import passes as P
 from eae_func.models import Block
 from eae_func.program.slots import Slots
 
-from helpers import mlp, mse
+from helpers import TiedInside, mlp, mse
 
 
 def modules():
@@ -164,18 +164,6 @@ def test_the_places_found_keep_no_module_alive():
     del model, chain, params
     gc.collect()
     assert stage_module() is None
-
-
-class TiedInside(nn.Module):
-    """Two layers sharing one weight inside one module (one tensor under two names)."""
-
-    def __init__(self, width=6):
-        super().__init__()
-        self.first, self.second = nn.Linear(width, width), nn.Linear(width, width)
-        self.second.weight = self.first.weight
-
-    def forward(self, h):
-        return self.second(torch.tanh(self.first(h)))
 
 
 def test_a_stage_with_one_tensor_under_two_names_gets_both_uses_gradients():
