@@ -1,5 +1,5 @@
 """The module paths from before the ``program`` / ``core`` / ``drivers`` layout: ``import
-eae_func.chain`` (or ``from eae_func.sweep import SweepResult``) still finds the module at its new
+eae_func.chain`` (or ``from eae_func.options import Options``) still finds the module at its new
 place, ``eae_func.program.chain``, with a DeprecationWarning that names it."""
 
 from __future__ import annotations
@@ -15,22 +15,15 @@ from typing import Any
 __all__ = ["ALIASED", "MOVED", "install"]
 
 MOVED = {
+    **dict.fromkeys("capture chain fsdp function module_chain physical user_code".split(), "program"),
     **dict.fromkeys(
-        "capture captured_stage chain exporting fsdp function module_chain physical slots user_code watch".split(),
-        "program",
-    ),
-    **dict.fromkeys(
-        "boundary compiled costates diagnose early_stop fold fsdp_reverse microbatch options problem remat replay "
-        "result runner tape ties timing update vjp".split(),
+        "boundary compiled costates diagnose early_stop fold microbatch options remat replay runner tape ties timing "
+        "update vjp".split(),
         "core",
     ),
-    **dict.fromkeys(
-        "cut_call cut_reverse cuts in_backward input_writes model_sweep physical_cuts switch sweep sweep_chain "
-        "sweep_model".split(),
-        "drivers",
-    ),
+    **dict.fromkeys("cuts in_backward input_writes model_sweep physical_cuts switch sweep".split(), "drivers"),
 }
-"""Each moved module's name -> the folder of ``eae_func`` it is in now."""
+"""Each module that stood at ``eae_func/<name>.py`` before the folders -> its folder now."""
 
 ALIASED: set[str] = set()
 """The moved modules whose names the package binds, put in ``sys.modules`` by ``install``."""
