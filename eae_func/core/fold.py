@@ -45,6 +45,8 @@ __all__ = [
     "check_scalar",
     "device_of",
     "make_step",
+    "rebuild_kind",
+    "rebuilt_vjp",
     "reverse",
 ]
 
@@ -308,24 +310,7 @@ class Step:
                 step = replaying(entry.cached, run)
                 return rebuilt_vjp(s, params, entry, floats, rebuild, params_too, inputs_too, step)
 
-        kind = None  # the rebuild's kind for early_stop (None: in full)
-        if (
-            opts.early_stop
-            and s.sharded is None
-            and entry.cached is None
-            and ES.may_pay(floats)
-            and not ES.observed(m for m, _ in entry.modes)
-        ):
-            kind = (  # what a rebuild's ops depend on, cheaply (the rest, layouts and dtypes, is checked op for op)
-                id(s.module if s.module is not None else s.fn),
-                tuple(f.shape for f in floats),
-                entry.frozen,
-                params_too,
-                inputs_too,
-                opts.autocast,
-                entry.modes[0][1] if entry.modes else None,  # the stage's training flag
-            )
-        return ES.rebuilt(kind, attempt)
+        return ES.rebuilt(rebuild_kind(opts, s, entry, floats, params_too, inputs_too), attempt)
 
     def deferred_vjp(
         self, entry: Entry, floats: list, rebuild: Callable, cot: list, inputs_too: bool, stats: dict
@@ -349,6 +334,29 @@ class Step:
         rebuilt = pullback(False)
         with timer(opts, stats, "vjp_s", f"eae/{name}/vjp", device):
             return Deferred(weights), rebuilt(cot, True)[1]
+
+
+def rebuild_kind(opts: Options, s: Any, entry: Entry, floats: list, params_too: bool, inputs_too: bool) -> Any:
+    """The kind ``early_stop`` learns a rebuild of the entry's stage under (``None``: rebuilt in full):
+    what its ops depend on, cheaply (the rest, layouts and dtypes, is checked op for op); only where
+    the options allow, the stage is neither FSDP's nor ``remat.save``'s and its tail may pay."""
+    if not (
+        opts.early_stop
+        and s.sharded is None
+        and entry.cached is None
+        and ES.may_pay(floats)
+        and not ES.observed(m for m, _ in entry.modes)
+    ):
+        return None
+    return (
+        id(s.module if s.module is not None else s.fn),
+        tuple(f.shape for f in floats),
+        entry.frozen,
+        params_too,
+        inputs_too,
+        opts.autocast,
+        entry.modes[0][1] if entry.modes else None,  # the stage's training flag
+    )
 
 
 def rebuilt_vjp(

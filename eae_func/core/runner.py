@@ -27,6 +27,7 @@ from ..program.physical import Meter, ProbeChecks
 from . import boundary as B
 from . import costates as C
 from . import fold as F
+from . import plain
 from . import replay as R
 from . import tape as TP
 from .microbatch import Microbatch, merge_counters
@@ -144,7 +145,9 @@ class Range:
         pending: Pending | None = None,
         earlier: list | None = None,
     ) -> Piece:
-        """Forward and backward of the whole chain on microbatch ``mb``."""
+        """Forward and backward of the whole chain on microbatch ``mb`` (a plain range: ``plain.run``)."""
+        if updater is None and earlier is None and plain.applies(self.opts, self.chain, self.lo, self.hi):
+            return plain.run(self, buffers, mb, pass_state)
         return self.backward(
             self.forward(buffers, mb), buffers, mb, pass_state, updater=updater, pending=pending, earlier=earlier
         )

@@ -1,0 +1,189 @@
+"""The fold over a plain range: the whole chain, one microbatch, no passes, estimator, fused
+update, stored-apart boundaries, autocast, compile, kept graphs, timers or kept costates (what
+``ef.grad`` and ``ef.value_and_grad`` run by default), as two loops with nothing else in them.
+
+    forward:  x_l = h_l(W_l, x_{l-1}), each stage's input, RNG state and modes kept
+    reverse:  (grad W_l, p_{l-1}) = vjp(h_l rebuilt from x_{l-1})(p_l),  l = L..1
+
+Each stage's forward and reverse step is the general fold's (``tape.run_stage``'s checks,
+``fold.rebuilt_vjp`` under ``replay_rng`` and ``in_modes``, early stop by ``fold.rebuild_kind``),
+the same records and counters come out, bit for bit; what is left out is the records, branches
+and counters of the options a plain range does not have (a stage's host cost fell from 0.9x
+checkpointing's to about half of it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from ..adjoint import AdjointState, fold_in
+from ..program.slots import module_lock
+from ..tree import NAMESPACE
+from . import boundary as B
+from . import early_stop as ES
+from . import vjp as V
+from .costates import boundary_name, shown_as, traced
+from .diagnose import check_closed_over, explain, note
+from .fold import boundary_condition, rebuild_kind, rebuilt_vjp
+from .microbatch import Microbatch
+from .options import Options
+from .replay import HOST, check_modes, drew, host_kind, in_modes, modes_of, replay_rng, rng_state
+from .tape import Entry
+
+__all__ = ["applies", "run"]
+
+
+def applies(opts: Options, chain: Any, lo: int, hi: int) -> bool:
+    """Whether stages ``lo..hi-1`` of ``chain`` under ``opts`` are a plain range (see the module)."""
+    return (
+        lo == 0
+        and hi == len(chain)
+        and opts.no_passes
+        and not opts.physical
+        and not (opts.timers or opts.keep_costates or opts.offload)
+        and opts.boundary_dtype is None
+        and opts.autocast is None
+        and opts.compile is None
+        and opts.update is None
+        and opts.recompute.kind == "always"
+        and all(s.sharded is None for s in chain.stages)
+    )
+
+
+def run(r: Any, buffers: tuple, mb: Microbatch, pass_state: Any) -> Any:
+    """``Range.run`` of a plain range ``r`` (``applies``): the same ``Piece``."""
+    from .runner import Piece
+
+    chain, opts = r.chain, r.at(mb)
+    entries, output, new_buffers, counters = forward(r, buffers, mb.x)
+    assert mb.scale is not None, "the range that computes the loss weighs its microbatches"
+    stats: dict = {"loss": {}}
+    loss, carry = boundary_condition(chain, output, mb.loss_args, opts, pass_state, mb.scale, stats["loss"])
+    del output
+    costate, head = carry.adj.value, traced(carry.shown, opts)
+    del carry  # p_L is held by ``costate`` alone: freed once stage L-1 has used it
+    grads, records = [None] * len(entries), [head]
+    while entries:
+        entry = entries.pop()
+        i = entry.index
+        try:
+            grads[i], costate = reverse_step(r, opts, entry, costate)
+        except Exception as e:
+            note(e, f"the reverse step of {chain.where(i)}")
+            raise
+        adj = AdjointState(costate, i, boundary_name(chain, i), fold_in(opts.key, i))
+        records.append(traced(shown_as(chain, adj, opts.key), opts))
+        del entry, adj
+    trace = tuple(a for a in records if a is not None)
+    stats.update(counters)
+    stats["boundaries"] = {a.index: dict(a.meta) for a in trace}
+    return Piece(loss * mb.scale, tuple(grads), trace, new_buffers, pass_state, stats, costate, None)
+
+
+def forward(r: Any, buffers: tuple, x: Any) -> tuple[list[Entry], Any, tuple, dict]:
+    """Every stage on ``x`` with no autograd graph kept: ``(entries, x_L, updated buffers, counters)``,
+    as ``tape.forward`` leaves them for a plain range (the first stage runs on a copy of ``x``)."""
+    chain, params, device = r.chain, r.params, r.device
+    kept, entries, new_buffers, stats = x, [], [], {}
+    layout = B.Layout.of_leaves(*B.leaves(x, f"input of {chain.where(0)}"))
+    h = optree.tree_map(lambda t: t.detach().clone(), x, namespace=NAMESPACE)
+    upstream_params = False
+    for i, s in enumerate(chain.stages):
+        stats[chain.names[i]] = {"boundary_bytes": B.nbytes(kept)}
+        frozen, modes = s.frozen(), modes_of(s.module)
+        kind = host_kind(s, modes)
+        host, rng = HOST.before(kind), rng_state(device)
+        inputs = B.flat(h)
+        versions = [t._version for t in inputs]
+        try:
+            with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
+                out, updated = s.call(params[i], buffers[i], h)
+            flat, spec = B.leaves(out, f"output of {chain.where(i)}")
+            check_closed_over(chain, i, flat)
+        except Exception as e:
+            explain(e, chain, i, params[i], h, None)
+            note(e, f"the forward of {chain.where(i)}")
+            raise
+        if [t._version for t in inputs] != versions:
+            raise ValueError(
+                f"{chain.where(i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
+                f"sweep keeps each stage's input to recompute it: use the out-of-place form"
+            )
+        check_modes(modes, chain.where(i))
+        rng, host = rng if drew(rng, device) else None, HOST.after(kind, host)
+        if host is not None:
+            rng = (*(rng or (None, None)), *host)
+        upstream_params = upstream_params or bool(optree.tree_leaves(params[i], namespace=NAMESPACE))
+        if upstream_params and not any(B.is_differentiable(t) for t in flat):
+            raise TypeError(
+                f"output of {chain.where(i)}: only integer tensors "
+                f"({', '.join(str(t.dtype) for t in flat)}), so no costate flows back to the "
+                f"parameters before it; a stage must return a floating-point tensor"
+            )
+        out_layout = B.Layout.of_leaves(flat, spec)
+        entries.append(Entry(i, kept, layout, out_layout, rng, buffers[i], None, frozen, None, modes))
+        new_buffers.append(updated)
+        kept = h = out
+        layout = out_layout
+    return entries, h, tuple(new_buffers), stats
+
+
+def reverse_step(r: Any, opts: Options, entry: Entry, costate: Any) -> tuple[Any, Any]:
+    """``(the stage's parameter gradients, the costate of its input)`` from ``costate``, its output's,
+    as ``fold.Step.local`` gives them for a digital stage rebuilt from its boundary."""
+    i, params = entry.index, r.params[entry.index]
+    floats, rebuild, costate_like = B.split_as(entry.boundary, entry.layout)
+    flat = B.flat(costate, none_is_leaf=True)
+    if all(c is None for c in flat):  # no costate flows here: nothing to do
+        return optree.tree_map(lambda t: None, params, namespace=NAMESPACE), costate_like([None] * len(floats))
+    s, device = r.chain.stages[i], r.device
+    kind = rebuild_kind(opts, s, entry, floats, True, True)
+    if kind is None and s.module is not None and not s.buffer_names and lone(entry.layout) and lone(entry.out_layout):
+        with module_lock(s.module):
+            slots = s.slots()
+            if slots is not None:  # a module at given tensors, one floating tensor in and out, rebuilt in full
+                with replay_rng(entry.rng, device), in_modes(entry.modes):
+                    return module_vjp(s.module, slots, params, entry, flat[0], i > 0)
+
+    def attempt(run: Any) -> Any:
+        with replay_rng(entry.rng, device), in_modes(entry.modes):
+            return rebuilt_vjp(s, params, entry, floats, rebuild, run=run)
+
+    pullback = attempt(ES.whole) if kind is None else ES.rebuilt(kind, attempt)
+    grads, g_in = pullback(V.cotangent(flat, entry.out_layout), i > 0)
+    return grads, None if g_in is None else costate_like(g_in)
+
+
+def lone(layout: B.Layout) -> bool:
+    """Whether a boundary of this layout is one floating-point tensor."""
+    return layout.spec == B.TENSOR and layout.placements[0][1].is_floating_point
+
+
+def module_vjp(module: Any, slots: Any, params: dict, entry: Entry, costate: torch.Tensor, inputs_too: bool) -> tuple:
+    """``(J_W^T p, J_x^T p or None)`` of a module stage rebuilt from its boundary, one floating tensor in
+    and out, as ``vjp.local_vjp`` computes them: the module run on detached, requires-grad copies of
+    its trainable parameters (``slots``: their places) and of its input, one engine call at ``p``."""
+    names = tuple(params)
+    trainable = [n not in entry.frozen and B.is_differentiable(params[n]) for n in names]
+    with torch.enable_grad():
+        leaves = [params[n].detach().requires_grad_(m) for n, m in zip(names, trainable)]
+        h = entry.boundary.detach().requires_grad_(inputs_too)
+        own = slots.put(dict(zip(names, leaves)))
+        try:
+            out = module(h)
+        finally:
+            slots.put_back(own)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"its rebuild returned {type(out).__name__}, its forward one tensor")
+    wanted = [t for t in leaves if t.requires_grad] + ([h] if inputs_too else [])
+    dt = entry.out_layout.placements[0][1]
+    grads = iter(V.pull_back(V.places([out]), [costate if costate.dtype == dt else costate.to(dt)], wanted))
+    del out
+    full = {n: next(grads) if t.requires_grad else None for n, t in zip(names, leaves)}
+    if not inputs_too:
+        return full, None
+    g = next(grads)
+    return full, torch.zeros_like(h) if g is None else g
