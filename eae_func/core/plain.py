@@ -93,14 +93,21 @@ def forward(r: Any, buffers: tuple, x: Any) -> tuple[list[Entry], Any, tuple, di
     upstream_params = False
     for i, s in enumerate(chain.stages):
         stats[chain.names[i]] = {"boundary_bytes": B.nbytes(kept)}
-        frozen, modes = s.frozen(), modes_of(s.module)
+        simple = s.module is not None and not s.buffer_names and not buffers[i] and s.sharded is None
+        frozen = None if simple else s.frozen()
+        modes = modes_of(s.module)
         kind = host_kind(s, modes)
         host, rng = HOST.before(kind), rng_state(device)
         inputs = B.flat(h)
         versions = [t._version for t in inputs]
         try:
             with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
-                out, updated = s.call(params[i], buffers[i], h)
+                ran = module_forward(s, params[i], h) if simple else None
+                if ran is None:
+                    frozen = s.frozen() if frozen is None else frozen
+                    out, updated = s.call(params[i], buffers[i], h)
+                else:
+                    out, updated, frozen = ran
             flat, spec = B.leaves(out, f"output of {chain.where(i)}")
             check_closed_over(chain, i, flat)
         except Exception as e:
@@ -131,6 +138,24 @@ def forward(r: Any, buffers: tuple, x: Any) -> tuple[list[Entry], Any, tuple, di
     return entries, h, tuple(new_buffers), stats
 
 
+def module_forward(s: Any, params: dict, h: Any) -> tuple[Any, dict, frozenset[str]] | None:
+    """``(output, updated buffers, frozen names)`` of a module stage without buffers, as ``Stage.call``
+    and ``Stage.frozen`` give them, under one lock and one look-up of its places (``None``: the module
+    has a tensor under two names or a name is gone: ``Stage.call``'s ``functional_call``)."""
+    with module_lock(s.module):
+        slots = s.slots()
+        if slots is None:
+            return None
+        frozen = frozenset(
+            n for store, key, n in slots.places if store[key] is not None and not store[key].requires_grad
+        )
+        own = slots.put(params)
+        try:
+            return s.module(h), {}, frozen
+        finally:
+            slots.put_back(own)
+
+
 def reverse_step(r: Any, opts: Options, entry: Entry, costate: Any) -> tuple[Any, Any]:
     """``(the stage's parameter gradients, the costate of its input)`` from ``costate``, its output's,
     as ``fold.Step.local`` gives them for a digital stage rebuilt from its boundary."""
@@ -145,7 +170,7 @@ def reverse_step(r: Any, opts: Options, entry: Entry, costate: Any) -> tuple[Any
         with module_lock(s.module):
             slots = s.slots()
             if slots is not None:  # a module at given tensors, one floating tensor in and out, rebuilt in full
-                with replay_rng(entry.rng, device), in_modes(entry.modes):
+                with in_modes(entry.modes):
                     return module_vjp(s.module, slots, params, entry, flat[0], i > 0)
 
     def attempt(run: Any) -> Any:

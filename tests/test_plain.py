@@ -1,0 +1,159 @@
+"""The fold over a plain range (``core/plain.py``) returns what the general fold returns, bit for bit:
+loss, gradients, trace, buffers and counters, on chains with dropout, frozen and tied parameters,
+buffers, integer inputs, tuple boundaries, stages that switch modes or draw from Python's RNG, and
+a stage that stops drawing, two microbatches (the first piece's fold is plain); the options that
+are not plain never reach it."""
+
+from __future__ import annotations
+
+import random
+
+import optree
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import eae_func as ef
+from eae_func.core import plain
+from eae_func.tree import NAMESPACE
+
+from helpers import mse
+
+
+class Pair(nn.Module):
+    """A stage whose boundary is a tuple (a tensor and a mask of integers)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, h):
+        if isinstance(h, tuple):
+            h = h[0] * h[1]
+        return torch.tanh(self.lin(h)), (h > 0).long()
+
+
+class Unpair(nn.Module):
+    def forward(self, h):
+        return h[0] * h[1] if isinstance(h, tuple) else h
+
+
+class Noisy(nn.Module):
+    """Draws from Python's generator in its forward (replayed by the rebuild)."""
+
+    def forward(self, h):
+        return h * (1.0 + random.random())
+
+
+def stage(kind: str, width: int) -> nn.Module:
+    return {
+        "linear": lambda: nn.Sequential(nn.Linear(width, width), nn.Tanh()),
+        "dropout": lambda: nn.Sequential(nn.Linear(width, width), nn.Dropout(0.3)),
+        "frozen": lambda: nn.Sequential(nn.Linear(width, width).requires_grad_(False), nn.GELU()),
+        "batchnorm": lambda: nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width)),
+        "pair": lambda: nn.Sequential(Pair(width), Unpair()),
+        "noisy": lambda: nn.Sequential(nn.Linear(width, width), Noisy()),
+        "eval dropout": lambda: nn.Sequential(nn.Linear(width, width), nn.Dropout(0.5).eval()),
+    }[kind]()
+
+
+def both(chain, params, x, *loss_args, **options):
+    """The sweep's result through the plain fold and through the general one, from the same RNG
+    states, and whether the first took the plain fold."""
+    calls, run = [], plain.run
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(plain, "run", lambda *a: calls.append(1) or run(*a))
+        torch.manual_seed(7)
+        random.seed(7)
+        fast = ef.sweep(chain, params, x, *loss_args, timers=False, keep_costates=False, **options)
+        m.setattr(plain, "applies", lambda *a: False)
+        torch.manual_seed(7)
+        random.seed(7)
+        general = ef.sweep(chain, params, x, *loss_args, timers=False, keep_costates=False, **options)
+    return fast, general, bool(calls)
+
+
+def assert_same(a, b) -> None:
+    """Every tensor and every other leaf of two results equal, bit for bit (the same structure)."""
+    fa, sa = optree.tree_flatten(a, none_is_leaf=True, namespace=NAMESPACE)
+    fb, sb = optree.tree_flatten(b, none_is_leaf=True, namespace=NAMESPACE)
+    assert sa == sb
+    for x, y in zip(fa, fb):
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+        else:
+            assert x == y
+
+
+def results(res) -> tuple:
+    records = [(r.index, r.stage, r.key, r.value, r.history, dict(r.meta)) for r in res.adjoints]
+    return res.loss, res.grads, res.buffers, records, dict(res.stats), res.params
+
+
+KINDS = ["linear", "dropout", "frozen", "batchnorm", "pair", "noisy", "eval dropout"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=4),
+    tokens=st.booleans(),
+    microbatches=st.sampled_from([1, 1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_plain_fold_equals_general_fold(kinds, tokens, microbatches, seed):
+    """(With two microbatches the first piece's fold is plain, the second adds its gradients.)"""
+    torch.manual_seed(seed)
+    width = 5
+    head = [nn.Embedding(11, width)] if tokens else []
+    model = nn.Sequential(*head, *(stage(k, width) for k in kinds)).train()
+    x = torch.randint(0, 11, (6,)) if tokens else torch.randn(6, width)
+    target = torch.randn(6, width)
+    chain, params = ef.from_module(model, loss=mse)
+    fast, general, used = both(chain, params, x, target, microbatches=microbatches)
+    assert used
+    assert_same(results(fast), results(general))
+
+
+def test_a_tied_weight_and_a_stage_that_stops_drawing():
+    """A tensor in two stages (its gradients summed), and dropout's p set to 0 after a first sweep:
+    the next sweep draws nothing there, and both folds agree on each."""
+    torch.manual_seed(0)
+    first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+    last.weight = first.weight
+    drop = nn.Dropout(0.4)
+    model = nn.Sequential(nn.Sequential(first, nn.Tanh()), nn.Sequential(nn.Linear(4, 4), drop), last)
+    chain, params = ef.from_module(model, loss=mse)
+    x, target = torch.randn(3, 4), torch.randn(3, 4)
+    for p in (0.4, 0.0):
+        drop.p = p
+        fast, general, used = both(chain, params, x, target)
+        assert used
+        assert_same(results(fast), results(general))
+        assert (fast.adjoints[0].index, len(fast.grads)) == (3, 3)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"timers": True},
+        {"keep_costates": True},
+        {"recompute": False},
+        {"boundary_dtype": torch.bfloat16},
+        {"passes": ef.passes.clip_by_global_norm(1.0)},
+        {"autocast": torch.bfloat16},
+    ],
+    ids=lambda o: next(iter(o)),
+)
+def test_options_that_are_not_plain_take_the_general_fold(option, monkeypatch):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    chain, params = ef.from_module(model, loss=mse)
+    calls = []
+    run = plain.run
+    monkeypatch.setattr(plain, "run", lambda *a: calls.append(1) or run(*a))
+    options = {"timers": False, "keep_costates": False, **option}
+    ef.sweep(chain, params, torch.randn(4, 4), torch.randn(4, 4), **options)
+    assert not calls
+    ef.sweep(chain, params, torch.randn(4, 4), torch.randn(4, 4), timers=False, keep_costates=False)
+    assert calls
