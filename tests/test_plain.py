@@ -11,7 +11,7 @@ import random
 import optree
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -40,6 +40,17 @@ class Unpair(nn.Module):
         return h[0] * h[1] if isinstance(h, tuple) else h
 
 
+class Constant(nn.Module):
+    """Its output does not depend on its input: the costate of its input is zeros, not none."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, h):
+        return self.lin(torch.ones_like(h))
+
+
 class Noisy(nn.Module):
     """Draws from Python's generator in its forward (replayed by the rebuild)."""
 
@@ -56,6 +67,7 @@ def stage(kind: str, width: int) -> nn.Module:
         "pair": lambda: nn.Sequential(Pair(width), Unpair()),
         "noisy": lambda: nn.Sequential(nn.Linear(width, width), Noisy()),
         "eval dropout": lambda: nn.Sequential(nn.Linear(width, width), nn.Dropout(0.5).eval()),
+        "constant": lambda: Constant(width),
     }[kind]()
 
 
@@ -92,7 +104,7 @@ def results(res) -> tuple:
     return res.loss, res.grads, res.buffers, records, dict(res.stats), res.params
 
 
-KINDS = ["linear", "dropout", "frozen", "batchnorm", "pair", "noisy", "eval dropout"]
+KINDS = ["linear", "dropout", "frozen", "batchnorm", "pair", "noisy", "eval dropout", "constant"]
 
 
 @settings(max_examples=25, deadline=None)
@@ -102,6 +114,8 @@ KINDS = ["linear", "dropout", "frozen", "batchnorm", "pair", "noisy", "eval drop
     microbatches=st.sampled_from([1, 1, 2]),
     seed=st.integers(0, 2**16),
 )
+@example(kinds=["dropout"], tokens=False, microbatches=1, seed=0)  # the first stage's rebuild replays its RNG
+@example(kinds=["linear", "constant"], tokens=False, microbatches=1, seed=0)  # zeros, not none, flow upstream
 def test_plain_fold_equals_general_fold(kinds, tokens, microbatches, seed):
     """(With two microbatches the first piece's fold is plain, the second adds its gradients.)"""
     torch.manual_seed(seed)
@@ -132,6 +146,16 @@ def test_a_tied_weight_and_a_stage_that_stops_drawing():
         assert used
         assert_same(results(fast), results(general))
         assert (fast.adjoints[0].index, len(fast.grads)) == (3, 3)
+
+
+def test_a_first_stage_that_writes_into_its_input_is_refused_and_the_input_kept():
+    model = nn.Sequential(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4)), nn.Linear(4, 4))
+    chain, params = ef.from_module(model, loss=mse)
+    x = torch.randn(3, 4)
+    before = x.clone()
+    with pytest.raises(ValueError, match="modified its input in place"):
+        ef.value_and_grad(chain, params, x, torch.randn(3, 4))
+    assert torch.equal(x, before)
 
 
 @pytest.mark.parametrize(

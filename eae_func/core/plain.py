@@ -53,8 +53,9 @@ def applies(opts: Options, chain: Any, lo: int, hi: int) -> bool:
     )
 
 
-def run(r: Any, buffers: tuple, mb: Microbatch, pass_state: Any) -> Any:
-    """``Range.run`` of a plain range ``r`` (``applies``): the same ``Piece``."""
+def run(r: Any, buffers: tuple, mb: Microbatch, pass_state: Any, pending: Any = None) -> Any:
+    """``Range.run`` of a plain range ``r`` (``applies``) with no updater: the same ``Piece``, the fused
+    updates' ``pending`` (a later microbatch's fold runs them) handed through."""
     from .runner import Piece
 
     chain, opts = r.chain, r.at(mb)
@@ -80,7 +81,7 @@ def run(r: Any, buffers: tuple, mb: Microbatch, pass_state: Any) -> Any:
     trace = tuple(a for a in records if a is not None)
     stats.update(counters)
     stats["boundaries"] = {a.index: dict(a.meta) for a in trace}
-    return Piece(loss * mb.scale, tuple(grads), trace, new_buffers, pass_state, stats, costate, None)
+    return Piece(loss * mb.scale, tuple(grads), trace, new_buffers, pass_state, stats, costate, pending)
 
 
 def forward(r: Any, buffers: tuple, x: Any) -> tuple[list[Entry], Any, tuple, dict]:
@@ -170,7 +171,7 @@ def reverse_step(r: Any, opts: Options, entry: Entry, costate: Any) -> tuple[Any
         with module_lock(s.module):
             slots = s.slots()
             if slots is not None:  # a module at given tensors, one floating tensor in and out, rebuilt in full
-                with in_modes(entry.modes):
+                with replay_rng(entry.rng, device), in_modes(entry.modes):
                     return module_vjp(s.module, slots, params, entry, flat[0], i > 0)
 
     def attempt(run: Any) -> Any:

@@ -147,7 +147,7 @@ class Range:
     ) -> Piece:
         """Forward and backward of the whole chain on microbatch ``mb`` (a plain range: ``plain.run``)."""
         if updater is None and earlier is None and plain.applies(self.opts, self.chain, self.lo, self.hi):
-            return plain.run(self, buffers, mb, pass_state)
+            return plain.run(self, buffers, mb, pass_state, pending)
         return self.backward(
             self.forward(buffers, mb), buffers, mb, pass_state, updater=updater, pending=pending, earlier=earlier
         )
