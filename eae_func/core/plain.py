@@ -31,7 +31,7 @@ from .fold import boundary_condition, rebuild_kind, rebuilt_vjp
 from .microbatch import Microbatch
 from .options import Options
 from .replay import HOST, check_modes, drew, host_kind, in_modes, modes_of, replay_rng, rng_state
-from .tape import Entry
+from .tape import Entry, check_floating, check_unwritten, with_host
 
 __all__ = ["applies", "run"]
 
@@ -115,22 +115,10 @@ def forward(r: Any, buffers: tuple, x: Any) -> tuple[list[Entry], Any, tuple, di
             explain(e, chain, i, params[i], h, None)
             note(e, f"the forward of {chain.where(i)}")
             raise
-        if [t._version for t in inputs] != versions:
-            raise ValueError(
-                f"{chain.where(i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
-                f"sweep keeps each stage's input to recompute it: use the out-of-place form"
-            )
+        check_unwritten(chain, i, inputs, versions)
         check_modes(modes, chain.where(i))
-        rng, host = rng if drew(rng, device) else None, HOST.after(kind, host)
-        if host is not None:
-            rng = (*(rng or (None, None)), *host)
-        upstream_params = upstream_params or bool(optree.tree_leaves(params[i], namespace=NAMESPACE))
-        if upstream_params and not any(B.is_differentiable(t) for t in flat):
-            raise TypeError(
-                f"output of {chain.where(i)}: only integer tensors "
-                f"({', '.join(str(t.dtype) for t in flat)}), so no costate flows back to the "
-                f"parameters before it; a stage must return a floating-point tensor"
-            )
+        rng = with_host(rng if drew(rng, device) else None, HOST.after(kind, host))
+        upstream_params = check_floating(chain, i, params[i], flat, upstream_params)
         out_layout = B.Layout.of_leaves(flat, spec)
         entries.append(Entry(i, kept, layout, out_layout, rng, buffers[i], None, frozen, None, modes))
         new_buffers.append(updated)

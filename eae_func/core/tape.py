@@ -25,7 +25,19 @@ from .options import Options
 from .replay import HOST, NULL, autocast, check_modes, drew, host_kind, modes_of, rng_state
 from .timing import timer
 
-__all__ = ["Entry", "STAGE_COUNTERS", "Tape", "forward", "kept_graph", "kept_ops", "replaying", "run_stage"]
+__all__ = [
+    "Entry",
+    "STAGE_COUNTERS",
+    "Tape",
+    "check_floating",
+    "check_unwritten",
+    "forward",
+    "kept_graph",
+    "kept_ops",
+    "replaying",
+    "run_stage",
+    "with_host",
+]
 
 
 STAGE_COUNTERS = ("forward_s", "recompute_s", "vjp_s", "pass_s", "boundary_bytes")
@@ -143,16 +155,8 @@ def forward(
             chain, i, params[i], buffers[i], h, opts, device, plan, stats, frozen
         )
         check_modes(modes, chain.where(i))
-        host = HOST.after(kind, host)
-        if host is not None:
-            rng = (*(rng or (None, None)), *host)
-        upstream_params = upstream_params or bool(optree.tree_leaves(params[i], namespace=NAMESPACE))
-        if upstream_params and not any(B.is_differentiable(t) for t in outputs):
-            raise TypeError(
-                f"output of {chain.where(i)}: only integer tensors "
-                f"({', '.join(str(t.dtype) for t in outputs)}), so no costate flows back to the "
-                f"parameters before it; a stage must return a floating-point tensor"
-            )
+        rng = with_host(rng, HOST.after(kind, host))
+        upstream_params = check_floating(chain, i, params[i], outputs, upstream_params)
         out_layout = B.Layout.of_leaves(outputs, out_spec)
         tape.entries.append(Entry(i, kept, layout, out_layout, rng, buffers[i], closure, frozen, cached, modes))
         for j in plan.evicted():  # a later graph took its place in the byte budget: rebuild it instead
@@ -161,6 +165,35 @@ def forward(
         layout = out_layout  # the next stage's input has it (a stored copy is loaded back to it)
     tape.output = h
     return tape
+
+
+def with_host(rng: tuple | None, host: tuple | None) -> tuple | None:
+    """A stage's RNG states to replay: torch's (``rng``), then Python's and numpy's where it drew
+    from those (``HostRandom.after``)."""
+    return rng if host is None else (*(rng or (None, None)), *host)
+
+
+def check_floating(chain: Chain, i: int, params: Any, outputs: list, upstream_params: bool) -> bool:
+    """Whether stage i or one before it has parameters; refuse an output of integers alone after one
+    that has (no costate could reach those parameters)."""
+    upstream_params = upstream_params or bool(optree.tree_leaves(params, namespace=NAMESPACE))
+    if upstream_params and not any(B.is_differentiable(t) for t in outputs):
+        raise TypeError(
+            f"output of {chain.where(i)}: only integer tensors "
+            f"({', '.join(str(t.dtype) for t in outputs)}), so no costate flows back to the "
+            f"parameters before it; a stage must return a floating-point tensor"
+        )
+    return upstream_params
+
+
+def check_unwritten(chain: Chain, i: int, inputs: list, versions: list) -> None:
+    """Refuse stage i if it wrote into its input (its tensors' ``versions`` moved): the sweep keeps
+    the input to rebuild the stage."""
+    if [t._version for t in inputs] != versions:
+        raise ValueError(
+            f"{chain.where(i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
+            f"sweep keeps each stage's input to recompute it: use the out-of-place form"
+        )
 
 
 def run_stage(
@@ -209,11 +242,7 @@ def run_stage(
         explain(e, chain, i, params, h, opts.autocast)
         note(e, f"the forward of {chain.where(i)}")
         raise
-    if [t._version for t in inputs] != versions:
-        raise ValueError(
-            f"{chain.where(i)} modified its input in place (e.g. nn.ReLU(inplace=True)); the "
-            f"sweep keeps each stage's input to recompute it: use the out-of-place form"
-        )
+    check_unwritten(chain, i, inputs, versions)
     return out, flat, closure, rng if drew(rng, device) else None, cached, updated
 
 
