@@ -23,7 +23,7 @@ def is_differentiable(t: torch.Tensor) -> bool:
 TENSOR: Any = optree.tree_structure(torch.empty(0), namespace=NAMESPACE)  # type: ignore[arg-type]  # a lone tensor's spec
 
 
-def flatten(tree: Any) -> tuple[list, Any]:
+def flatten(tree: Any) -> tuple[list[Any], Any]:
     """``optree.tree_flatten`` in the library's namespace, without a call into optree for a lone
     tensor (most boundaries: the fold flattens each several times per stage)."""
     if isinstance(tree, torch.Tensor):
@@ -31,14 +31,14 @@ def flatten(tree: Any) -> tuple[list, Any]:
     return optree.tree_flatten(tree, namespace=NAMESPACE)
 
 
-def flat(tree: Any, none_is_leaf: bool = False) -> list:
+def flat(tree: Any, none_is_leaf: bool = False) -> list[Any]:
     """``optree.tree_leaves`` in the library's namespace, a lone tensor without a call into optree."""
     if isinstance(tree, torch.Tensor):
         return [tree]
     return optree.tree_leaves(tree, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
 
 
-def leaves(tree: Any, where: str) -> tuple[list, Any]:
+def leaves(tree: Any, where: str) -> tuple[list[Any], Any]:
     """Leaves and treespec of a boundary state: at least one leaf, every leaf a tensor."""
     leaves_, spec = flatten(tree)
     if not leaves_:
@@ -55,7 +55,7 @@ def leaves(tree: Any, where: str) -> tuple[list, Any]:
     return leaves_, spec
 
 
-def split(tree: Any, where: str) -> tuple[list, Callable[[list], Any], Callable[[list], Any]]:
+def split(tree: Any, where: str) -> tuple[list[Any], Callable[[list[Any]], Any], Callable[[list[Any]], Any]]:
     """``(floats, rebuild, costate_like)`` for a boundary state.
 
     ``floats`` are its differentiable leaves; ``rebuild(floats)`` puts new ones
@@ -66,16 +66,16 @@ def split(tree: Any, where: str) -> tuple[list, Callable[[list], Any], Callable[
     return _split(flat, spec, [is_differentiable(t) for t in flat])
 
 
-def split_as(tree: Any, layout: Layout) -> tuple[list, Callable[[list], Any], Callable[[list], Any]]:
+def split_as(tree: Any, layout: Layout) -> tuple[list[Any], Callable[[list[Any]], Any], Callable[[list[Any]], Any]]:
     """``split`` of a state known to have ``layout`` (a tape's boundary, checked when it was made)."""
     return _split(flat(tree), layout.spec, layout.mask)
 
 
-def _split(flat: list, spec: Any, mask: Sequence[bool]) -> tuple:
+def _split(flat: list[Any], spec: Any, mask: Sequence[bool]) -> tuple[Any, ...]:
     if all(mask):  # every leaf differentiable: nothing to put back
         return list(flat), spec.unflatten, spec.unflatten
 
-    def fill(new: list, other: Callable[[torch.Tensor], Any]) -> Any:
+    def fill(new: list[Any], other: Callable[[torch.Tensor], Any]) -> Any:
         it = iter(new)
         return spec.unflatten([next(it) if m else other(t) for t, m in zip(flat, mask)])
 
@@ -143,15 +143,15 @@ class Layout:
     """Shape, dtype and device of every leaf of a boundary state, for loads and checks."""
 
     spec: Any
-    shapes: tuple
-    placements: tuple  # (device, dtype) per leaf
+    shapes: tuple[Any, ...]
+    placements: tuple[Any, ...]  # (device, dtype) per leaf
 
     @staticmethod
     def of(tree: Any) -> Layout:
         return Layout.of_leaves(*flatten(tree))
 
     @staticmethod
-    def of_leaves(flat: list, spec: Any) -> Layout:
+    def of_leaves(flat: list[Any], spec: Any) -> Layout:
         return Layout(spec, tuple(t.shape for t in flat), tuple((t.device, t.dtype) for t in flat))
 
     @functools.cached_property

@@ -57,14 +57,14 @@ def eligible(stage: Any, i: int, opts: Any, layout: Any) -> bool:
     )
 
 
-def in_order(layout: Any) -> tuple | None:
+def in_order(layout: Any) -> tuple[Any, ...] | None:
     """The fold's index (optree's order) of each leaf of a boundary of ``layout`` in
     ``torch.utils._pytree``'s order, or ``None`` where the two do not see the same leaves."""
     return _order(layout.spec)
 
 
 @functools.lru_cache(maxsize=256)
-def _order(spec: Any) -> tuple | None:
+def _order(spec: Any) -> tuple[Any, ...] | None:
     n = spec.num_leaves
     order = tuple(k for k in pytree.tree_leaves(spec.unflatten(list(range(n)))) if isinstance(k, int))
     return order if sorted(order) == list(range(n)) else None
@@ -74,7 +74,7 @@ def _differentiable(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
-def _run(target: Any, params: dict, buffers: dict, h: torch.Tensor) -> tuple[Any, dict]:
+def _run(target: Any, params: dict[Any, Any], buffers: dict[Any, Any], h: torch.Tensor) -> tuple[Any, dict[Any, Any]]:
     """The stage's forward: a module on the given tensors (its buffers cloned, so updated ones come
     back), or a function stage."""
     if isinstance(target, torch.nn.Module):
@@ -83,12 +83,19 @@ def _run(target: Any, params: dict, buffers: dict, h: torch.Tensor) -> tuple[Any
     return target(params, h), {}
 
 
-def _reverse(target: Any, trainable: dict, frozen: dict, buffers: dict, h: Any, cotangents: list):
+def _reverse(
+    target: Any,
+    trainable: dict[Any, Any],
+    frozen: dict[Any, Any],
+    buffers: dict[Any, Any],
+    h: Any,
+    cotangents: list[Any],
+):
     """``(J_W^T p, J_x^T p)``, the latter for h's differentiable leaves, all in pytree order."""
     leaves, spec = pytree.tree_flatten(h)
     where = [k for k, t in enumerate(leaves) if _differentiable(t)]
 
-    def outputs(p: dict, xs: list) -> list:
+    def outputs(p: dict[Any, Any], xs: list[Any]) -> list[Any]:
         full = list(leaves)
         for k, x in zip(where, xs):
             full[k] = x
@@ -99,21 +106,23 @@ def _reverse(target: Any, trainable: dict, frozen: dict, buffers: dict, h: Any, 
     return pullback(cotangents)
 
 
-def _call(forward: Any, args: tuple, kwargs: dict) -> Any:
+def _call(forward: Any, args: tuple[Any, ...], kwargs: dict[Any, Any]) -> Any:
     """A cut module's call at run time."""
     return forward(*args, **kwargs)
 
 
-def _run_graph(graph: Any, args: list) -> tuple:
+def _run_graph(graph: Any, args: list[Any]) -> tuple[Any, ...]:
     """A captured piece's graph on its positional inputs."""
     return graph(*args)
 
 
-def _reverse_graph(graph: Any, args: list, where: tuple, outputs_at: tuple, cotangents: list) -> tuple:
+def _reverse_graph(
+    graph: Any, args: list[Any], where: tuple[Any, ...], outputs_at: tuple[Any, ...], cotangents: list[Any]
+) -> tuple[Any, ...]:
     """The vjp of a captured piece's graph: the cotangents of its outputs ``outputs_at`` pulled back
     to its inputs ``where``."""
 
-    def outputs(xs: list) -> list:
+    def outputs(xs: list[Any]) -> list[Any]:
         full = list(args)
         for k, x in zip(where, xs):
             full[k] = x
@@ -123,7 +132,7 @@ def _reverse_graph(graph: Any, args: list, where: tuple, outputs_at: tuple, cota
     return vjp(outputs, [args[k] for k in where])[1](cotangents)[0]
 
 
-_COMPILED: dict[str, tuple] = {}
+_COMPILED: dict[str, tuple[Any, ...]] = {}
 RECOMPILE_LIMIT = 64  # graphs per compiled function: kinds of stage x shapes
 register(
     "compiled", "compile=: the compiled functions per torch.compile options (8 sets), and the pytree orders of "
@@ -131,7 +140,7 @@ register(
 )  # fmt: skip
 
 
-def _compiled(opts: Any) -> tuple:
+def _compiled(opts: Any) -> tuple[Any, ...]:
     """The compiled forward and reverse of module and function stages, then of captured pieces'
     graphs, for ``opts.compile`` (``torch.compile``'s keyword arguments, whose values may be dicts:
     keyed by their repr)."""
@@ -167,7 +176,9 @@ def call(opts: Any, forward: Any, *args: Any, **kwargs: Any) -> Any:
         return _compiled(opts)[4](forward, args, kwargs)
 
 
-def forward(stage: Any, opts: Any, params: Any, buffers: Mapping, h: torch.Tensor) -> tuple[Any, dict]:
+def forward(
+    stage: Any, opts: Any, params: Any, buffers: Mapping[Any, Any], h: torch.Tensor
+) -> tuple[Any, dict[Any, Any]]:
     """``stage.call(params, buffers, h)``, compiled."""
     piece = _between(stage)
     if piece is not None:
@@ -179,7 +190,9 @@ def forward(stage: Any, opts: Any, params: Any, buffers: Mapping, h: torch.Tenso
         return fn(_target(stage), dict(params), dict(buffers), h)
 
 
-def reverse(stage: Any, opts: Any, params: Any, buffers: Mapping, entry: Any, cotangents: list) -> tuple | None:
+def reverse(
+    stage: Any, opts: Any, params: Any, buffers: Mapping[Any, Any], entry: Any, cotangents: list[Any]
+) -> tuple[Any, ...] | None:
     """``(J_W^T p, J_x^T p)`` of the stage at ``params`` on the tape entry's boundary for the
     cotangents of its output's differentiable leaves (both in the fold's order), the recompute and
     the vjp one compiled graph; ``None`` where the output's containers are not ``torch.utils._pytree``'s.
@@ -199,13 +212,15 @@ def reverse(stage: Any, opts: Any, params: Any, buffers: Mapping, entry: Any, co
     with _eager_random(), _lock(stage):
         grads, g = fn(_target(stage), train, rest, dict(buffers), entry.boundary, cot)
     mask, rank = entry.layout.mask, _ranks(entry.layout.mask)
-    g_in: list = [None] * len(rank)
+    g_in: list[Any] = [None] * len(rank)
     for k, gk in zip([k for k in in_order(entry.layout) or () if mask[k]], g):
         g_in[rank[k]] = gk
     return {n: grads.get(n) for n in params}, g_in
 
 
-def _reverse_piece(piece: Any, opts: Any, params: Any, buffers: Mapping, entry: Any, cotangents: list) -> tuple:
+def _reverse_piece(
+    piece: Any, opts: Any, params: Any, buffers: Mapping[Any, Any], entry: Any, cotangents: list[Any]
+) -> tuple[Any, ...]:
     """``reverse`` of a captured piece between two cuts, on its graph: the output's cotangents (by
     node name) pulled back to the trainable parameters and the boundary's differentiable values; a
     value the piece passes through unchanged takes its output cotangent as well."""
@@ -223,8 +238,8 @@ def _reverse_piece(piece: Any, opts: Any, params: Any, buffers: Mapping, entry: 
     out_names = [path[0] for path, m in zip(entry.out_layout.spec.paths(), entry.out_layout.mask) if m]
     cot = dict(zip(out_names, cotangents))
     outputs_at = tuple(k for k, name in enumerate(piece.outputs) if name in cot)
-    grads: dict = dict.fromkeys(params)
-    g_in: dict = {}
+    grads: dict[Any, Any] = dict.fromkeys(params)
+    g_in: dict[Any, Any] = {}
     if where and outputs_at:
         with _eager_random():
             pulled = _compiled(opts)[3](
@@ -240,7 +255,7 @@ def _reverse_piece(piece: Any, opts: Any, params: Any, buffers: Mapping, entry: 
     return grads, [g_in[n] if g_in.get(n) is not None else torch.zeros_like(h[n]) for n in in_names]
 
 
-def _ranks(mask: tuple) -> dict:
+def _ranks(mask: tuple[Any, ...]) -> dict[Any, Any]:
     """Leaf index -> its place among the differentiable leaves (the fold's costate lists)."""
     return {k: r for r, k in enumerate(k for k, m in enumerate(mask) if m)}
 

@@ -27,7 +27,7 @@ def boundary_name(chain: Chain, l: int) -> str:
     return chain.names[l - 1] if l > 0 else "input"
 
 
-def check_costate(chain: Chain, l: int, adj: Any, layout: B.Layout) -> list:
+def check_costate(chain: Chain, l: int, adj: Any, layout: B.Layout) -> list[Any]:
     """The leaves of the costate at boundary ``l`` (``None`` where a boundary leaf has none),
     checked against the boundary's ``layout``: a record, of the boundary's structure and shapes."""
     where_ = (
@@ -49,7 +49,13 @@ def check_costate(chain: Chain, l: int, adj: Any, layout: B.Layout) -> list:
 
 
 def processed(
-    chain: Chain, opts: Options, adj: AdjointState, pass_state: Any, boundary: Any, layout: B.Layout, stats: dict
+    chain: Chain,
+    opts: Options,
+    adj: AdjointState,
+    pass_state: Any,
+    boundary: Any,
+    layout: B.Layout,
+    stats: dict[Any, Any],
 ) -> tuple[AdjointState, Any, AdjointState | None]:
     """``(adj, pass_state, record)``: boundary l's costate after the passes, where the chain shows the
     boundary (``Chain.showing``: the passes see the record of its shown part, under its shown index,

@@ -56,7 +56,7 @@ def explain(e: Exception, chain: Chain, i: int, params: Any, h: Any, autocast_dt
             )
 
 
-def check_closed_over(chain: Chain, i: int, outputs: list, own: Sequence[torch.Tensor] = ()) -> None:
+def check_closed_over(chain: Chain, i: int, outputs: list[Any], own: Sequence[torch.Tensor] = ()) -> None:
     """Refuse ``outputs`` (stage i's output leaves) that depend on a tensor requiring grad other than
     ``own`` (the stage's params and input as the sweep gave them): stage i then closes over, say, a
     module's weights, whose gradient the sweep would silently drop. With no ``own`` tensors, any output
@@ -71,7 +71,9 @@ def check_closed_over(chain: Chain, i: int, outputs: list, own: Sequence[torch.T
     )
 
 
-def closed_over(outputs: Sequence, own: Sequence[torch.Tensor] = (), data: Sequence[torch.Tensor] = ()) -> list | None:
+def closed_over(
+    outputs: Sequence[Any], own: Sequence[torch.Tensor] = (), data: Sequence[torch.Tensor] = ()
+) -> list[Any] | None:
     """The shapes of up to three leaf tensors requiring grad, other than ``own``, that ``outputs``
     depend on (``[]``: some, unknown; ``None``: none). A view of one of the ``data`` tensors (the
     inputs) made a leaf that requires grad inside the forward (``x[:, None]``, as HuBERT's feature

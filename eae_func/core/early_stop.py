@@ -76,8 +76,8 @@ class Op:
     """One op of a learned tail."""
 
     func: Any
-    args: tuple  # its arguments as ``Rebuild.describe`` gives them
-    outs: tuple  # (shape, stride, dtype, device) of each output tensor
+    args: tuple[Any, ...]  # its arguments as ``Rebuild.describe`` gives them
+    outs: tuple[Any, ...]  # (shape, stride, dtype, device) of each output tensor
     spec: Any  # the outputs' structure
     view: bool  # it aliases an input (``_unsafe_view`` does, undeclared): it is run, no kernel to skip
 
@@ -89,11 +89,11 @@ class Kind:
     saves: int  # N
     push: int  # the save after which the mode must be on (the count at the op before the tail)
     tail: tuple[Op, ...]
-    returns: tuple  # per tensor the stage returns: the tail output it is (its number), or None
+    returns: tuple[Any, ...]  # per tensor the stage returns: the tail output it is (its number), or None
     misses: int = 0
 
 
-def rebuilt(key: Hashable | None, attempt: Callable[[Callable], R]) -> R:
+def rebuilt(key: Hashable | None, attempt: Callable[[Callable[..., Any]], R]) -> R:
     """``attempt(run)``, where ``attempt`` rebuilds the stage and calls ``run(f, *args, **kwargs)``
     for its forward; ``run`` stops the forward early where kind ``key`` learned its tail (``None``:
     never), learns it on the kind's first rebuild, and a stopped attempt that misses is made again
@@ -146,7 +146,7 @@ def observed(modules: Iterable[nn.Module]) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
-def whole(f: Callable, *args: Any, **kwargs: Any) -> Any:
+def whole(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """The forward in full."""
     return f(*args, **kwargs)
 
@@ -176,10 +176,10 @@ class Rebuild(TorchDispatchMode):
         self.learned: Kind | None = None
         self.skipped = self.pushed = self.packing = False
         self.missed: str | None = None
-        self.hooks: tuple = ()
+        self.hooks: tuple[Any, ...] = ()
         self.modes = 0  # dispatch modes on when the forward began
 
-    def run(self, f: Callable, *args: Any, **kwargs: Any) -> Any:
+    def run(self, f: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``f(*args, **kwargs)`` with its saves counted and, from save ``push``, under this mode."""
         if not compat.saved_hooks_enabled():
             self.missed = "saved-tensor hooks are disabled"
@@ -228,7 +228,9 @@ class Rebuild(TorchDispatchMode):
         if self.skipped:
             raise Miss(f"early_stop: the rebuild {why}; it runs again in full")
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[Any, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if self.packing:
             return func(*args, **kwargs)
@@ -251,7 +253,7 @@ class Rebuild(TorchDispatchMode):
         self.track(pytree.tree_leaves(out))
         return out
 
-    def watch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def watch(self, func: Any, args: tuple[Any, ...], kwargs: dict[Any, Any]) -> Any:
         """Learning: ``func`` run, and kept as the tail's next op (its first if a save came since)."""
         if self.count > self.began:
             self.began, self.before = self.count, self.last
@@ -277,7 +279,7 @@ class Rebuild(TorchDispatchMode):
         self.track(leaves)
         return out
 
-    def learn(self, returns: tuple) -> Kind | None:
+    def learn(self, returns: tuple[Any, ...]) -> Kind | None:
         """The kind's ``Kind`` from the tail watched to the end (``None``: never stop it)."""
         kept_aside = set(range(len(self.outputs))) - self.read - set(returns)
         function = any(isinstance(t.grad_fn, BackwardCFunction) for t in self.held)
@@ -285,7 +287,7 @@ class Rebuild(TorchDispatchMode):
             return None
         return Kind(self.count, self.before, tuple(self.ops), returns)
 
-    def track(self, leaves: list) -> None:
+    def track(self, leaves: list[Any]) -> None:
         for t in leaves:
             if isinstance(t, torch.Tensor):
                 self.index[id(t)] = len(self.outputs)
@@ -298,7 +300,7 @@ class Rebuild(TorchDispatchMode):
         n = self.index.get(id(t))
         return n if n is not None and self.outputs[n]() is t else None
 
-    def describe(self, args: tuple, kwargs: dict) -> tuple:
+    def describe(self, args: tuple[Any, ...], kwargs: dict[Any, Any]) -> tuple[Any, ...]:
         """An op's arguments: their structure and, per leaf, ``("tail", n)`` for tail output n, the
         layout of another tensor, or the value."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -316,13 +318,13 @@ class Rebuild(TorchDispatchMode):
         return hooks_on_top() == self.hooks
 
 
-def hooks_on_top() -> tuple:
+def hooks_on_top() -> tuple[Any, ...]:
     """The ids of the saved-tensor hooks on top (ids, not the hooks: a mode holding its own bound
     ``pack`` would be a reference cycle, its tail's outputs kept until a collection)."""
     return tuple(map(id, compat.saved_hooks_on_top()))
 
 
-def layout(t: torch.Tensor) -> tuple:
+def layout(t: torch.Tensor) -> tuple[Any, ...]:
     return t.shape, t.stride(), t.dtype, t.device
 
 
@@ -334,7 +336,7 @@ def described(leaf: Any) -> Hashable:
     return leaf if leaf is None or isinstance(leaf, (bool, int, float, str)) else type(leaf)
 
 
-def allocated(shape: torch.Size, stride: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def allocated(shape: torch.Size, stride: tuple[Any, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An output whose kernel is skipped: NaN where it is floating, so that no read of it passes for a value."""
     t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
     return t.fill_(float("nan")) if t.is_floating_point() or t.is_complex() else t

@@ -71,7 +71,7 @@ class StepOut:
 
     grads: Any
     record: AdjointState | None
-    stats: dict
+    stats: dict[Any, Any]
 
 
 # ----------------------------------------------------------------------------- small parts
@@ -99,7 +99,13 @@ def first_tensor(tree: Any) -> torch.Tensor | None:
 
 
 def boundary_condition(
-    chain: Chain, h: Any, loss_args: tuple, opts: Options, pass_state: Any, loss_scale: float, stats: dict
+    chain: Chain,
+    h: Any,
+    loss_args: tuple[Any, ...],
+    opts: Options,
+    pass_state: Any,
+    loss_scale: float,
+    stats: dict[Any, Any],
 ) -> tuple[torch.Tensor, Carry]:
     """``(loss, carry of p_L)``: p_L = loss_scale * d loss(x_L) / d x_L, through the passes; the loss
     runs under the stages' autocast, as an AMP training step computes it."""
@@ -147,13 +153,13 @@ class Deferred:
 
 def make_step(
     chain: Chain,
-    params: tuple,
+    params: tuple[Any, ...],
     opts: Options,
     device: torch.device,
     problem: Any = None,
     updater: Any = None,
     defer_weights: bool = False,
-    earlier: list | None = None,
+    earlier: list[Any] | None = None,
 ) -> Callable[[Carry, Entry], tuple[Carry, StepOut]]:
     """The reverse step ``(carry, entry) -> (carry, out)`` of one stage (``Step``).
 
@@ -185,14 +191,14 @@ class Step:
     chain's input, is read by someone (kept in the trace, or seen by the passes)."""
 
     chain: Chain
-    params: tuple
+    params: tuple[Any, ...]
     opts: Options
     device: torch.device
     problem: Any
     prepared: Any
     updater: Any
     defer_weights: bool
-    earlier: list | None
+    earlier: list[Any] | None
     observed: bool
 
     def __call__(self, carry: Carry, entry: Entry) -> tuple[Carry, StepOut]:
@@ -200,7 +206,7 @@ class Step:
         pending = carry.pending
         try:
             i, s = entry.index, chain.stages[entry.index]
-            stats: dict = {}
+            stats: dict[Any, Any] = {}
             try:
                 grads, costate_in = self.local(entry, carry.adj, stats)
             except Exception as e:
@@ -229,7 +235,7 @@ class Step:
                 updater.note(pending, e)
             raise
 
-    def local(self, entry: Entry, adj: AdjointState, stats: dict) -> tuple[Any, Any]:
+    def local(self, entry: Entry, adj: AdjointState, stats: dict[Any, Any]) -> tuple[Any, Any]:
         """``(the stage's parameter gradients, the costate of its input)`` from ``adj``, the costate of
         its output: the estimator's at a physical stage, none where no costate flows (``E.frozen()``
         downstream), else the exact local vjp (``digital``)."""
@@ -252,7 +258,7 @@ class Step:
             return grads, B.split_as(entry.boundary, entry.layout)[2]([None] * sum(entry.layout.mask))
         return self.digital(entry, costate, stats)
 
-    def digital(self, entry: Entry, costate: list, stats: dict) -> tuple[Any, Any]:
+    def digital(self, entry: Entry, costate: list[Any], stats: dict[Any, Any]) -> tuple[Any, Any]:
         """The exact local vjp of a digital stage at ``costate`` (its output's, flat): recompute and vjp
         as one compiled graph where eligible, the weight half deferred (``defer_weights``), or the
         closure the tape kept or one rebuilt from the entry's boundary."""
@@ -289,18 +295,18 @@ class Step:
     def rebuilt_closure(
         self,
         entry: Entry,
-        floats: list,
-        rebuild: Callable,
-        stats: dict,
+        floats: list[Any],
+        rebuild: Callable[..., Any],
+        stats: dict[Any, Any],
         params_too: bool = True,
         inputs_too: bool = True,
-    ) -> Callable:
+    ) -> Callable[..., Any]:
         """``rebuilt_vjp`` of the entry's stage under its replayed RNG state, modes and autocast,
         stopped early (``early_stop``) where the options allow and the stage is neither FSDP's nor
         ``remat.save``'s."""
         s, params, opts, device = self.chain.stages[entry.index], self.params[entry.index], self.opts, self.device
 
-        def attempt(run: Callable) -> Callable:
+        def attempt(run: Callable[..., Any]) -> Callable[..., Any]:
             with (
                 timer(opts, stats, "recompute_s", f"eae/{s.name}/recompute", device),
                 replay_rng(entry.rng, device),
@@ -313,14 +319,20 @@ class Step:
         return ES.rebuilt(rebuild_kind(opts, s, entry, floats, params_too, inputs_too), attempt)
 
     def deferred_vjp(
-        self, entry: Entry, floats: list, rebuild: Callable, cot: list, inputs_too: bool, stats: dict
-    ) -> tuple:
+        self,
+        entry: Entry,
+        floats: list[Any],
+        rebuild: Callable[..., Any],
+        cot: list[Any],
+        inputs_too: bool,
+        stats: dict[Any, Any],
+    ) -> tuple[Any, ...]:
         """``(Deferred J_W^T p, J_x^T p)`` of the entry's stage: the input half now (the stage rebuilt
         with its parameters detached; ``None`` without ``inputs_too``), the weight half when the
         ``Deferred`` is computed (rebuilt with its input detached), both under the replayed RNG state."""
         name, opts, device = self.chain.stages[entry.index].name, self.opts, self.device
 
-        def pullback(weights: bool) -> Callable:
+        def pullback(weights: bool) -> Callable[..., Any]:
             inputs = [f.detach() for f in floats] if weights else floats
             return self.rebuilt_closure(entry, inputs, rebuild, stats, weights, not weights)
 
@@ -336,7 +348,7 @@ class Step:
             return Deferred(weights), rebuilt(cot, True)[1]
 
 
-def rebuild_kind(opts: Options, s: Any, entry: Entry, floats: list, params_too: bool, inputs_too: bool) -> Any:
+def rebuild_kind(opts: Options, s: Any, entry: Entry, floats: list[Any], params_too: bool, inputs_too: bool) -> Any:
     """The kind ``early_stop`` learns a rebuild of the entry's stage under (``None``: rebuilt in full):
     what its ops depend on, cheaply (the rest, layouts and dtypes, is checked op for op); only where
     the options allow, the stage is neither FSDP's nor ``remat.save``'s and its tail may pay."""
@@ -363,12 +375,12 @@ def rebuilt_vjp(
     s: Any,
     params: Any,
     entry: Entry,
-    floats: list,
-    rebuild: Callable,
+    floats: list[Any],
+    rebuild: Callable[..., Any],
     params_too: bool = True,
     inputs_too: bool = True,
-    run: Callable = ES.whole,
-) -> Callable:
+    run: Callable[..., Any] = ES.whole,
+) -> Callable[..., Any]:
     """The pullback of stage ``s`` rebuilt from its boundary (``floats`` put back by ``rebuild``) at
     ``params`` (``vjp.local_vjp``; the entry's buffers, its frozen parameters held), its forward
     called through ``run`` (``early_stop``); an FSDP stage's runs FSDP's own backward

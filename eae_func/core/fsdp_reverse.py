@@ -20,7 +20,7 @@ from .vjp import connected
 __all__ = ["PREFETCH_ON_CPU", "Sweep", "check", "local_vjp", "prefetch_below", "unsharded_until_backward"]
 
 
-def check(chain: Any, params: tuple, buffers: tuple, opts: Any) -> None:
+def check(chain: Any, params: tuple[Any, ...], buffers: tuple[Any, ...], opts: Any) -> None:
     """Refuse what an FSDP stage cannot run: params or buffers other than its module's own, options
     whose arithmetic FSDP does itself (``data_parallel=``) or that need to write the parameters
     (a pure fused update), and a physical FSDP stage."""
@@ -95,7 +95,9 @@ def unsharded_until_backward(module: nn.Module) -> Iterator[None]:
             g.post_forward_mesh_info = info
 
 
-def local_vjp(stage: Any, buffers: Mapping, floats: list, rebuild: Callable) -> tuple:
+def local_vjp(
+    stage: Any, buffers: Mapping[Any, Any], floats: list[Any], rebuild: Callable[..., Any]
+) -> tuple[Any, ...]:
     """``vjp.local_vjp`` of an FSDP stage, at its own sharded parameters: ``(output, pullback)``;
     ``pullback(cotangents, inputs_too)`` runs FSDP's backward into ``.grad`` (``torch.autograd.grad``
     would not run FSDP's post-backward) and returns the stage's gradients taken from the sharded
@@ -109,7 +111,7 @@ def local_vjp(stage: Any, buffers: Mapping, floats: list, rebuild: Callable) -> 
         t if t.requires_grad else None for t in B.leaves(out, "output of an FSDP stage")[0] if B.is_differentiable(t)
     ]
 
-    def pullback(cotangents: list, inputs_too: bool = True) -> tuple:
+    def pullback(cotangents: list[Any], inputs_too: bool = True) -> tuple[Any, ...]:
         graph, cots = connected(outputs, cotangents)
         if graph:  # FSDP's post-backward reduce-scatters into the sharded .grad and reshards
             with _synced(module):
@@ -165,10 +167,12 @@ class Sweep:
             _SYNCED.reset(token)
 
 
-_SYNCED: contextvars.ContextVar[Mapping] = contextvars.ContextVar("eae_func_fsdp_synced", default=MappingProxyType({}))
+_SYNCED: contextvars.ContextVar[Mapping[Any, Any]] = contextvars.ContextVar(
+    "eae_func_fsdp_synced", default=MappingProxyType({})
+)
 
 
-def _groups(module: nn.Module) -> list:
+def _groups(module: nn.Module) -> list[Any]:
     return compat.fsdp_param_groups(module)
 
 

@@ -27,16 +27,16 @@ class Microbatch:
     """One piece: its input (``None`` where this process has none), loss args, loss scale and key."""
 
     x: Any
-    loss_args: tuple
+    loss_args: tuple[Any, ...]
     scale: float | None
     key: int
 
 
-def _batched(tree: Any) -> list:
+def _batched(tree: Any) -> list[Any]:
     return [t for t in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(t, torch.Tensor) and t.ndim > 0]
 
 
-def _pieces(tree: Any, k: int) -> list:
+def _pieces(tree: Any, k: int) -> list[Any]:
     """``tree`` cut into ``k`` pieces along dim 0 of every tensor leaf (other leaves repeated)."""
     flat, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
     cut = [t.tensor_split(k) if isinstance(t, torch.Tensor) and t.ndim > 0 else (t,) * k for t in flat]
@@ -57,7 +57,9 @@ def _check_rows(tree: Any, name: str, n: int, k: int, where: str) -> None:
             )
 
 
-def split(x: Any, loss_args: tuple | None, k: int, reduction: str, key: int, where: str = "sweep") -> list[Microbatch]:
+def split(
+    x: Any, loss_args: tuple[Any, ...] | None, k: int, reduction: str, key: int, where: str = "sweep"
+) -> list[Microbatch]:
     """``k`` microbatches of ``x`` and ``loss_args`` (either may be ``None``: a pipeline rank that
     has no input or computes no loss); ``k`` and ``reduction`` as checked by ``Options``. The rows
     are counted on the first batched tensor of ``x``, else of ``loss_args``; ``scale`` is ``None``
@@ -84,7 +86,7 @@ def split(x: Any, loss_args: tuple | None, k: int, reduction: str, key: int, whe
     return [Microbatch(xs[j], args[j], scales[j], fold_in(key, -1 - j)) for j in range(k)]
 
 
-def join_adjoints(traces: Sequence[tuple]) -> tuple:
+def join_adjoints(traces: Sequence[tuple[Any, ...]]) -> tuple[Any, ...]:
     """One record per boundary from the microbatches' traces: costates concatenated on dim 0,
     each piece's meta under ``meta["microbatches"]``."""
     if len(traces) == 1:
@@ -103,24 +105,24 @@ def add(a: Any, b: Any) -> Any:
     return b if a is None else a if b is None else a + b
 
 
-def sum_grads(grads: Sequence) -> Any:
+def sum_grads(grads: Sequence[Any]) -> Any:
     total = grads[0]
     for g in grads[1:]:
         total = optree.tree_map(add, total, g, none_is_leaf=True, namespace=NAMESPACE)
     return total
 
 
-def merge_counters(*counters: dict) -> dict:
+def merge_counters(*counters: dict[Any, Any]) -> dict[Any, Any]:
     """One stage's counters (seconds, calls, rows, queries, ...) from several dicts, added key by key;
     ``boundary_bytes``, a size, is the largest."""
-    total: dict = {}
+    total: dict[Any, Any] = {}
     for c in counters:
         for k, v in c.items():
             total[k] = max(total.get(k, 0), v) if k == "boundary_bytes" else total.get(k, 0) + v
     return total
 
 
-def sum_stats(all_stats: Sequence[dict]) -> dict:
+def sum_stats(all_stats: Sequence[dict[Any, Any]]) -> dict[Any, Any]:
     """The microbatches' stats as one: each stage's counters merged (``merge_counters``);
     ``boundaries`` keeps each piece's meta under ``"microbatches"``."""
     if len(all_stats) == 1:

@@ -228,7 +228,7 @@ def replicas(given: Any) -> Any:
     return given
 
 
-def compiling(given: Any) -> dict | None:
+def compiling(given: Any) -> dict[Any, Any] | None:
     """``compile=`` as ``torch.compile``'s keyword arguments: ``None`` / ``False`` off, ``True`` the
     defaults, a mode string (``"max-autotune"``) or a dict of them."""
     if given is None or given is False:
@@ -250,7 +250,7 @@ class SweepOptions(TypedDict, total=False):
     Unpack[SweepOptions]``): the types a caller may give, before ``Options`` checks and normalises
     them; its names are ``Options``' (a test holds them equal)."""
 
-    passes: Pass | Callable | None
+    passes: Pass | Callable[..., Any] | None
     key: int
     boundary_dtype: torch.dtype | None
     offload: bool
@@ -294,8 +294,8 @@ class Request:
     model: Any
     params: Any
     x: Any
-    loss_args: tuple
-    loss: Callable | None
+    loss_args: tuple[Any, ...]
+    loss: Callable[..., Any] | None
     split_at: Sequence[str] | None
     pass_state: Any
     buffers: Any

@@ -53,7 +53,7 @@ def applies(opts: Options, chain: Any, lo: int, hi: int) -> bool:
     )
 
 
-def run(r: Any, buffers: tuple, mb: Microbatch, pass_state: Any, pending: Any = None) -> Any:
+def run(r: Any, buffers: tuple[Any, ...], mb: Microbatch, pass_state: Any, pending: Any = None) -> Any:
     """``Range.run`` of a plain range ``r`` (``applies``) with no updater: the same ``Piece``, the fused
     updates' ``pending`` (a later microbatch's fold runs them) handed through."""
     from .runner import Piece
@@ -61,7 +61,7 @@ def run(r: Any, buffers: tuple, mb: Microbatch, pass_state: Any, pending: Any = 
     chain, opts = r.chain, r.at(mb)
     entries, output, new_buffers, counters = forward(r, buffers, mb.x)
     assert mb.scale is not None, "the range that computes the loss weighs its microbatches"
-    stats: dict = {"loss": {}}
+    stats: dict[Any, Any] = {"loss": {}}
     loss, carry = boundary_condition(chain, output, mb.loss_args, opts, pass_state, mb.scale, stats["loss"])
     del output
     costate, head = carry.adj.value, traced(carry.shown, opts)
@@ -84,7 +84,7 @@ def run(r: Any, buffers: tuple, mb: Microbatch, pass_state: Any, pending: Any = 
     return Piece(loss * mb.scale, tuple(grads), trace, new_buffers, pass_state, stats, costate, pending)
 
 
-def forward(r: Any, buffers: tuple, x: Any) -> tuple[list[Entry], Any, tuple, dict]:
+def forward(r: Any, buffers: tuple[Any, ...], x: Any) -> tuple[list[Entry], Any, tuple[Any, ...], dict[Any, Any]]:
     """Every stage on ``x`` with no autograd graph kept: ``(entries, x_L, updated buffers, counters)``,
     as ``tape.forward`` leaves them for a plain range (the first stage runs on a copy of ``x``)."""
     chain, params, device = r.chain, r.params, r.device
@@ -127,7 +127,7 @@ def forward(r: Any, buffers: tuple, x: Any) -> tuple[list[Entry], Any, tuple, di
     return entries, h, tuple(new_buffers), stats
 
 
-def module_forward(s: Any, params: dict, h: Any) -> tuple[Any, dict, frozenset[str]] | None:
+def module_forward(s: Any, params: dict[Any, Any], h: Any) -> tuple[Any, dict[Any, Any], frozenset[str]] | None:
     """``(output, updated buffers, frozen names)`` of a module stage without buffers, as ``Stage.call``
     and ``Stage.frozen`` give them, under one lock and one look-up of its places (``None``: the module
     has a tensor under two names or a name is gone: ``Stage.call``'s ``functional_call``)."""
@@ -176,7 +176,9 @@ def lone(layout: B.Layout) -> bool:
     return layout.spec == B.TENSOR and layout.placements[0][1].is_floating_point
 
 
-def module_vjp(module: Any, slots: Any, params: dict, entry: Entry, costate: torch.Tensor, inputs_too: bool) -> tuple:
+def module_vjp(
+    module: Any, slots: Any, params: dict[Any, Any], entry: Entry, costate: torch.Tensor, inputs_too: bool
+) -> tuple[Any, ...]:
     """``(J_W^T p, J_x^T p or None)`` of a module stage rebuilt from its boundary, one floating tensor in
     and out, as ``vjp.local_vjp`` computes them: the module run on detached, requires-grad copies of
     its trainable parameters (``slots``: their places) and of its input, one engine call at ``p``."""

@@ -61,14 +61,14 @@ class Problem:
     """
 
     chain: Chain
-    params: tuple
-    buffers: tuple
+    params: tuple[Any, ...]
+    buffers: tuple[Any, ...]
     x: Any
-    loss_args: tuple | None
+    loss_args: tuple[Any, ...] | None
     physical: tuple[int, ...]
     key: int
     loss_scale: float
-    exact_trace: Callable[[Chain], tuple] | None = None
+    exact_trace: Callable[[Chain], tuple[Any, ...]] | None = None
     meter: Any = None
     run: Callable[[int, Any, Any], Any] | None = None
     feed: Callable[[int, Any], Any] | None = None

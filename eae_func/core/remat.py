@@ -54,7 +54,7 @@ class Remat:
     ops: Any = None
     keep: Callable[[int, str], bool] | None = None
 
-    def plan(self, sizes: dict | None = None) -> Plan:
+    def plan(self, sizes: dict[Any, Any] | None = None) -> Plan:
         """The per-forward decisions of this policy (a byte budget is spent stage by stage; ``sizes``
         are the graph bytes earlier forwards like this one measured, which the plan updates)."""
         return Plan(self, self.nbytes, {} if sizes is None else sizes)
@@ -88,7 +88,7 @@ def budget(nbytes: int) -> Remat:
 
 
 def save(
-    ops: Sequence | Callable = MATMULS,
+    ops: Sequence[Any] | Callable[..., Any] = MATMULS,
     where: Callable[[int, str], bool] | None = None,
     keep: Callable[[int, str], bool] | None = None,
 ) -> Remat:
@@ -139,7 +139,7 @@ class Plan:
     built and dropped, and the peak is that of the kept graphs alone. Sizes steer nothing but which
     graphs are kept: every choice gives the same gradients, and ``kept`` still holds the budget."""
 
-    def __init__(self, remat: Remat, left: int, sizes: dict):
+    def __init__(self, remat: Remat, left: int, sizes: dict[Any, Any]):
         self.remat, self.left, self.largest, self.sizes = remat, left, 0, sizes
         self.held: list[tuple[int, int]] = []  # (stage, bytes) of the kept graphs, oldest first
         self.dropped: list[int] = []
@@ -241,7 +241,9 @@ class _Writes(TorchDispatchMode):
         super().__init__()
         self.saving = saving
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[Any, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         schema = func._schema
         if schema.is_mutable and self.saving.kept and not self.saving.written:
@@ -279,12 +281,14 @@ class SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
-_SIZES: dict[int, dict] = {}  # id(chain) -> {what a forward ran on: {stage: graph bytes}}, while the chain lives
+_SIZES: dict[
+    int, dict[Any, Any]
+] = {}  # id(chain) -> {what a forward ran on: {stage: graph bytes}}, while the chain lives
 register("remat", "recompute= budgets: the graph bytes forwards of a chain or model measured, per stage range and "
          "input layout, dropped with the chain or model", lambda: _SIZES.clear())  # fmt: skip
 
 
-def sizes(chain: Any, key: Any) -> dict:
+def sizes(chain: Any, key: Any) -> dict[Any, Any]:
     """The graph bytes that forwards of ``chain`` on ``key`` (the stage range, input layout,
     autocast and boundary storage) measured, stage by stage: the ``sizes`` of that forward's ``Plan``."""
     if id(chain) not in _SIZES:

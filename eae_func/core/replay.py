@@ -39,12 +39,12 @@ __all__ = [
 NULL = contextlib.nullcontext()
 
 
-def rng_state(device: torch.device) -> tuple:
+def rng_state(device: torch.device) -> tuple[Any, ...]:
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), cuda
 
 
-def drew(before: tuple, device: torch.device) -> bool:
+def drew(before: tuple[Any, ...], device: torch.device) -> bool:
     """Whether the global RNG moved since ``before`` was taken (the stage drew random numbers); the
     CPU states are compared as bytes (half of ``torch.equal``'s cost on their 5 kB)."""
     cpu, cuda = rng_state(device)
@@ -52,7 +52,7 @@ def drew(before: tuple, device: torch.device) -> bool:
     return moved or (cuda is not None and not torch.equal(cuda, before[1]))
 
 
-def replay_rng(state: tuple | None, device: torch.device):
+def replay_rng(state: tuple[Any, ...] | None, device: torch.device):
     """A context that runs with the global RNG as it was when ``state`` was taken (dropout masks
     repeat): ``(cpu, cuda)`` as ``rng_state`` gives them (``(None, None)``: torch's generator is not
     replayed), plus Python's and numpy's states where the stage drew from those (``HostRandom``);
@@ -61,7 +61,7 @@ def replay_rng(state: tuple | None, device: torch.device):
 
 
 @contextlib.contextmanager
-def _replayed(state: tuple, device: torch.device):
+def _replayed(state: tuple[Any, ...], device: torch.device):
     cpu, cuda = state[0], state[1]
     forked = NULL if cpu is None else torch.random.fork_rng(devices=[device] if cuda is not None else [])
     with forked, HOST.replay(state[2:] or None):
@@ -80,18 +80,18 @@ class HostRandom:
     the rebuild. A kind that draws only on later calls, or only sometimes, is not seen."""
 
     def __init__(self):
-        self.watched: set = set()
-        self.drawing: set = set()
+        self.watched: set[Any] = set()
+        self.drawing: set[Any] = set()
 
     @staticmethod
-    def state() -> tuple:
+    def state() -> tuple[Any, ...]:
         return random.getstate(), np.random.get_state(legacy=False)
 
-    def before(self, kind: Any) -> tuple | None:
+    def before(self, kind: Any) -> tuple[Any, ...] | None:
         """The states before a call, where its kind draws or has not been watched yet."""
         return self.state() if kind in self.drawing or kind not in self.watched else None
 
-    def after(self, kind: Any, before: tuple | None) -> tuple | None:
+    def after(self, kind: Any, before: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
         """The states to replay for this call (``None``: it draws nothing)."""
         if kind not in self.watched:
             self.watched.add(kind)
@@ -100,12 +100,12 @@ class HostRandom:
                 self.drawing.add(kind)
         return before if kind in self.drawing else None
 
-    def replay(self, states: tuple | None):
+    def replay(self, states: tuple[Any, ...] | None):
         """A context in which Python's and numpy's generators are at ``states`` (``None``: as they are)."""
         return NULL if states is None else self._replayed(states)
 
     @contextlib.contextmanager
-    def _replayed(self, states: tuple):
+    def _replayed(self, states: tuple[Any, ...]):
         now = self.state()
         random.setstate(states[0])
         np.random.set_state(states[1])
@@ -121,7 +121,7 @@ register("host random", "which kinds of stage draw from Python's or numpy's gene
          "training flag); watched again", lambda: (HOST.watched.clear(), HOST.drawing.clear()))  # fmt: skip
 
 
-def host_kind(s: Any, modes: tuple) -> Hashable:
+def host_kind(s: Any, modes: tuple[Any, ...]) -> Hashable:
     """A stage's kind for ``HostRandom``: the classes of its modules and its training flag (two
     groupings of other layers are two kinds), or its function's code."""
     if s.module is None:
@@ -129,13 +129,13 @@ def host_kind(s: Any, modes: tuple) -> Hashable:
     return tuple(type(m) for m, _ in modes), modes[0][1]
 
 
-def modes_of(module: torch.nn.Module | None) -> tuple:
+def modes_of(module: torch.nn.Module | None) -> tuple[Any, ...]:
     """``(module, training)`` for ``module`` and every module in it (``()`` for none): the modes a
     stage runs in, recorded by its forward so its recompute runs in them too."""
     return () if module is None else tuple((m, m.training) for m in module.modules())
 
 
-def check_modes(modes: tuple, where: str) -> None:
+def check_modes(modes: tuple[Any, ...], where: str) -> None:
     """Refuse a stage whose modes (``modes_of``, read before its forward) changed while it ran: its
     recompute could not run in the modes it ran in."""
     m = next((m for m, training in modes if m.training != training), None)
@@ -148,7 +148,7 @@ def check_modes(modes: tuple, where: str) -> None:
         )
 
 
-def in_modes(modes: tuple):
+def in_modes(modes: tuple[Any, ...]):
     """A context in which every module of ``modes`` (``modes_of``) is in its recorded mode: one
     switched since (``model.eval()`` from another thread) is switched back for the block, then
     left as it was found."""
@@ -157,7 +157,7 @@ def in_modes(modes: tuple):
 
 
 @contextlib.contextmanager
-def _switched(changed: list):
+def _switched(changed: list[Any]):
     for m, training in changed:
         m.training = training
     try:
@@ -171,12 +171,12 @@ def autocast(dtype: torch.dtype | None, device: torch.device):
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else NULL
 
 
-def autocast_state(device: torch.device) -> tuple:
+def autocast_state(device: torch.device) -> tuple[Any, ...]:
     kind = device.type
     return kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
 
 
-def replay_autocast(state: tuple):
+def replay_autocast(state: tuple[Any, ...]):
     """A context with autocast as ``state`` (``autocast_state``) says: nothing to do where it is so."""
     kind, enabled, dtype = state
     if (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) == (enabled, dtype):

@@ -29,7 +29,7 @@ class SweepResult:
 
     loss: torch.Tensor
     grads: Any  # params' structure: a tuple of per-stage dicts, or a flat dict; None when fused
-    adjoints: tuple
+    adjoints: tuple[Any, ...]
     buffers: Any  # one dict per stage, or a flat dict
     pass_state: Any
     stats: Mapping[str, Any]
@@ -37,7 +37,7 @@ class SweepResult:
     update_state: Any = None
 
 
-def metered(stats: dict, chain: Chain, meter: Meter) -> dict:
+def metered(stats: dict[Any, Any], chain: Chain, meter: Meter) -> dict[Any, Any]:
     """``stats`` with each physical stage's rows and calls of the whole step (forward included)."""
     for i, counts in meter.counts.items():
         stats[chain.stages[i].name] = M.merge_counters(stats.get(chain.stages[i].name, {}), counts)

@@ -48,11 +48,11 @@ class Piece:
     and what the fused updates had made when the fold ended (``update.Pending``; ``None`` without)."""
 
     loss: torch.Tensor | None
-    grads: tuple
-    trace: tuple
-    buffers: tuple
+    grads: tuple[Any, ...]
+    trace: tuple[Any, ...]
+    buffers: tuple[Any, ...]
     pass_state: Any
-    stats: dict
+    stats: dict[Any, Any]
     costate: Any = None
     pending: Pending | None = None
 
@@ -65,12 +65,12 @@ class Range:
     chain: Chain
     lo: int
     hi: int
-    params: tuple
+    params: tuple[Any, ...]
     opts: Options
     device: torch.device
     meter: Meter | None = None
 
-    def forward(self, buffers: tuple, mb: Microbatch, h: Any = None) -> TP.Tape:
+    def forward(self, buffers: tuple[Any, ...], mb: Microbatch, h: Any = None) -> TP.Tape:
         """The forward of microbatch ``mb`` from ``h`` (``None``: ``mb.x``, the chain's input)."""
         return TP.forward(
             self.chain,
@@ -87,14 +87,14 @@ class Range:
     def backward(
         self,
         tape: TP.Tape,
-        buffers: tuple,
+        buffers: tuple[Any, ...],
         mb: Microbatch,
         pass_state: Any,
         received: Any = None,
         updater: Updater | None = None,
         pending: Pending | None = None,
         defer_weights: bool = False,
-        earlier: list | None = None,
+        earlier: list[Any] | None = None,
     ) -> Piece:
         """The reverse fold of ``tape`` from the loss (the range ends the chain) or from the
         ``received`` costate p_hi; ``buffers`` are those the forward ran with. ``updater``: fused
@@ -103,7 +103,7 @@ class Range:
         ``earlier``: earlier microbatches' gradients, one entry per stage, added to this one's
         (``fold.make_step``)."""
         chain, lo, hi, opts = self.chain, self.lo, self.hi, self.at(mb)
-        stats: dict = {}
+        stats: dict[Any, Any] = {}
         if hi == len(chain):
             assert mb.scale is not None, "the range that computes the loss weighs its microbatches"
             stats["loss"] = {"forward_s": 0.0, "pass_s": 0.0} if opts.timers else {}
@@ -138,12 +138,12 @@ class Range:
 
     def run(
         self,
-        buffers: tuple,
+        buffers: tuple[Any, ...],
         mb: Microbatch,
         pass_state: Any,
         updater: Updater | None = None,
         pending: Pending | None = None,
-        earlier: list | None = None,
+        earlier: list[Any] | None = None,
     ) -> Piece:
         """Forward and backward of the whole chain on microbatch ``mb`` (a plain range: ``plain.run``)."""
         if updater is None and earlier is None and plain.applies(self.opts, self.chain, self.lo, self.hi):
@@ -156,7 +156,7 @@ class Range:
         """The options for microbatch ``mb`` (its own key)."""
         return self.opts if mb.key == self.opts.key else dataclasses.replace(self.opts, key=mb.key)
 
-    def exact_trace(self, probed: Chain, buffers: tuple, mb: Microbatch) -> tuple:
+    def exact_trace(self, probed: Chain, buffers: tuple[Any, ...], mb: Microbatch) -> tuple[Any, ...]:
         """The exact trace of ``probed`` (the chain with every boundary shown) on this microbatch: the
         model-level estimators' oracle, run without passes, timers or physical stages."""
         opts = self.at(mb)
@@ -171,7 +171,7 @@ class Range:
         whole = Range(probed.showing_all(), 0, len(probed), self.params, exact, self.device)
         return whole.run(buffers, piece, None).trace
 
-    def problem(self, tape: TP.Tape, buffers: tuple, mb: Microbatch) -> Problem:
+    def problem(self, tape: TP.Tape, buffers: tuple[Any, ...], mb: Microbatch) -> Problem:
         """What the estimators see of this microbatch: stages run as the tape ran them (digital
         stages' RNG replayed, physical ones drawing afresh), the exact trace from this runner."""
         chain, opts, device = self.chain, self.at(mb), self.device

@@ -65,12 +65,12 @@ class Entry:
     boundary: Any
     layout: B.Layout
     out_layout: B.Layout
-    rng: tuple | None
-    buffers: Mapping
-    closure: Callable | None = None
+    rng: tuple[Any, ...] | None
+    buffers: Mapping[Any, Any]
+    closure: Callable[..., Any] | None = None
     frozen: frozenset[str] = frozenset()
     cached: Any = None
-    modes: tuple = ()
+    modes: tuple[Any, ...] = ()
 
 
 class Tape:
@@ -85,8 +85,8 @@ class Tape:
     def __init__(self, policy: B.Policy, device: torch.device):
         self.entries: list[Entry] = []
         self.output: Any = None
-        self.buffers: dict[int, Mapping] = {}
-        self.stats: dict[str, dict] = {}
+        self.buffers: dict[int, Mapping[Any, Any]] = {}
+        self.stats: dict[str, dict[Any, Any]] = {}
         self.policy, self.prefetch = policy, B.Prefetcher(policy, device)
         self.stored_apart = policy.dtype is not None or policy.offload
 
@@ -119,8 +119,8 @@ def forward(
     chain: Chain,
     lo: int,
     hi: int,
-    params: tuple,
-    buffers: tuple,
+    params: tuple[Any, ...],
+    buffers: tuple[Any, ...],
     h: Any,
     opts: Options,
     device: torch.device,
@@ -167,13 +167,13 @@ def forward(
     return tape
 
 
-def with_host(rng: tuple | None, host: tuple | None) -> tuple | None:
+def with_host(rng: tuple[Any, ...] | None, host: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
     """A stage's RNG states to replay: torch's (``rng``), then Python's and numpy's where it drew
     from those (``HostRandom.after``)."""
     return rng if host is None else (*(rng or (None, None)), *host)
 
 
-def check_floating(chain: Chain, i: int, params: Any, outputs: list, upstream_params: bool) -> bool:
+def check_floating(chain: Chain, i: int, params: Any, outputs: list[Any], upstream_params: bool) -> bool:
     """Whether stage i or one before it has parameters; refuse an output of integers alone after one
     that has (no costate could reach those parameters)."""
     upstream_params = upstream_params or bool(optree.tree_leaves(params, namespace=NAMESPACE))
@@ -186,7 +186,7 @@ def check_floating(chain: Chain, i: int, params: Any, outputs: list, upstream_pa
     return upstream_params
 
 
-def check_unwritten(chain: Chain, i: int, inputs: list, versions: list) -> None:
+def check_unwritten(chain: Chain, i: int, inputs: list[Any], versions: list[Any]) -> None:
     """Refuse stage i if it wrote into its input (its tensors' ``versions`` moved): the sweep keeps
     the input to rebuild the stage."""
     if [t._version for t in inputs] != versions:
@@ -200,14 +200,14 @@ def run_stage(
     chain: Chain,
     i: int,
     params: Any,
-    buffers: Mapping,
+    buffers: Mapping[Any, Any],
     h: Any,
     opts: Options,
     device: torch.device,
     plan: remat.Plan,
-    stats: dict,
+    stats: dict[Any, Any],
     frozen: frozenset[str],
-) -> tuple[Any, tuple, Callable | None, tuple | None, Any, Mapping]:
+) -> tuple[Any, tuple[Any, ...], Callable[..., Any] | None, tuple[Any, ...] | None, Any, Mapping[Any, Any]]:
     """Stage i's forward on ``h``: ``(output, (its leaves, treespec), vjp closure if its graph is kept,
     RNG state to replay or None, the replaying context of the ops' outputs it kept or None, its
     updated buffers)``; its counters are added to ``stats``. The remat ``plan`` says whether the graph is kept
@@ -247,13 +247,13 @@ def run_stage(
 
 
 def kept_ops(
-    chain: Chain, i: int, params: Any, buffers: Mapping, h: Any, saving: remat.Saving, frozen: frozenset[str]
-) -> tuple[Any, Mapping]:
+    chain: Chain, i: int, params: Any, buffers: Mapping[Any, Any], h: Any, saving: remat.Saving, frozen: frozenset[str]
+) -> tuple[Any, Mapping[Any, Any]]:
     """Stage i run as its rebuild will run it (its parameters and inputs requiring grad, as
     ``vjp.local_vjp`` makes them; ``torch.matmul`` picks its kernels by them), the ops ``remat.save``
     names keeping their outputs for the rebuild; its graph let go: ``(detached output, updated buffers)``."""
 
-    def call(p: Any, x: Any) -> tuple:
+    def call(p: Any, x: Any) -> tuple[Any, ...]:
         with saving.forward():  # the stage's own ops alone, as ``replaying`` hands them back
             return chain.stages[i].call(p, buffers, x)
 
@@ -263,13 +263,13 @@ def kept_ops(
     return optree.tree_map(torch.Tensor.detach, out, namespace=NAMESPACE), updated
 
 
-def replaying(cached: Any, run: Callable) -> Callable:
+def replaying(cached: Any, run: Callable[..., Any]) -> Callable[..., Any]:
     """``run`` (``early_stop``'s) with ``remat.save``'s kept outputs handed to the stage's own ops,
     nothing around them (``cached``: the replaying context, ``None``: none)."""
     if cached is None:
         return run
 
-    def replayed(fn: Callable, *args: Any) -> Any:
+    def replayed(fn: Callable[..., Any], *args: Any) -> Any:
         with cached:
             return run(fn, *args)
 
@@ -277,8 +277,8 @@ def replaying(cached: Any, run: Callable) -> Callable:
 
 
 def kept_graph(
-    chain: Chain, i: int, params: Any, buffers: Mapping, h: Any, plan: remat.Plan, frozen: frozenset[str]
-) -> tuple[Any, Callable | None, Mapping]:
+    chain: Chain, i: int, params: Any, buffers: Mapping[Any, Any], h: Any, plan: remat.Plan, frozen: frozenset[str]
+) -> tuple[Any, Callable[..., Any] | None, Mapping[Any, Any]]:
     """Stage i run with its local graph: ``(detached output, vjp closure or None, updated buffers)``;
     with a byte budget the closure is only kept if its saved tensors fit in what is left."""
     floats, rebuild, _ = B.split(h, f"input of {chain.where(i)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import optree
 
@@ -20,7 +21,7 @@ from .microbatch import add
 __all__ = ["InFold", "tie_grads", "tie_groups"]
 
 
-def tie_groups(chain: Chain, params: tuple) -> list:
+def tie_groups(chain: Chain, params: tuple[Any, ...]) -> list[Any]:
     """The groups of ``(stage, path)`` (an optree path into that stage's params) that are one tensor:
     the same object in several places of ``params``, or a group of ``chain.ties`` (which survives a
     pure update that unties the objects); groups that share a member are one."""
@@ -36,13 +37,13 @@ def tie_groups(chain: Chain, params: tuple) -> list:
         ]
         if len(set(ids)) == len(ids):
             return []
-    uses: dict = {}
+    uses: dict[Any, Any] = {}
     for i, p in enumerate(params):
         paths, leaves, _ = optree.tree_flatten_with_path(p, namespace=NAMESPACE)
         for path, t in zip(paths, leaves):
             uses.setdefault(id(t), set()).add((i, path))
     groups = [g for g in uses.values() if len(g) > 1] + [{(i, (name,)) for i, name in g} for g in chain.ties]
-    merged: list = []
+    merged: list[Any] = []
     for g in groups:
         overlapping = [m for m in merged if m & g]
         merged = [m for m in merged if not m & g] + [set(g).union(*overlapping)]
@@ -50,8 +51,12 @@ def tie_groups(chain: Chain, params: tuple) -> list:
 
 
 def tie_grads(
-    params: tuple, grads: tuple, groups: list, stages: Sequence[int] | None = None, combine: Callable | None = None
-) -> tuple:
+    params: tuple[Any, ...],
+    grads: tuple[Any, ...],
+    groups: list[Any],
+    stages: Sequence[int] | None = None,
+    combine: Callable[..., Any] | None = None,
+) -> tuple[Any, ...]:
     """Give every use of a tied tensor the sum of all its uses' gradients, g = Σ_uses g_use (``None``,
     frozen or unused, is the zero), added in the group's order (``groups`` from ``tie_groups``).
     ``grads`` has one entry per stage of ``stages`` (default: every stage of ``params``); the sums run
@@ -83,19 +88,19 @@ class InFold:
     come (``None`` the zero); at its other uses it is not due. The sums so far are a value the
     caller threads (``due``), not kept here."""
 
-    def __init__(self, groups: list):
-        self.group_of: dict = {}  # (stage, name) -> (group index, its uses (stage, name), lowest first)
+    def __init__(self, groups: list[Any]):
+        self.group_of: dict[Any, Any] = {}  # (stage, name) -> (group index, its uses (stage, name), lowest first)
         for n, group in enumerate(groups):
             uses = sorted((stage, path[0]) for stage, path in group)
             for use in uses:
                 self.group_of[use] = (n, uses)
 
-    def uses(self, i: int, name: str) -> list:
+    def uses(self, i: int, name: str) -> list[Any]:
         """Every use of the tensor at ``(i, name)``, lowest stage first (itself alone if it is not tied)."""
         found = self.group_of.get((i, name))
         return [(i, name)] if found is None else found[1]
 
-    def due(self, i: int, grads: dict, sums: Mapping) -> tuple[dict, Mapping]:
+    def due(self, i: int, grads: dict[Any, Any], sums: Mapping[Any, Any]) -> tuple[dict[Any, Any], Mapping[Any, Any]]:
         """``(the gradients due at stage i, the new sums)``: its own, and a tied tensor's sum where i is
         its lowest stage; ``sums`` (group -> Σ of the uses so far) is not changed, a new one is returned."""
         due, sums = {}, dict(sums)

@@ -5,6 +5,7 @@ between two CUDA events on a CUDA device (read lazily), inside a profiler range 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 from torch.profiler import record_function
@@ -24,7 +25,7 @@ class timed:  # noqa: N801 - used as a context manager, like contextlib's
 
     __slots__ = ("stats", "key", "label", "range", "start", "cuda")
 
-    def __init__(self, stats: dict, key: str, label: str, device: torch.device | None = None):
+    def __init__(self, stats: dict[Any, Any], key: str, label: str, device: torch.device | None = None):
         self.stats, self.key, self.label, self.range = stats, key, label, None
         self.cuda = device is not None and device.type == "cuda"
 
@@ -49,6 +50,6 @@ class timed:  # noqa: N801 - used as a context manager, like contextlib's
             self.range.__exit__(*exc)
 
 
-def timer(opts: Options, stats: dict, key: str, label: str, device: torch.device | None = None):
+def timer(opts: Options, stats: dict[Any, Any], key: str, label: str, device: torch.device | None = None):
     """``timed(stats, key, label, device)`` if ``opts.timers``, else a context that does nothing."""
     return timed(stats, key, label, device) if opts.timers else NULL

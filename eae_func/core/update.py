@@ -39,8 +39,8 @@ class Fused:
     stages or one per stage) or the pure ``fn`` with its per-stage ``state``; ``max_norm``:
     per-stage gradient clipping (``None``: none)."""
 
-    optimizers: tuple = ()
-    fn: Callable | None = None
+    optimizers: tuple[Any, ...] = ()
+    fn: Callable[..., Any] | None = None
     state: Any = None
     max_norm: float | None = None
 
@@ -91,12 +91,12 @@ class Pending:
     stepped:  the stages updated so far, in order.
     """
 
-    params: tuple
-    state: tuple = ()
-    tied: Mapping = dataclasses.field(default_factory=dict)
-    held: tuple = ()
-    kept: Mapping = dataclasses.field(default_factory=dict)
-    stepped: tuple = ()
+    params: tuple[Any, ...]
+    state: tuple[Any, ...] = ()
+    tied: Mapping[Any, Any] = dataclasses.field(default_factory=dict)
+    held: tuple[Any, ...] = ()
+    kept: Mapping[Any, Any] = dataclasses.field(default_factory=dict)
+    stepped: tuple[Any, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,22 +129,22 @@ class Updater:
     chain: Any
     keeping: bool
     ties: InFold
-    hooks: Mapping
+    hooks: Mapping[Any, Any]
     hold: int | None
     reducer: Any
-    targets: Mapping
-    trained: frozenset = frozenset()
+    targets: Mapping[Any, Any]
+    trained: frozenset[Any] = frozenset()
 
     @classmethod
     def prepare(
         cls,
         spec: Fused | None,
         chain: Any,
-        params: tuple,
-        groups: list,
+        params: tuple[Any, ...],
+        groups: list[Any],
         hold: int | None = None,
         reducer: Any = None,
-        hooks: Mapping | None = None,
+        hooks: Mapping[Any, Any] | None = None,
     ) -> tuple[Updater, Pending]:
         """The ``Updater`` of ``spec`` (``None``: keep the gradients) for a fold over ``chain`` at ``params``
         (one dict per stage; ``groups``: the tied ``(stage, path)`` groups), everything checked before any
@@ -175,7 +175,7 @@ class Updater:
         return updater, Pending(tuple(dict(p) for p in params), state)
 
     @staticmethod
-    def _targets(optimizers: tuple, chain: Any, params: tuple, ties: InFold) -> dict:
+    def _targets(optimizers: tuple[Any, ...], chain: Any, params: tuple[Any, ...], ties: InFold) -> dict[Any, Any]:
         """The optimizer's own parameter for every trainable (stage, name), every one found before any step:
         a module stage's parameter by identity, a function stage's tensor by storage."""
         if len(optimizers) not in (1, len(chain)):
@@ -209,7 +209,7 @@ class Updater:
             )
         return targets
 
-    def apply(self, pending: Pending, i: int, grads: dict) -> Pending:
+    def apply(self, pending: Pending, i: int, grads: dict[Any, Any]) -> Pending:
         """``pending`` after the gradients of stage i (its own plus earlier microbatches'): those due (a
         tied parameter's sum at its lowest stage) updated with or kept, after their average over the
         replicas; or held while a physical stage below may still charge the budget. A failure says which
@@ -240,7 +240,7 @@ class Updater:
             raise
         return pending
 
-    def _use(self, pending: Pending, i: int, due: dict) -> Pending:
+    def _use(self, pending: Pending, i: int, due: dict[Any, Any]) -> Pending:
         """``pending`` with the gradients due at stage i (final: summed and averaged) kept, or clipped and
         used to update: a pure update's new tensors in every use of each, its state in entry i."""
         if self.keeping:
@@ -251,7 +251,7 @@ class Updater:
             return dataclasses.replace(pending, stepped=(*pending.stepped, i))
         out = self.spec.fn({n: pending.params[i][n] for n in due}, due, pending.state[i])
         new, state = self._checked(pending, i, due, out)
-        changed: dict = {}  # stage -> {name: new tensor}
+        changed: dict[Any, Any] = {}  # stage -> {name: new tensor}
         for name, t in new.items():
             for j, n in self.ties.uses(i, name):
                 changed.setdefault(j, {})[n] = t
@@ -262,7 +262,7 @@ class Updater:
             stepped=(*pending.stepped, i),
         )
 
-    def _checked(self, pending: Pending, i: int, due: dict, out: Any) -> tuple:
+    def _checked(self, pending: Pending, i: int, due: dict[Any, Any], out: Any) -> tuple[Any, ...]:
         """The pure update's ``(params_l, state_l)`` for stage i, its params exactly the ones it was
         given (names, shapes, dtypes, devices): a misspelt name would add a stray entry and leave the
         real weight as it was."""
@@ -280,7 +280,7 @@ class Updater:
                 )
         return out
 
-    def grads(self, pending: Pending) -> tuple:
+    def grads(self, pending: Pending) -> tuple[Any, ...]:
         """The kept gradients, one dict per stage in the params' structure: a tied parameter's sum in
         each of its uses, ``None`` where there is none (frozen or unused)."""
         out = []
@@ -292,7 +292,7 @@ class Updater:
             out.append(grads)
         return tuple(out)
 
-    def _step(self, i: int, due: dict) -> None:
+    def _step(self, i: int, due: dict[Any, Any]) -> None:
         optimizer = self.spec.optimizers[i if len(self.spec.optimizers) > 1 else 0]
         step_with(optimizer, [self.targets[i, name] for name in due], list(due.values()))
 
@@ -320,7 +320,7 @@ class Updater:
             e.add_note(f"{STEPPED} {done}; the other stages were not)")
 
 
-def clipped(due: dict, max_norm: float | None) -> dict:
+def clipped(due: dict[Any, Any], max_norm: float | None) -> dict[Any, Any]:
     """``due`` scaled by ``min(1, max_norm / (‖due‖ + 1e-6))``, the norm over all its tensors (``None``: as is)."""
     if max_norm is None:
         return due
@@ -329,7 +329,7 @@ def clipped(due: dict, max_norm: float | None) -> dict:
     return {n: g * scale.to(g.dtype) for n, g in due.items()}
 
 
-def step_with(optimizer: torch.optim.Optimizer, targets: list, grads: list) -> None:
+def step_with(optimizer: torch.optim.Optimizer, targets: list[Any], grads: list[Any]) -> None:
     """One update of ``optimizer``'s parameters ``targets`` by ``grads`` (its others have no gradient and
     are left as they are), without its step hooks: they run once per sweep, at its plain ``step()``."""
     for p, g in zip(targets, grads):

@@ -31,21 +31,21 @@ from . import boundary as B
 __all__ = ["connected", "cotangent", "local_vjp", "places", "pull_back"]
 
 
-def places(outputs: Sequence[torch.Tensor]) -> list:
+def places(outputs: Sequence[torch.Tensor]) -> list[Any]:
     """Each output's place in the graph, ``None`` for one that requires no grad (a constant of the
     stage). The places, not the outputs: an output the graph does not save (a residual sum) is freed
     before the vjp runs, as checkpoint's recomputed output is."""
     return [get_gradient_edge(t) if t.requires_grad else None for t in outputs]
 
 
-def connected(outputs: Sequence, cotangents: Sequence) -> tuple[list, list]:
+def connected(outputs: Sequence[Any], cotangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     """The outputs (or their places) that are in the graph, i.e. not ``None``, and their cotangents:
     the others pull nothing back."""
     pairs = [(o, c) for o, c in zip(outputs, cotangents) if o is not None]
     return [o for o, _ in pairs], [c for _, c in pairs]
 
 
-def pull_back(outputs: Sequence, cotangents: Sequence, wanted: Sequence[torch.Tensor]) -> Sequence:
+def pull_back(outputs: Sequence[Any], cotangents: Sequence[Any], wanted: Sequence[torch.Tensor]) -> Sequence[Any]:
     """``Σ_k J_k^T c_k`` with respect to each tensor of ``wanted``, ``J_k`` the Jacobian of output k
     (a tensor or its place; ``None``: not in the graph), by one ``torch.autograd.grad``; ``None`` for
     a wanted tensor no connected output depends on. Each cotangent has its output's shape (the
@@ -57,7 +57,7 @@ def pull_back(outputs: Sequence, cotangents: Sequence, wanted: Sequence[torch.Te
     return compat.pull_back_unchecked(graph, cots, wanted)
 
 
-def cotangent(costate: list, layout: B.Layout) -> list:
+def cotangent(costate: list[Any], layout: B.Layout) -> list[Any]:
     """The costate leaves (one per output leaf of ``layout``, ``None``: none) as the cotangent of the
     output's differentiable leaves: in their dtype, zeros where the costate has none."""
     return [
@@ -68,16 +68,16 @@ def cotangent(costate: list, layout: B.Layout) -> list:
 
 
 def local_vjp(
-    fn: Callable,
+    fn: Callable[..., Any],
     params: Any,
-    floats: list,
-    rebuild: Callable,
+    floats: list[Any],
+    rebuild: Callable[..., Any],
     frozen: frozenset[str] = frozenset(),
     params_too: bool = True,
     inputs_too: bool = True,
-    check: Callable | None = None,
+    check: Callable[..., Any] | None = None,
     has_aux: bool = False,
-) -> tuple:
+) -> tuple[Any, ...]:
     """``(output, pullback)`` of ``fn(params, rebuild(floats))`` run with its local autograd graph (with
     ``has_aux``, ``fn`` returns ``(output, aux)`` and this ``(output, pullback, aux)``), as
     ``torch.func.vjp`` returns them. ``pullback(cotangents, inputs_too=True)`` is ``(J_W^T p, J_x^T p)``
@@ -107,7 +107,7 @@ def local_vjp(
         check(flat_out, inputs)
     edges = places([t for t in flat_out if B.is_differentiable(t)])
 
-    def pullback(cotangents: list, inputs_too: bool = True) -> tuple:
+    def pullback(cotangents: list[Any], inputs_too: bool = True) -> tuple[Any, ...]:
         sources = inputs if inputs_too else inputs[:n]
         wanted = [t for t in sources if t.requires_grad]
         grads = iter(pull_back(edges, cotangents, wanted))

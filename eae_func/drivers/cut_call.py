@@ -47,35 +47,35 @@ class Call:
     index: int
     name: str
     module: nn.Module
-    forward: Callable
-    leaves: list
+    forward: Callable[..., Any]
+    leaves: list[Any]
     spec: Any
-    inputs: list
-    params: dict
-    buffers: dict
-    rng: tuple | None
-    autocast: tuple
-    modes: tuple
-    host: tuple | None = None
-    sums: list | None = None
+    inputs: list[Any]
+    params: dict[Any, Any]
+    buffers: dict[Any, Any]
+    rng: tuple[Any, ...] | None
+    autocast: tuple[Any, ...]
+    modes: tuple[Any, ...]
+    host: tuple[Any, ...] | None = None
+    sums: list[Any] | None = None
     out_spec: Any = None
-    through: tuple = ()
-    routes: tuple = ()
-    constants: list | None = None
-    versions: list = dataclasses.field(default_factory=list)
-    written: tuple = ()
-    trained: list = dataclasses.field(default_factory=list)
-    trained_versions: list = dataclasses.field(default_factory=list)
-    stored: tuple = ()
+    through: tuple[Any, ...] = ()
+    routes: tuple[Any, ...] = ()
+    constants: list[Any] | None = None
+    versions: list[Any] = dataclasses.field(default_factory=list)
+    written: tuple[Any, ...] = ()
+    trained: list[Any] = dataclasses.field(default_factory=list)
+    trained_versions: list[Any] = dataclasses.field(default_factory=list)
+    stored: tuple[Any, ...] = ()
     layout: Any = None
     physical: int | None = None
-    outs: list = dataclasses.field(default_factory=list)
-    graph: tuple | None = None
+    outs: list[Any] = dataclasses.field(default_factory=list)
+    graph: tuple[Any, ...] | None = None
     cached: Any = None
     compiled: bool = False
 
 
-def walk(modules: Iterable[tuple[str, nn.Module]]) -> tuple[dict, dict, tuple]:
+def walk(modules: Iterable[tuple[str, nn.Module]]) -> tuple[dict[Any, Any], dict[Any, Any], tuple[Any, ...]]:
     """Over a cut module's ``named_modules(remove_duplicate=False)``: its parameters by name (aliases
     included, as ``named_parameters(remove_duplicate=False)``), clones of its buffers by name, its
     modes (``replay.modes_of``)."""
@@ -88,7 +88,7 @@ def walk(modules: Iterable[tuple[str, nn.Module]]) -> tuple[dict, dict, tuple]:
     return params, buffers, tuple(modes)
 
 
-def routes(leaves: list, call: Call) -> tuple[tuple, tuple]:
+def routes(leaves: list[Any], call: Call) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """For each output leaf, its tensor of the node or ``None`` (the leaf reaches the caller as the
     forward returned it: a non-tensor, an integer tensor, an input that requires no grad returned as
     it was given); and each node tensor's first position. A floating tensor returned twice is one
@@ -105,7 +105,7 @@ def routes(leaves: list, call: Call) -> tuple[tuple, tuple]:
     return route, tuple(route.index(k) for k in range(len(first)))
 
 
-def refuse_caches(name: str, leaves: list, split_at: list[str]) -> None:
+def refuse_caches(name: str, leaves: list[Any], split_at: list[str]) -> None:
     """Refuse a call passed a key/value cache (what has ``update`` and ``get_seq_length``, as Hugging Face's
     ``Cache`` does): its forward fills it, so its rebuild would read its own keys and values back (twice as
     many, or silently another attention)."""
@@ -124,7 +124,7 @@ def refuse_caches(name: str, leaves: list, split_at: list[str]) -> None:
     )
 
 
-def sums(out: Any) -> list:
+def sums(out: Any) -> list[Any]:
     """One number per floating output leaf, to tell whether a rebuild repeated its forward."""
     return [t.detach().sum() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and B.is_differentiable(t)]
 

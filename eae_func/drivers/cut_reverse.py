@@ -42,7 +42,7 @@ class CutReverse:
 
     opts: Options
     device: Any
-    stats: dict[str, dict]
+    stats: dict[str, dict[Any, Any]]
     pass_state: Any
     trace: list[AdjointState]
     prefetch: B.Prefetcher | None
@@ -66,7 +66,7 @@ class CutReverse:
             tuple(training for _, training in call.modes),
         )
 
-    def passes(self, call: Call, costates: list) -> list:
+    def passes(self, call: Call, costates: list[Any]) -> list[Any]:
         """The costate of the call's output after the passes (one tensor, or a tuple for several)."""
         value = costates[0] if len(costates) == 1 else tuple(costates)
         adj = AdjointState(value, call.index, call.name, fold_in(self.opts.key, call.index))
@@ -102,7 +102,7 @@ class CutReverse:
         """The trace's record of a boundary (its costate dropped unless ``keep_costates``)."""
         self.trace.append(adj if self.opts.keep_costates else adj.replace(value=None))
 
-    def reverse(self, call: Call, costates: list) -> list:
+    def reverse(self, call: Call, costates: list[Any]) -> list[Any]:
         """The call's reverse step: the passes on its output costate, the module rebuilt at the
         params it ran with, one local vjp; the parameter gradients added up, the input costates returned."""
         stale = [i for i, (t, v) in enumerate(zip(call.leaves, call.versions)) if v >= 0 and t._version != v]
@@ -153,19 +153,21 @@ class CutReverse:
         # (Reformer's reversible layers run torch.autograd.backward on their parameters, as under autograd)
         return [*grads[: len(inputs)], *(M.add(g, p.grad) for g, p in zip(grads[len(inputs) :], trained))]
 
-    def rebuild(self, call: Call, leaves: list, stats: dict) -> tuple[Any, tuple, list, list]:
+    def rebuild(
+        self, call: Call, leaves: list[Any], stats: dict[Any, Any]
+    ) -> tuple[Any, tuple[Any, ...], list[Any], list[Any]]:
         """The call's module run again with its graph at the params it ran with, on ``leaves`` (its
         inputs as the forward had them), RNG, modes, Python's generators and autocast replayed, the
         ops' outputs the forward kept (``remat.save``) reused: ``(output, the leaves it wrote into,
         the inputs and the parameters its graph starts from)``."""
-        own: dict = {}
+        own: dict[Any, Any] = {}
         local = {n: own.setdefault(id(p), p.detach().requires_grad_(p.requires_grad)) for n, p in call.params.items()}
         inputs = [leaves[i].requires_grad_() for i in call.inputs]  # detached when kept
         args, kwargs = T.unflatten(leaves, call.spec)
         cached, call.cached = call.cached, None
         forward = functools.partial(C.call, self.opts, call.forward) if call.compiled else call.forward
 
-        def rebuild(run: Callable) -> Any:
+        def rebuild(run: Callable[..., Any]) -> Any:
             with (
                 torch.enable_grad(),
                 timer(self.opts, stats, "recompute_s", f"eae/{call.name}/recompute"),
@@ -201,7 +203,7 @@ class CutReverse:
         check_rebuilt(call, out, written)
         return out, written, inputs, [own[id(p)] for p in call.trained]
 
-    def estimate(self, call: Call, leaves: list, costates: list) -> list:
+    def estimate(self, call: Call, leaves: list[Any], costates: list[Any]) -> list[Any]:
         """A physical cut's reverse step from the estimator (``physical_cuts``): the call run again at
         the inputs and parameters the estimator gives, its modes and autocast replayed, its randomness
         drawn afresh, as a chain's physical stage."""
@@ -209,7 +211,7 @@ class CutReverse:
         # the inputs that require grad; with none (the data), the first tensor, as a chain's first stage has it
         probed = call.inputs or [next(i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor))]
 
-        def run(params: dict, h: tuple) -> tuple:
+        def run(params: dict[Any, Any], h: tuple[Any, ...]) -> tuple[Any, ...]:
             fed = list(leaves)
             for i, t in zip(probed, h):
                 fed[i] = t
@@ -241,7 +243,7 @@ class CutReverse:
         return [*g_in[: len(call.inputs)], *(grads.get(n) for n in names)]
 
 
-def check_rebuilt(call: Call, out: Any, written: tuple) -> None:
+def check_rebuilt(call: Call, out: Any, written: tuple[Any, ...]) -> None:
     """Refuse a rebuild that did not repeat its forward: other outputs after a reseed of torch's
     generator, another output structure, or a write into an input that requires no grad of a
     value that depends on the parameters."""

@@ -83,7 +83,7 @@ class Sweep(CutReverse):
         self.ungraded: set[str] = set()
         self.count = 0
         self.trace: list[AdjointState] = []
-        self.stats: dict[str, dict] = {}
+        self.stats: dict[str, dict[Any, Any]] = {}
         # an input of every cut's node: autograd runs only the nodes on a path to an input it is asked
         # for, and a cut whose parameters no glue reads is on the path to this one alone
         self.anchor = torch.empty(0, requires_grad=True)
@@ -105,10 +105,12 @@ class Sweep(CutReverse):
                 else:
                     module.forward = own
 
-    def cut(self, name: str, module: nn.Module, forward: Callable) -> Callable:
+    def cut(self, name: str, module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
         return cutting(lambda: self, name, module, forward)
 
-    def stage(self, name: str, module: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
+    def stage(
+        self, name: str, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[Any, Any]
+    ) -> Any:
         """The next stage: this call of ``module``, run without a graph, its output through one node."""
         k = self.calls[name] = self.calls.get(name, 0) + 1
         self.count += 1
@@ -160,7 +162,7 @@ class Sweep(CutReverse):
         call.stored = tuple(zip(picked, kept))
         stats["boundary_bytes"] = B.nbytes(kept)
 
-    def run_forward(self, call: Call) -> list:
+    def run_forward(self, call: Call) -> list[Any]:
         """The call without a graph: its output's tensor leaves."""
         args, kwargs = T.unflatten(call.leaves, call.spec)
         stats = self.stats.setdefault(call.name, {})
@@ -235,7 +237,7 @@ class Sweep(CutReverse):
             with torch.no_grad():
                 yield lambda out: None
             return
-        own: dict = {}
+        own: dict[Any, Any] = {}
         local = {n: own.setdefault(id(p), p.detach().requires_grad_(p.requires_grad)) for n, p in call.params.items()}
         inputs = [call.leaves[i].requires_grad_() for i in call.inputs]  # the call's own detached leaves
         saved = R.SavedBytes([*own.values(), *inputs]) if plan.counts else None
@@ -267,7 +269,9 @@ class Sweep(CutReverse):
             raise
 
 
-def cutting(sweep_of: Callable[[], Sweep | None], name: str, module: nn.Module, forward: Callable) -> Callable:
+def cutting(
+    sweep_of: Callable[[], Sweep | None], name: str, module: nn.Module, forward: Callable[..., Any]
+) -> Callable[..., Any]:
     """``module``'s forward cut: a call with grad enabled is the next stage of ``sweep_of()``; one
     inside another cut's call (its forward or rebuild) or without grad runs as written (and is noted
     in the sweep's ``ungraded``, if ``sweep_of()`` gives one then). Under ``torch.compile`` the cut call
@@ -291,7 +295,7 @@ def cutting(sweep_of: Callable[[], Sweep | None], name: str, module: nn.Module, 
 
 
 @torch.compiler.disable(recursive=True)
-def _eager(fn: Callable, args: tuple, kwargs: dict) -> Any:
+def _eager(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[Any, Any]) -> Any:
     """``fn(*args, **kwargs)`` as Python under ``torch.compile``: a graph break."""
     return fn(*args, **kwargs)
 

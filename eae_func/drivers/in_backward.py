@@ -52,38 +52,44 @@ class InBackward:
     each group's gradients so far; ``stepped``: the groups updated, in order."""
 
     spec: Fused
-    targets: dict
-    groups: dict
-    members: dict
-    hooked: Mapping
-    outside: list
-    given: Mapping
-    params: dict
-    state: dict
-    waiting: dict = dataclasses.field(default_factory=dict)
-    stepped: list = dataclasses.field(default_factory=list)
-    arrived: set = dataclasses.field(default_factory=set)
+    targets: dict[Any, Any]
+    groups: dict[Any, Any]
+    members: dict[Any, Any]
+    hooked: Mapping[Any, Any]
+    outside: list[Any]
+    given: Mapping[Any, Any]
+    params: dict[Any, Any]
+    state: dict[Any, Any]
+    waiting: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    stepped: list[Any] = dataclasses.field(default_factory=list)
+    arrived: set[Any] = dataclasses.field(default_factory=set)
     reducer: Any = None
-    order: list = dataclasses.field(default_factory=list)
-    complete: dict = dataclasses.field(default_factory=dict)
+    order: list[Any] = dataclasses.field(default_factory=list)
+    complete: dict[Any, Any] = dataclasses.field(default_factory=dict)
     launched: int = 0
 
     @classmethod
     def prepare(
-        cls, spec: Fused, model: nn.Module, params: Mapping, trained: list[str], cuts: list[str], hooked: Mapping
+        cls,
+        spec: Fused,
+        model: nn.Module,
+        params: Mapping[Any, Any],
+        trained: list[str],
+        cuts: list[str],
+        hooked: Mapping[Any, Any],
     ) -> InBackward:
         """The update of ``spec`` for a sweep of ``model`` at ``params`` training ``trained``, cut at the
         module paths ``cuts``, every parameter found and every state entry checked before any step
         (``averaging`` then makes it average over replicas)."""
         groups = {n: _group(n, cuts) for n in trained}
-        members: dict[str, list] = {}
+        members: dict[str, list[Any]] = {}
         for n, g in groups.items():
             members.setdefault(g, []).append(n)
         targets, outside = _targets(spec.optimizers, model, params, trained) if spec.optimizers else ({}, [])
         for k, (o, p) in enumerate(outside):
             targets[f"#{k}"], groups[f"#{k}"] = (o, p), f"a tensor of shape {tuple(p.shape)} the loss reads"
             members.setdefault(groups[f"#{k}"], []).append(f"#{k}")
-        state: dict = {}
+        state: dict[Any, Any] = {}
         if spec.fn is not None:
             if not isinstance(spec.state, Mapping) or set(trained) - set(spec.state):
                 got = sorted(set(trained) - set(spec.state)) if isinstance(spec.state, Mapping) else spec.state
@@ -102,11 +108,11 @@ class InBackward:
         last = {g: max(position[n] for n in m) for g, m in self.members.items() if g not in outside}
         self.reducer, self.order = reducer, outside + sorted(last, key=last.__getitem__, reverse=True)
 
-    def like(self, group: str) -> dict:
+    def like(self, group: str) -> dict[Any, Any]:
         """The layout a group's gradients are averaged over: each member's tensor, by name."""
         return {n: self.targets[n][1] if n[0] == "#" else self.given[n] for n in sorted(self.members[group])}
 
-    def install(self, leaves: Mapping[str, torch.Tensor]) -> list:
+    def install(self, leaves: Mapping[str, torch.Tensor]) -> list[Any]:
         """The hooks on the sweep's trained leaves and the outside tensors: handles to remove."""
         handles = [leaves[n].register_post_accumulate_grad_hook(self._arrival(n)) for n in self.groups if n[0] != "#"]
         handles += [p.register_post_accumulate_grad_hook(self._arrival(f"#{k}")) for k, p in enumerate(self.outside)]
@@ -131,7 +137,7 @@ class InBackward:
 
         return hook
 
-    def _complete(self, group: str, due: dict) -> None:
+    def _complete(self, group: str, due: dict[Any, Any]) -> None:
         """A group's gradients all here: stepped, or (with replicas) launched in ``order`` as soon as
         every group before it was, and the groups whose averages arrived stepped."""
         if self.reducer is None:
@@ -142,11 +148,11 @@ class InBackward:
         for k, averaged in self.reducer.ready(wait=False):
             self._use(self.order[k], averaged)
 
-    def _launch(self, due: dict) -> None:
+    def _launch(self, due: dict[Any, Any]) -> None:
         self.reducer.start(self.launched, due, self.like(self.order[self.launched]))
         self.launched += 1
 
-    def _use(self, group: str, due: dict) -> None:
+    def _use(self, group: str, due: dict[Any, Any]) -> None:
         due = clipped({n: g for n, g in due.items() if g is not None}, self.spec.max_norm)
         if not due:
             return
@@ -162,7 +168,7 @@ class InBackward:
             self.state.update(state)
         self.stepped.append(group)
 
-    def _check(self, group: str, due: dict, new: Any) -> None:
+    def _check(self, group: str, due: dict[Any, Any], new: Any) -> None:
         where = f"fused: the update of {group!r}"
         if not isinstance(new, dict) or set(new) != set(due):
             got = sorted(new) if isinstance(new, dict) else type(new).__name__
@@ -212,7 +218,9 @@ def _group(name: str, cuts: list[str]) -> str:
     return min(inside, key=len) if inside else name.rpartition(".")[0]
 
 
-def _targets(optimizers: tuple, model: nn.Module, params: Mapping, trained: list[str]) -> tuple[dict, list]:
+def _targets(
+    optimizers: tuple[Any, ...], model: nn.Module, params: Mapping[Any, Any], trained: list[str]
+) -> tuple[dict[Any, Any], list[Any]]:
     """``({name: (optimizer, its parameter)}, outside)``: each trained name's parameter among the
     optimizers' (by identity with the given tensor or the module's own, else by storage), and the
     optimizers' trainable tensors that are none of these (a head the loss reads beside the model)."""

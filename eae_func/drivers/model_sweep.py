@@ -75,13 +75,13 @@ class Swept:
     buffers, the pass state, the stats, and a pure update's new params and state (``None`` otherwise)."""
 
     loss: torch.Tensor
-    grads: dict | None
-    trace: tuple
-    buffers: dict
+    grads: dict[Any, Any] | None
+    trace: tuple[Any, ...]
+    buffers: dict[Any, Any]
     pass_state: Any
     stats: Measurements
-    params: dict | None = None
-    update_state: dict | None = None
+    params: dict[Any, Any] | None = None
+    update_state: dict[Any, Any] | None = None
 
 
 def sweep_model(model: nn.Module, req: Request) -> Swept:
@@ -147,14 +147,14 @@ def sweep_model(model: nn.Module, req: Request) -> Swept:
 
 def run_pieces(
     model: nn.Module,
-    pieces: list,
-    loss: Callable,
+    pieces: list[Any],
+    loss: Callable[..., Any],
     state: Any,
     sweep_of: Callable[[M.Microbatch, Any], Sweep],
-    leaves: dict,
-    wanted: list,
+    leaves: dict[Any, Any],
+    wanted: list[Any],
     update: Any,
-) -> tuple[list, list, list, Any]:
+) -> tuple[list[Any], list[Any], list[Any], Any]:
     """Each microbatch's forward and backward in turn (``sweep_of(mb, pass state)``: its ``Sweep``),
     the pass state threaded; with ``update``, the last one's backward steps each stage as its
     gradients are complete. ``(losses, traces, stats, pass state)``."""
@@ -180,7 +180,9 @@ def run_pieces(
     return values, traces, all_stats, state
 
 
-def walked(model: nn.Module, params: Mapping[str, torch.Tensor]) -> tuple[dict, frozenset, dict, dict, list]:
+def walked(
+    model: nn.Module, params: Mapping[str, torch.Tensor]
+) -> tuple[dict[Any, Any], frozenset[Any], dict[Any, Any], dict[Any, Any], list[Any]]:
     """The one walk of ``model`` a sweep makes: ``(first, trainable, kept, hooked, modules)``, each
     parameter's and buffer's name -> its first name (a tied tensor has one), the names that train
     (the module's flags, not the given tensors'), the buffers by their first names, the parameters
@@ -201,7 +203,9 @@ def walked(model: nn.Module, params: Mapping[str, torch.Tensor]) -> tuple[dict, 
     return first, trainable, kept, hooked, unique
 
 
-def piece(run: Sweep, model: nn.Module, mb: M.Microbatch, loss: Callable, inputs: list, update: Any) -> torch.Tensor:
+def piece(
+    run: Sweep, model: nn.Module, mb: M.Microbatch, loss: Callable[..., Any], inputs: list[Any], update: Any
+) -> torch.Tensor:
     """One microbatch: the forward with the cuts installed, its loss times the piece's scale, and the
     backward, accumulated into the ``.grad`` of ``inputs`` (the sweep's trained leaves) and of the
     tensors ``update`` steps beside the model; the loss (times the scale) returned."""

@@ -63,8 +63,16 @@ def roster(opts: Options, names: Mapping[str, nn.Module]) -> Chain | None:
 
 
 def estimate(
-    name: str, index: int, run: Any, h: tuple, params: dict, costates: list, opts: Options, meter: Any, at: int
-) -> tuple[tuple, dict, dict]:
+    name: str,
+    index: int,
+    run: Any,
+    h: tuple[Any, ...],
+    params: dict[Any, Any],
+    costates: list[Any],
+    opts: Options,
+    meter: Any,
+    at: int,
+) -> tuple[tuple[Any, ...], dict[Any, Any], dict[Any, Any]]:
     """``(input costates, parameter gradients, cost)`` of one call of physical stage ``at`` of the roster
     (its ``index``-th cut call, cut module ``name``) from the estimator: ``run(params, h)`` the call
     again at the parameters ``params`` (the ones it trains) and the inputs ``h`` (those that require

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["grad", "sweep", "value_and_grad"]
 
 
-def _python(entry: Callable) -> Callable:
+def _python(entry: Callable[..., Any]) -> Callable[..., Any]:
     """An entry point that ``torch.compile`` around it runs as Python (the fold between stages, with
     its passes, RNG replay and checks, is not one graph); ``compile=`` compiles the stages instead."""
     return functools.wraps(entry)(torch.compiler.disable(entry, recursive=True))
@@ -45,13 +45,13 @@ def _python(entry: Callable) -> Callable:
 @_python
 def sweep(
     chain: Chain | nn.Module,
-    params: Sequence | Mapping,
+    params: Sequence[Any] | Mapping[Any, Any],
     x: Any,
     *loss_args: Any,
-    loss: Callable | None = None,
+    loss: Callable[..., Any] | None = None,
     split_at: Sequence[str] | None = None,
     pass_state: Any = None,
-    buffers: Sequence | None = None,
+    buffers: Sequence[Any] | None = None,
     **options: Unpack[SweepOptions],
 ) -> SweepResult:
     """Loss, parameter gradients and the costate trace of ``chain`` at ``params`` on ``x``.
@@ -127,7 +127,7 @@ def _on_ddp(ddp: DistributedDataParallel, req: Request) -> SweepResult:
     )
 
 
-def _on_function(fn: Callable, req: Request) -> SweepResult:
+def _on_function(fn: Callable[..., Any], req: Request) -> SweepResult:
     """``sweep`` of a pure function ``fn(params, x)`` (``loss=`` given) or ``fn(params, x, *loss_args)``
     returning the loss, cut at its ``ef.cut`` marks (``eae_func.program.function``); ``grads``, ``params`` and a
     pure fused update's state come back in ``params``' structure."""
@@ -174,10 +174,12 @@ def _returned(loss: Any) -> torch.Tensor:
     return loss
 
 
-def _per_leaf(fn: Callable) -> Callable:
+def _per_leaf(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A pure update over a stage's leaves whose state is one entry per leaf of the stage."""
 
-    def update(params: dict, grads: dict, state: dict) -> tuple[dict, dict]:
+    def update(
+        params: dict[Any, Any], grads: dict[Any, Any], state: dict[Any, Any]
+    ) -> tuple[dict[Any, Any], dict[Any, Any]]:
         new, due = fn(params, grads, {n: state[n] for n in grads})
         return new, {**state, **due}
 
@@ -187,13 +189,13 @@ def _per_leaf(fn: Callable) -> Callable:
 @_python
 def value_and_grad(
     chain: Chain | nn.Module,
-    params: Sequence | Mapping,
+    params: Sequence[Any] | Mapping[Any, Any],
     x: Any,
     *loss_args: Any,
-    loss: Callable | None = None,
+    loss: Callable[..., Any] | None = None,
     split_at: Sequence[str] | None = None,
     pass_state: Any = None,
-    buffers: Sequence | None = None,
+    buffers: Sequence[Any] | None = None,
     has_state: bool = False,
     **options: Unpack[SweepOptions],
 ) -> Any:
@@ -211,13 +213,13 @@ def value_and_grad(
 @_python
 def grad(
     chain: Chain | nn.Module,
-    params: Sequence | Mapping,
+    params: Sequence[Any] | Mapping[Any, Any],
     x: Any,
     *loss_args: Any,
-    loss: Callable | None = None,
+    loss: Callable[..., Any] | None = None,
     split_at: Sequence[str] | None = None,
     pass_state: Any = None,
-    buffers: Sequence | None = None,
+    buffers: Sequence[Any] | None = None,
     has_state: bool = False,
     **options: Unpack[SweepOptions],
 ) -> Any:

@@ -36,9 +36,9 @@ class Folded:
     pass_state: Any
     pending: Any
     grads: Any = None
-    losses: list = dataclasses.field(default_factory=list)
-    traces: list = dataclasses.field(default_factory=list)
-    stats: list = dataclasses.field(default_factory=list)
+    losses: list[Any] = dataclasses.field(default_factory=list)
+    traces: list[Any] = dataclasses.field(default_factory=list)
+    stats: list[Any] = dataclasses.field(default_factory=list)
 
 
 def on_chain(chain: Chain, req: Request) -> SweepResult:
@@ -80,7 +80,7 @@ def on_chain(chain: Chain, req: Request) -> SweepResult:
     return SweepResult(total, None, trace, folded.buffers, folded.pass_state, stats, new_params, update_state)
 
 
-def _fold(whole: Range, pieces: list, folded: Folded, updater: Any, sharded: bool) -> Folded:
+def _fold(whole: Range, pieces: list[Any], folded: Folded, updater: Any, sharded: bool) -> Folded:
     """One fold of ``whole`` per microbatch in turn, threading buffers, pass state and ``pending``;
     the last fold's steps run the fused ``updater``, which finishes after it (FSDP2 stages: under its
     sweep, each fold reduce-scattering as the last one must)."""
@@ -112,7 +112,7 @@ def _fold(whole: Range, pieces: list, folded: Folded, updater: Any, sharded: boo
     return folded
 
 
-def reducer_of(group: Any, chain: Chain, params: tuple, groups: list) -> Any:
+def reducer_of(group: Any, chain: Chain, params: tuple[Any, ...], groups: list[Any]) -> Any:
     """The ``Reducer`` of ``data_parallel=group`` (``None``: none), once the replicas agree on the chain
     (``data_parallel.agree``); a multi-process run without ``data_parallel=`` is warned that its
     gradients are this rank's alone (``False`` says so on purpose)."""

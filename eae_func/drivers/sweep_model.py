@@ -30,12 +30,14 @@ from .sweep_chain import on_chain
 __all__ = ["at_run_time", "chain_of", "on_model", "piece_of"]
 
 
-_CAPTURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CAPTURED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 register("captured models", "capture='graph': the chains captured from a model (weakly), per cuts, options and "
          "input layout (the 8 used last per model)", lambda: _CAPTURED.clear())  # fmt: skip
 
 
-def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Sequence[str] | None, x: Any) -> tuple:
+def chain_of(
+    model: nn.Module | Sequence[Any], loss: Callable[..., Any] | None, split_at: Sequence[str] | None, x: Any
+) -> tuple[Any, ...]:
     """``(chain, qualified)`` for a model: ``qualified[i]`` maps stage i's parameter and buffer names
     to the model's own (canonical: a tied tensor has one name). A module's chain (one stage per
     position, or captured: per cut and input layout) and its names are kept per model with a
@@ -48,20 +50,20 @@ def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Seque
         raise TypeError(f"sweep: a model ({type(model).__name__}) needs loss=loss_fn(output, *loss_args)")
     if split_at is None:
 
-        def made() -> tuple:
+        def made() -> tuple[Any, ...]:
             chain, _ = from_module(model, loss)
             prefixes = [n for n, _ in ordered_children(model)] if isinstance(model, nn.Module) else [None] * len(chain)
             return chain, _names(model, chain, prefixes)
 
         if not isinstance(model, nn.Module) or fsdp.holds_shards(model):
             return made()
-        key: tuple = ()
+        key: tuple[Any, ...] = ()
     else:
         if not isinstance(model, nn.Module):
             raise TypeError(f"sweep: split_at cuts a model's own forward, got a {type(model).__name__}")
         key = (tuple(split_at), tuple(capture_layout(optree.tree_leaves(x, namespace=NAMESPACE))))
 
-        def made() -> tuple:
+        def made() -> tuple[Any, ...]:
             chain = from_module(model, loss, split_at=split_at, example=x)[0]
             return chain, _names(model, chain, [None] * len(chain))
 
@@ -73,7 +75,7 @@ def chain_of(model: nn.Module | Sequence, loss: Callable | None, split_at: Seque
     return chain.ending_in(loss), qualified
 
 
-def _names(model: nn.Module | Sequence, chain: Chain, prefixes: list) -> list[dict]:
+def _names(model: nn.Module | Sequence[Any], chain: Chain, prefixes: list[Any]) -> list[dict[Any, Any]]:
     """``chain_of``'s ``qualified``: stage i's names under ``prefixes[i]`` in the model."""
     if not isinstance(model, nn.Module):
         return [{} for _ in chain.stages]
@@ -92,7 +94,7 @@ def _names(model: nn.Module | Sequence, chain: Chain, prefixes: list) -> list[di
     return qualified
 
 
-def on_model(model: nn.Module | Sequence, req: Request) -> SweepResult:
+def on_model(model: nn.Module | Sequence[Any], req: Request) -> SweepResult:
     """``sweep`` of a model: cut at run time (``eae_func.drivers.model_sweep``), or its chain, params per stage from a
     flat dict, results back in its structure."""
     params, loss, split_at, opts = req.params, req.loss, req.split_at, req.opts
@@ -131,7 +133,7 @@ def on_model(model: nn.Module | Sequence, req: Request) -> SweepResult:
     if not flat:
         return res
 
-    def flat_dict(per_stage: tuple) -> dict:
+    def flat_dict(per_stage: tuple[Any, ...]) -> dict[Any, Any]:
         return {
             q: t
             for stage, names in zip(per_stage, qualified)
@@ -172,7 +174,7 @@ def cut_at_run_time(model: nn.Module, req: Request) -> SweepResult:
     )
 
 
-def at_run_time(model: nn.Module | Sequence, params: Sequence | Mapping, opts: Options) -> bool:
+def at_run_time(model: nn.Module | Sequence[Any], params: Sequence[Any] | Mapping[Any, Any], opts: Options) -> bool:
     """Whether a model with ``split_at`` is cut at run time (``capture="run"``) or captured (``"graph"``):
     as ``capture=`` says, or, with ``capture=None``, at run time unless its params come as one dict
     per stage or it holds FSDP2 shards. An option only a chain implements is never a reason to

@@ -160,12 +160,12 @@ class Switch:
         self.listeners.append(fn)
         return lambda: self.listeners.remove(fn)
 
-    def saved(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    def saved(self, module: nn.Module, state_dict: dict[Any, Any], prefix: str, local_metadata: Any) -> None:
         buffer = io.BytesIO()
         torch.save(self.pass_state, buffer)
         state_dict[prefix + KEY] = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
-    def loaded(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    def loaded(self, module: nn.Module, state_dict: dict[Any, Any], prefix: str, *args: Any) -> None:
         saved = state_dict.pop(prefix + KEY, None)
         if saved is not None:
             data = saved.to("cpu", torch.uint8).numpy().tobytes()
