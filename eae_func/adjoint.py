@@ -30,7 +30,7 @@ from .tree import NAMESPACE
 __all__ = ["AdjointState", "Measurements", "fold_in"]
 
 
-class Measurements(Mapping):
+class Measurements(Mapping[Any, Any]):
     """An immutable (and picklable) mapping of what passes measured at a boundary."""
 
     __slots__ = ("_items",)
@@ -94,7 +94,7 @@ class AdjointState:
     index: int
     stage: str
     key: int = 0
-    history: tuple = ()
+    history: tuple[Any, ...] = ()
     meta: Mapping[str, Any] = dataclasses.field(default_factory=Measurements)
 
     def __post_init__(self):
@@ -132,7 +132,7 @@ class AdjointState:
             device = leaves[0].device if leaves else "cpu"
         return torch.Generator(device=device).manual_seed(self.seed())
 
-    def tensors(self) -> list:
+    def tensors(self) -> list[Any]:
         """The costate's tensor leaves (``None`` leaves skipped)."""
         return optree.tree_leaves(self.value, namespace=NAMESPACE)
 
@@ -144,7 +144,7 @@ class AdjointState:
         )
 
 
-def _flatten(adj: Any) -> tuple[list, tuple]:
+def _flatten(adj: Any) -> tuple[list[Any], tuple[Any, ...]]:
     return [adj.value], (adj.index, adj.stage, adj.key, adj.history, Carried(adj.meta))
 
 

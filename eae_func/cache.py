@@ -38,7 +38,7 @@ def clear_caches() -> None:
         clear()
 
 
-def kept(cache: dict, key: Hashable, fingerprint: Any, make: Callable[[], Any], limit: int = LIMIT) -> Any:
+def kept(cache: dict[Any, Any], key: Hashable, fingerprint: Any, make: Callable[[], Any], limit: int = LIMIT) -> Any:
     """``cache[key]``'s thing if made at ``fingerprint``, else ``make()`` kept there; at most ``limit``
     entries stay (dicts keep insertion order: each use moves its entry last)."""
     hit = cache.pop(key, None)

@@ -84,11 +84,11 @@ class _Plan:
     number of chunks, the count of tokens the mean divides by (``None``: a sum) and whether the
     forward differentiates (a backward will follow)."""
 
-    def __init__(self, head: nn.Module, names: tuple, per_token: Callable, chunks: int, count: Any):
+    def __init__(self, head: nn.Module, names: tuple[Any, ...], per_token: Callable[..., Any], chunks: int, count: Any):
         self.head, self.names, self.per_token, self.chunks, self.count = head, names, per_token, chunks, count
         self.differentiate = False
 
-    def chunk_loss(self, params: dict, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def chunk_loss(self, params: dict[Any, Any], h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The chunk's summed token losses (over the mean's count)."""
         logits = functional_call(self.head, params, (h,)) if params else self.head(h)
         if logits.dtype in LOW:
@@ -114,7 +114,7 @@ class _ChunkedLoss(torch.autograd.Function):
         trained = [local[n] for n, w in zip(plan.names, wanted) if w]
         grad_hidden = torch.zeros_like(hidden) if plan.differentiate and hidden.requires_grad else None
         value = torch.zeros((), dtype=torch.float32 if hidden.dtype in LOW else hidden.dtype, device=hidden.device)
-        sums: list = [None] * len(trained)
+        sums: list[Any] = [None] * len(trained)
         rows = 0
         for h, y in zip(hidden.tensor_split(plan.chunks), labels.tensor_split(plan.chunks)):
             h = h.detach().requires_grad_(grad_hidden is not None)

@@ -63,7 +63,7 @@ __all__ = [
 
 def pull_back_unchecked(
     outputs: Sequence[torch.Tensor | GradientEdge], cotangents: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
-) -> tuple:
+) -> tuple[Any, ...]:
     """``torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True)`` for cotangents that
     already have their outputs' shapes (the caller's promise: the engine reduces a cotangent that
     broadcasts to its output's shape instead of refusing it)."""
@@ -77,7 +77,7 @@ def saved_hooks_enabled() -> bool:
     return torch._C._autograd._saved_tensors_hooks_is_enabled()  # pyright: ignore[reportAttributeAccessIssue]
 
 
-def saved_hooks_on_top() -> tuple:
+def saved_hooks_on_top() -> tuple[Any, ...]:
     """``(pack, unpack)`` of the innermost saved-tensor hooks now set (``()``: none)."""
     return tuple(torch._C._autograd._top_saved_tensors_default_hooks(False) or ())  # pyright: ignore[reportAttributeAccessIssue]
 
@@ -102,7 +102,7 @@ def fsdp_lazy_init(module: Any) -> None:
     module._get_fsdp_state()._lazy_init()
 
 
-def fsdp_param_groups(module: Any) -> list:
+def fsdp_param_groups(module: Any) -> list[Any]:
     """The ``FSDPParamGroup``s of an ``FSDPModule`` (its all-gather and reduce-scatter units)."""
     return module._get_fsdp_state()._fsdp_param_groups
 

@@ -32,11 +32,11 @@ class Lazy:
         return Lazy((t.detach() if t.requires_grad else t).item)
 
     @staticmethod
-    def each(t: torch.Tensor) -> list:
+    def each(t: torch.Tensor) -> list[Any]:
         """One ``Lazy`` per entry of a 1-dim tensor, all read by one transfer."""
         t, values = t.detach(), []
 
-        def read_all() -> list:
+        def read_all() -> list[Any]:
             if not values:
                 values.extend(t.tolist())
             return values

@@ -12,6 +12,7 @@ beyond float32's range stays finite); all-zero tensors (channels) stay zero.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -80,7 +81,7 @@ def topk_indices(t: torch.Tensor, k: int) -> torch.Tensor:
     return t.reshape(-1).to(work_dtype(t)).abs().topk(k, sorted=False).indices
 
 
-def scatter(index: torch.Tensor, values: torch.Tensor, shape: tuple) -> torch.Tensor:
+def scatter(index: torch.Tensor, values: torch.Tensor, shape: tuple[Any, ...]) -> torch.Tensor:
     """A tensor of ``shape``: ``values`` at the flat ``index``, zero elsewhere."""
     return (
         torch.zeros(math.prod(shape), dtype=values.dtype, device=values.device)

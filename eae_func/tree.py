@@ -27,7 +27,7 @@ _CALLS: dict[int, Any] = {}  # n -> the spec of a call on n tensors, no keywords
 register("call specs", "run-time cuts: the pytree spec of a call on n tensors, per n", lambda: _CALLS.clear())
 
 
-def flatten_call(args: tuple, kwargs: dict) -> tuple[list, Any]:
+def flatten_call(args: tuple[Any, ...], kwargs: dict[Any, Any]) -> tuple[list[Any], Any]:
     """``torch.utils._pytree.tree_flatten((args, kwargs))``; a call on tensors alone (the common
     case, once per cut call) without walking it."""
     if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
@@ -38,12 +38,12 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list, Any]:
     return list(args), spec
 
 
-def flatten_output(out: Any) -> tuple[list, Any]:
+def flatten_output(out: Any) -> tuple[list[Any], Any]:
     """``torch.utils._pytree.tree_flatten(out)``; a bare tensor without walking it."""
     return ([out], _TENSOR) if isinstance(out, torch.Tensor) else pytree.tree_flatten(out)
 
 
-def unflatten(leaves: list, spec: Any) -> Any:
+def unflatten(leaves: list[Any], spec: Any) -> Any:
     """``torch.utils._pytree.tree_unflatten``, at no cost for the specs ``flatten_call`` and
     ``flatten_output`` make without walking."""
     if spec is _TENSOR:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import optree
 import torch
@@ -42,10 +43,10 @@ class Encoded:
     """
 
     codec: Codec
-    shape: tuple
+    shape: tuple[Any, ...]
     dtype: torch.dtype
     arg: int
-    payload: tuple
+    payload: tuple[Any, ...]
 
     @property
     def nbytes(self) -> int:
@@ -68,14 +69,14 @@ class Codec:
     def decode(self, enc: Encoded) -> torch.Tensor:
         raise NotImplementedError
 
-    def layout(self, shape: tuple, dtype: torch.dtype, arg: int) -> tuple:
+    def layout(self, shape: tuple[Any, ...], dtype: torch.dtype, arg: int) -> tuple[Any, ...]:
         raise NotImplementedError
 
-    def arg_for(self, shape: tuple) -> int:
+    def arg_for(self, shape: tuple[Any, ...]) -> int:
         """The ``arg`` of every encoding of a tensor of ``shape`` (what a receiver allocates for)."""
         return 0
 
-    def _encoded(self, t: torch.Tensor, payload: tuple, arg: int = 0) -> Encoded:
+    def _encoded(self, t: torch.Tensor, payload: tuple[Any, ...], arg: int = 0) -> Encoded:
         return Encoded(self, tuple(t.shape), t.dtype, arg, tuple(p.contiguous() for p in payload))
 
     def as_pass(self) -> Pass:
@@ -90,7 +91,7 @@ class Codec:
         return self.name
 
 
-def round_trip(codec: Codec, adj: AdjointState) -> tuple[AdjointState, list]:
+def round_trip(codec: Codec, adj: AdjointState) -> tuple[AdjointState, list[Any]]:
     """``(adj with each tensor of its costate replaced by decode(encode(tensor)), the Encoded of each
     leaf)``: a costate is a tensor or a pytree of them, ``None`` where a leaf has none (no Encoded)."""
     leaves, spec = optree.tree_flatten(adj.value, none_is_leaf=True, namespace=NAMESPACE)

@@ -64,8 +64,8 @@ class Mesh:
     dp: int
     stage_rank: int
     replica: int
-    pipeline_ranks: tuple
-    data_ranks: tuple
+    pipeline_ranks: tuple[Any, ...]
+    data_ranks: tuple[Any, ...]
     data_group: Any
     device_mesh: Any
 
@@ -169,7 +169,7 @@ class Reducer:
 
     def __init__(self, group: Any):
         self.group, self.size, self.host = group, dist.get_world_size(group), host_group(group)
-        self.launched: list = []
+        self.launched: list[Any] = []
         self.stats = {"bytes_sent": 0, "wait_s": 0.0, "buckets": 0}
 
     def start(self, i: int, grads: Mapping[str, torch.Tensor | None], like: Mapping[str, torch.Tensor]) -> None:
@@ -182,7 +182,7 @@ class Reducer:
         self.stats["buckets"] += len(made)
         self.launched.append((i, like, flags, made, works))
 
-    def ready(self, wait: bool) -> list[tuple[int, dict]]:
+    def ready(self, wait: bool) -> list[tuple[int, dict[Any, Any]]]:
         done = []
         while self.launched and (wait or all(work.is_completed() for work in self.launched[0][-1])):
             i, like, flags, made, works = self.launched.pop(0)
@@ -213,7 +213,7 @@ def buckets(
     return out
 
 
-def averaged(summed: list, like: Mapping[str, torch.Tensor], used: Mapping[str, int]) -> dict:
+def averaged(summed: list[Any], like: Mapping[str, torch.Tensor], used: Mapping[str, int]) -> dict[Any, Any]:
     """The gradients of the summed ``buckets``, each member in ``like``'s shape, where some replica
     used it (``used[name] > 0``: the number that did); the members none used are left out."""
     out = {}
@@ -224,7 +224,7 @@ def averaged(summed: list, like: Mapping[str, torch.Tensor], used: Mapping[str, 
     return {n: out[n] for n in like if n in out}
 
 
-def model_layout(params: Mapping[str, torch.Tensor]) -> dict:
+def model_layout(params: Mapping[str, torch.Tensor]) -> dict[Any, Any]:
     """``replica_layout`` of a model swept whole (run-time cuts): its parameters by name, one entry."""
     entries = [("the model", n, tuple(t.shape), str(t.dtype), trained(t)) for n, t in params.items()]
     return {"stages": ["the model"], "params": entries, "ties": []}
@@ -234,7 +234,9 @@ def trained(t: torch.Tensor) -> bool:
     return t.requires_grad and is_differentiable(t)
 
 
-def average_model_grads(group: Any, params: Mapping[str, torch.Tensor], grads: dict) -> tuple[dict, dict]:
+def average_model_grads(
+    group: Any, params: Mapping[str, torch.Tensor], grads: dict[Any, Any]
+) -> tuple[dict[Any, Any], dict[Any, Any]]:
     """``(grads averaged over the replicas of group, the Reducer's stats)`` for a model swept whole
     (run-time cuts, whose stages are the calls each replica made: a MoE replica may call other
     experts; the replicas ``agree`` on ``model_layout`` before its forward): one ``Reducer`` step over
@@ -263,7 +265,7 @@ def warn_local_gradients(where: str) -> None:
     )
 
 
-def replica_layout(chain: Chain, params: tuple, groups: list) -> dict:
+def replica_layout(chain: Chain, params: tuple[Any, ...], groups: list[Any]) -> dict[Any, Any]:
     """What the replicas of a ``data_parallel=`` sweep must share for their stage-by-stage reductions to
     pair up: the stages, each parameter leaf's path, shape, dtype and whether it is trained (a float
     and not ``requires_grad=False`` in its module), and the tied groups (``tie_groups``)."""
@@ -279,7 +281,7 @@ def replica_layout(chain: Chain, params: tuple, groups: list) -> dict:
     return {"stages": list(chain.labels), "params": entries, "ties": ties}
 
 
-def replica_differences(layouts: list, ranks: list) -> list[str]:
+def replica_differences(layouts: list[Any], ranks: list[Any]) -> list[str]:
     """What differs between each rank's ``replica_layout`` and the first rank's, in words."""
     first, r0 = layouts[0], ranks[0]
     out = []
@@ -304,7 +306,7 @@ def replica_differences(layouts: list, ranks: list) -> list[str]:
     return out
 
 
-def _described(entry: list) -> str:
+def _described(entry: list[Any]) -> str:
     shape, dtype, trained = entry
     return f"shape {shape}, {dtype}, {_trained(trained)}"
 
@@ -319,7 +321,7 @@ def digest(value: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(hashlib.sha256(repr(value).encode()).digest()), dtype=torch.uint8)
 
 
-_HOST_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> a gloo group of its ranks
+_HOST_GROUPS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # group -> a gloo group of its ranks
 
 
 def host_group(group: Any, timeout: datetime.timedelta | None = None) -> Any:
@@ -336,7 +338,7 @@ def host_group(group: Any, timeout: datetime.timedelta | None = None) -> Any:
     return made
 
 
-def agree(group: Any, layout: dict) -> None:
+def agree(group: Any, layout: dict[Any, Any]) -> None:
     """Every replica of ``group`` has this ``layout`` (``replica_layout``), or every one raises
     ``PeerError`` naming the difference. Every step all_gathers each replica's 32-byte digest of its
     layout over ``host_group`` (the layouts themselves only when the digests differ), so a replica
@@ -348,7 +350,7 @@ def agree(group: Any, layout: dict) -> None:
         dist.all_gather(everyone, mine, group=host)
         if all(torch.equal(d, mine) for d in everyone):
             return
-        layouts: list = [None] * len(ranks)
+        layouts: list[Any] = [None] * len(ranks)
         dist.all_gather_object(layouts, layout, group=host)
     except RuntimeError as e:
         raise PeerError(

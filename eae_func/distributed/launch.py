@@ -76,7 +76,7 @@ class Outcome:
 
 
 def spawn(
-    fn: Callable,
+    fn: Callable[..., Any],
     nprocs: int,
     *args: Any,
     timeout: float = 120.0,
@@ -98,7 +98,7 @@ def spawn(
     start = time.monotonic()
     for proc in procs:
         proc.start()
-    reported: dict[int, tuple] = {}
+    reported: dict[int, tuple[Any, ...]] = {}
     # Drain results while waiting: a rank blocks on a full pipe until its result is read.
     while any(proc.is_alive() for proc in procs) and time.monotonic() - start < timeout:
         _drain(results, reported)
@@ -115,7 +115,7 @@ def spawn(
     return outcomes
 
 
-def run(fn: Callable, nprocs: int, *args: Any, **options: Any) -> list:
+def run(fn: Callable[..., Any], nprocs: int, *args: Any, **options: Any) -> list[Any]:
     """``spawn`` that returns the ranks' values, or raises ``RuntimeError`` with every failed
     rank's traceback (or exit code)."""
     outcomes = spawn(fn, nprocs, *args, **options)
@@ -126,7 +126,7 @@ def run(fn: Callable, nprocs: int, *args: Any, **options: Any) -> list:
     return [o.value for o in outcomes]
 
 
-def _drain(results, reported: dict) -> None:
+def _drain(results, reported: dict[Any, Any]) -> None:
     while not results.empty():
         rank, payload = results.get()
         reported[rank] = pickle.loads(payload)

@@ -41,10 +41,10 @@ class Agreement:
     """
 
     digests: torch.Tensor
-    everyone: list
+    everyone: list[Any]
     loss_dtype: torch.dtype | None = None
-    presence: dict = dataclasses.field(default_factory=dict)
-    tied: dict | None = None
+    presence: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    tied: dict[Any, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +53,13 @@ class Tied:
     positions of its owners, of those whose partial sum of its gradients is a tensor (not ``None``),
     and that tensor's shape and dtype."""
 
-    owners: tuple
-    senders: tuple
-    shape: tuple = ()
+    owners: tuple[Any, ...]
+    senders: tuple[Any, ...]
+    shape: tuple[Any, ...] = ()
     dtype: torch.dtype | None = None
 
     @staticmethod
-    def of(owners: tuple, partials: list) -> Tied:
+    def of(owners: tuple[Any, ...], partials: list[Any]) -> Tied:
         """From every rank's partial sum (``None`` where it has none or uses none), in pipeline order."""
         senders = tuple(k for k, t in enumerate(partials) if t is not None)
         if not senders:
@@ -68,7 +68,7 @@ class Tied:
         return Tied(owners, senders, tuple(first.shape), first.dtype)
 
 
-def _shapes(trees: list) -> list:
+def _shapes(trees: list[Any]) -> list[Any]:
     """Per tree, the shapes and dtypes of its tensor leaves."""
     return [
         [
@@ -86,11 +86,11 @@ class Peers:
 
     chain: Chain
     rank: int
-    ranks: tuple
+    ranks: tuple[Any, ...]
     position: int
-    ranges: tuple
-    owned: tuple
-    stages: tuple
+    ranges: tuple[Any, ...]
+    owned: tuple[Any, ...]
+    stages: tuple[Any, ...]
     schedule: str
     group: Any
     host_group: Any
@@ -100,7 +100,7 @@ class Peers:
     costate_codec: Codec
     boundary_codec: Codec
 
-    def plan(self) -> dict:
+    def plan(self) -> dict[Any, Any]:
         """What every rank of the pipeline must agree on: ranks, stage ranges, schedule, codecs and
         the chain's structure (stage names; a module stage's parameter names, shapes and dtypes)."""
 
@@ -127,7 +127,7 @@ class Peers:
                 + "; ".join(differences)
             )
 
-    def _agree_on_step(self, opts: Options, groups: list, pieces: list) -> Agreement:
+    def _agree_on_step(self, opts: Options, groups: list[Any], pieces: list[Any]) -> Agreement:
         """The ranks' agreement on this step's options, the tied tensors found in params and (from the
         first and last ranks) the microbatches' shapes; ``PeerError`` naming what differs: a rank with
         another key, an extra pass or another boundary dtype would compute gradients no single sweep
@@ -156,7 +156,7 @@ class Peers:
         self.agreement = Agreement(rows[:, :32], everyone)
         return self.agreement
 
-    def _step_options(self, opts: Options, groups: list, pieces: list) -> dict:
+    def _step_options(self, opts: Options, groups: list[Any], pieces: list[Any]) -> dict[Any, Any]:
         """What this rank says about a step: its options and tied tensors, the shapes of its
         microbatches' inputs (the first rank: the others receive into buffers of their shapes) or
         loss args (the last rank: with its options, they fix the loss's dtype), and which of its uses
@@ -178,7 +178,7 @@ class Peers:
             "frozen": self._frozen_ties(groups),
         }
 
-    def _frozen_ties(self, groups: list) -> list:
+    def _frozen_ties(self, groups: list[Any]) -> list[Any]:
         """This rank's uses ``[stage, path]`` of tied tensors that are frozen (``requires_grad=False``)."""
         used = {i for group in groups for i, _ in group if i in self.stages}
         frozen = {i: self.chain.stages[i].frozen() for i in used}
@@ -193,9 +193,9 @@ class Peers:
             dist.all_gather(everyone, row, group=self.host_group)
         return torch.stack(everyone)
 
-    def _gather(self, mine: Any, what: str, group: Any) -> list:
+    def _gather(self, mine: Any, what: str, group: Any) -> list[Any]:
         """Every pipeline rank's ``mine``, in pipeline order (pickled)."""
-        everyone: list = [None] * len(self.ranks)
+        everyone: list[Any] = [None] * len(self.ranks)
         with self._exchanging(what):
             dist.all_gather_object(everyone, mine, group=group)
         return everyone
@@ -211,7 +211,7 @@ class Peers:
                 f"({self.timeout:g} s); a peer died, stalled or is not in this pipeline: {e}"
             ) from e
 
-    def _differences(self, everyone: list) -> list:
+    def _differences(self, everyone: list[Any]) -> list[Any]:
         mine = everyone[self.position]
         return [
             f"{key}: {mine[key]} here, {theirs.get(key)} on rank {rank}"
@@ -250,7 +250,7 @@ class Peers:
         last = self.ranks[-1]
         with self._exchanging(f"the loss from rank {last}"):
             if agreement.loss_dtype is None:
-                held: list = [loss]
+                held: list[Any] = [loss]
                 dist.broadcast_object_list(held, src=last, group=self.group)
                 agreement.loss_dtype = held[0].dtype
                 return held[0].to(self.device)
@@ -266,18 +266,20 @@ class Peers:
             dist.broadcast(loss, src=last, group=self.group)
             return loss
 
-    def _tie(self, params: tuple, grads: tuple, groups: list, agreement: Agreement) -> tuple:
+    def _tie(
+        self, params: tuple[Any, ...], grads: tuple[Any, ...], groups: list[Any], agreement: Agreement
+    ) -> tuple[Any, ...]:
         """Give every use of a tied tensor the sum of all uses' gradients (``ties.tie_grads``): each rank
         sums its own uses in order, and where a group spans ranks the partial sums (``_partials``) are
         added in rank order, so every owner holds bit-identical totals."""
 
-        def combine(partial: dict) -> dict:
+        def combine(partial: dict[Any, Any]) -> dict[Any, Any]:
             parts = self._partials(partial, groups, agreement)
             return {n: functools.reduce(M.add, parts[n], None) for n in partial}
 
         return tie_grads(params, grads, groups, self.stages, combine)
 
-    def _partials(self, partial: dict, groups: list, agreement: Agreement) -> dict:
+    def _partials(self, partial: dict[Any, Any], groups: list[Any], agreement: Agreement) -> dict[Any, Any]:
         """Per tied group this rank uses, the owners' partial sums that are not ``None``, in rank order:
         its own where the group is this rank's alone; where it spans ranks, gathered pickled on the first
         step of the agreement (which learns ``agreement.tied``), later sent between the owners as
@@ -293,7 +295,7 @@ class Peers:
         agreement.tied = {n: Tied.of(o, sent[n]) for n, o in enumerate(owners) if len(o) > 1}
         return parts | {n: [t for t in sent[n] if t is not None] for n in partial if n in agreement.tied}
 
-    def _swap_partials(self, partial: dict, tied: dict) -> dict:
+    def _swap_partials(self, partial: dict[Any, Any], tied: dict[Any, Any]) -> dict[Any, Any]:
         """The partial sums of the spanning groups this rank owns, sent point to point between their
         owners as tensors of the shape and dtype the first step learnt; a partial sum that is ``None``
         now and was not then (or the other way round) is refused."""

@@ -83,7 +83,7 @@ class PipelineResult(SweepResult):
     stages:     the stage indices this rank owns.
     """
 
-    stages: tuple = ()
+    stages: tuple[Any, ...] = ()
 
 
 class Pipeline(Peers):
@@ -110,9 +110,9 @@ class Pipeline(Peers):
     def __init__(
         self,
         chain: Chain,
-        ranges: Sequence | None = None,
+        ranges: Sequence[Any] | None = None,
         *,
-        params: Sequence | None = None,
+        params: Sequence[Any] | None = None,
         ranks: Sequence[int] | None = None,
         schedule: str = "1f1b",
         ranges_per_rank: int | None = None,
@@ -160,16 +160,16 @@ class Pipeline(Peers):
         self.host_group = host_group(self.group, datetime.timedelta(seconds=self.timeout))
         self.failure: str | None = None
         self.agreement: Agreement | None = None
-        self._schedules: dict = {}
+        self._schedules: dict[Any, Any] = {}
         self._agree()
 
     def sweep(
         self,
-        params: Sequence,
+        params: Sequence[Any],
         x: Any = None,
         *loss_args: Any,
         pass_state: Any = None,
-        buffers: Sequence | None = None,
+        buffers: Sequence[Any] | None = None,
         **options: Unpack[SweepOptions],
     ) -> PipelineResult:
         """This rank's part of ``ef.sweep(chain, params, x, *loss_args, **options)``.
@@ -222,7 +222,7 @@ class Pipeline(Peers):
         own_buffers = tuple(step.buffers[i] for i in self.stages)
         return PipelineResult(loss, grads, trace, own_buffers, step.pass_state, Measurements(stats), stages=self.stages)
 
-    def _pieces(self, opts: Options, x: Any, loss_args: tuple) -> list:
+    def _pieces(self, opts: Options, x: Any, loss_args: tuple[Any, ...]) -> list[Any]:
         """The step's microbatches of what this rank reads: the input (first rank; the last rank may
         weigh its pieces by x's rows, for a loss without targets) and the loss args (last rank)."""
         first, last = self.position == 0, self.position == len(self.ranks) - 1
@@ -242,7 +242,9 @@ class Pipeline(Peers):
             )
         return pieces
 
-    def _checked_schedule(self, agreement: Agreement, opts: Options, state: Any, device: torch.device) -> tuple:
+    def _checked_schedule(
+        self, agreement: Agreement, opts: Options, state: Any, device: torch.device
+    ) -> tuple[Any, ...]:
         """``_schedule_for`` the first rank's microbatch shape, once the shapes and passes allow it."""
         shapes, m = agreement.everyone[0]["inputs"], opts.microbatches
         if len({repr(s) for s in shapes}) > 1:
@@ -276,7 +278,7 @@ class Pipeline(Peers):
             ) from e
         return time.perf_counter() - began
 
-    def _stats(self, stats: dict, step: Step, wall: float, m: int, schedule: Any) -> dict:
+    def _stats(self, stats: dict[Any, Any], step: Step, wall: float, m: int, schedule: Any) -> dict[Any, Any]:
         """``stats`` with the wire's counts and the schedule's busy and step seconds and bubble."""
         p = len(self.ranks)
         stats["wire"] = dict(step.counts)
@@ -323,12 +325,12 @@ class Pipeline(Peers):
                 f"(zbp, exact, twin, frozen)"
             )
 
-    def _schedule_for(self, shape: Any, m: int, device: torch.device) -> tuple:
+    def _schedule_for(self, shape: Any, m: int, device: torch.device) -> tuple[Any, ...]:
         """This rank's stages and pipelining's schedule for microbatches of ``shape`` (built once
         per shape and count: pipelining infers what crosses each cut on the first step)."""
         key = (repr(shape), m, str(device))
         if key not in self._schedules:
-            specs: dict = {}  # range -> the tree structure of what it sends, shared by this rank's ranges
+            specs: dict[Any, Any] = {}  # range -> the tree structure of what it sends, shared by this rank's ranges
             stages = [
                 RangeStage(
                     r,
@@ -367,7 +369,7 @@ class Pipeline(Peers):
                 return False
         return True
 
-    def _collect(self, stages: list, m: int) -> tuple:
+    def _collect(self, stages: list[Any], m: int) -> tuple[Any, ...]:
         """``(loss on the last rank else None, grads per stage, trace, stats)`` from the stages' pieces."""
         grads, trace, stats, loss = [], (), {}, None
         for stage in stages:

@@ -25,7 +25,7 @@ SCHEDULES = {
 SINGLE = ("gpipe", "1f1b")  # one stage range per rank
 
 
-def balance(params: Sequence, parts: int) -> tuple[tuple[int, int], ...]:
+def balance(params: Sequence[Any], parts: int) -> tuple[tuple[int, int], ...]:
     """Contiguous stage ranges ``(lo, hi)``, one per part, none empty, minimising the largest
     part's parameter count (a tied tensor counts in every stage that uses it)."""
     sizes = [sum(t.numel() for t in optree.tree_leaves(p, namespace=NAMESPACE)) for p in params]
@@ -53,7 +53,7 @@ def balance(params: Sequence, parts: int) -> tuple[tuple[int, int], ...]:
     return tuple(reversed(ranges))
 
 
-def check_ranges(ranges: Sequence, stages: int, parts: int, per_rank: int) -> tuple:
+def check_ranges(ranges: Sequence[Any], stages: int, parts: int, per_rank: int) -> tuple[Any, ...]:
     ranges = tuple((int(lo), int(hi)) for lo, hi in ranges)
     if len(ranges) != parts:
         raise ValueError(

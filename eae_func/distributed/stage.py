@@ -64,11 +64,11 @@ class Step:
     computation."""
 
     pieces: Sequence[Microbatch]
-    buffers: tuple
+    buffers: tuple[Any, ...]
     pass_state: Any
-    presence: dict = dataclasses.field(default_factory=dict)
+    presence: dict[Any, Any] = dataclasses.field(default_factory=dict)
     busy_s: float = 0.0
-    counts: dict = dataclasses.field(default_factory=dict)
+    counts: dict[Any, Any] = dataclasses.field(default_factory=dict)
     failed_here: bool = False
 
     @contextlib.contextmanager
@@ -106,19 +106,19 @@ class RangeStage(PipelineStage):
         group: Any,
         codecs: tuple[Codec, Codec],
         where: str,
-        specs: dict,
+        specs: dict[Any, Any],
     ):
         super().__init__(torch.nn.Module(), index, num_ranges, device, group=group)
         self.lo, self.hi, self.codecs, self.where, self.specs = lo, hi, codecs, where, specs
         self.runner: Range | None = None
         self.step: Step | None = None
         self.tapes: dict[int, Tape] = {}
-        self.ran_with: dict[int, tuple] = {}
+        self.ran_with: dict[int, tuple[Any, ...]] = {}
         self.done: dict[int, Piece] = {}
         self.inbox: dict[int, Any] = {}  # boundary states received, encoded
         self.outbox: dict[int, Any] = {}  # boundary states to send
-        self.costates_in: dict[int, tuple] = {}  # (flags, encoded per leaf) received
-        self.costates_out: dict[int, tuple] = {}  # (flags, encoded per leaf) to send
+        self.costates_in: dict[int, tuple[Any, ...]] = {}  # (flags, encoded per leaf) received
+        self.costates_out: dict[int, tuple[Any, ...]] = {}  # (flags, encoded per leaf) to send
 
     def begin(self, runner: Range, step: Step) -> None:
         self.end()
@@ -132,7 +132,9 @@ class RangeStage(PipelineStage):
 
     # -- compute
 
-    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple, kwargs: dict | None = None, save_forward_output=True):
+    def forward_one_chunk(
+        self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[Any, Any] | None = None, save_forward_output=True
+    ):
         j, step, runner = fwd_chunk_id, self._step, self._runner
         with step.computing(f"the forward of microbatch {j} on {self.where}"):
             h = (
@@ -194,7 +196,7 @@ class RangeStage(PipelineStage):
         self.costates_out[j] = costate_message(encoded, metas, codec, self.device)
         return piece
 
-    def _presence(self, j: int, flags: torch.Tensor) -> tuple:
+    def _presence(self, j: int, flags: torch.Tensor) -> tuple[Any, ...]:
         """Which leaves of the costate received for microbatch j carry one: the message's flags, read
         on the first step of the agreement, then known (``_promise``)."""
         key = (self.hi, j)
@@ -202,7 +204,7 @@ class RangeStage(PipelineStage):
             self._step.presence[key] = tuple(bool(f) for f in flags.tolist())
         return self._step.presence[key]
 
-    def _promise(self, j: int, present: tuple, what: str) -> None:
+    def _promise(self, j: int, present: tuple[Any, ...], what: str) -> None:
         """Record which leaves of the costate sent for microbatch j carry one, on the first step of the
         agreement; on later steps refuse another set: the receiver no longer reads the flags."""
         known = self._step.presence.setdefault((self.lo, j), present)
@@ -216,21 +218,21 @@ class RangeStage(PipelineStage):
 
     # -- messages
 
-    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[Any]:
         if self.is_first:
             return []
         metas = self._crossing("inputs")
         encoded = self.inbox[fwd_chunk_id] = [empty(self._codec(0, meta), meta, self.device) for meta in metas]
         return self._ops(dist.irecv, wire_tensors(encoded), self.stage_index - 1, "activation", "received")
 
-    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[Any]:
         if self.is_last:
             return []
         leaves = self.specs[self.stage_index].flatten_up_to(self.outbox.pop(fwd_chunk_id))
         encoded = [self._codec(0, t).encode(t) for t in leaves]
         return self._ops(dist.isend, wire_tensors(encoded), self.stage_index + 1, "activation", "sent")
 
-    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[Any]:
         if self.is_last or not self.has_backward:
             return []
         flags, encoded = self.costates_in[bwd_chunk_id] = costate_inbox(
@@ -238,13 +240,13 @@ class RangeStage(PipelineStage):
         )
         return self._ops(dist.irecv, (flags, *wire_tensors(encoded)), self.stage_index + 1, "costate", "received")
 
-    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[Any]:
         if self.is_first or not self.has_backward:
             return []
         flags, encoded = self.costates_out.pop(bwd_chunk_id)
         return self._ops(dist.isend, (flags, *wire_tensors(encoded)), self.stage_index - 1, "costate", "sent")
 
-    def _ops(self, op, tensors: Sequence[torch.Tensor], peer_range: int, kind: str, direction: str) -> list:
+    def _ops(self, op, tensors: Sequence[torch.Tensor], peer_range: int, kind: str, direction: str) -> list[Any]:
         self._step.count(kind, direction, tensors)
         peer = self._resolve_peer_global_rank(peer_range)
         return [dist.P2POp(op, t, peer, self.group) for t in tensors]
@@ -272,7 +274,9 @@ class RangeStage(PipelineStage):
         leaves, self.specs[self.stage_index] = B.leaves(tape.take_output(), f"the output of {self.where}")
         return tuple(t.detach().requires_grad_(differentiable(t)) for t in leaves)
 
-    def _compute_input_grads(self, outputs: list, all_fwd_inputs: list, grad_outputs: list | None = None) -> tuple:
+    def _compute_input_grads(
+        self, outputs: list[Any], all_fwd_inputs: list[Any], grad_outputs: list[Any] | None = None
+    ) -> tuple[Any, ...]:
         """A costate of each floating input's shape and dtype (the runner computes the real ones)."""
         return tuple(torch.zeros_like(t) if t.is_floating_point() else None for t in all_fwd_inputs)
 
@@ -288,7 +292,7 @@ class RangeStage(PipelineStage):
             meta, self.specs[src_stage] = meta
         return meta
 
-    def _crossing(self, side: str) -> tuple:
+    def _crossing(self, side: str) -> tuple[Any, ...]:
         """Pipelining's metadata (shape, dtype) of each leaf of what enters (``"inputs"``) or leaves this range."""
         metas = getattr(self._stage_meta, side)
         assert metas is not None, "pipelining infers the metadata on the first step"
@@ -317,7 +321,7 @@ def empty(codec: Codec, meta: Any, device: torch.device) -> Encoded:
     return Encoded(codec, shape, meta.dtype, arg, payload)
 
 
-def costate_leaves(costate: Any, spec: Any, metas: Sequence, what: str) -> list:
+def costate_leaves(costate: Any, spec: Any, metas: Sequence[Any], what: str) -> list[Any]:
     """The costate of a boundary of structure ``spec`` and leaves like ``metas``, one entry per leaf:
     ``None`` where it has none and at every integer or boolean leaf (the fold would not use one), else
     the leaf's costate in the leaf's dtype. Another structure, or a leaf of another shape, is refused."""
@@ -334,7 +338,9 @@ def costate_leaves(costate: Any, spec: Any, metas: Sequence, what: str) -> list:
     return [None if t is None or not differentiable(m) else t.to(m.dtype) for t, m in zip(leaves, metas)]
 
 
-def costate_message(encoded: Sequence, metas: Sequence, codec: Codec, device: torch.device) -> tuple:
+def costate_message(
+    encoded: Sequence[Any], metas: Sequence[Any], codec: Codec, device: torch.device
+) -> tuple[Any, ...]:
     """``(flags, encoded)`` as they go on the wire: a flag per leaf (1 where ``encoded`` has a costate),
     the codec's payload of every floating leaf (zeros where it has none), nothing for the others."""
     flags = torch.tensor([enc is not None for enc in encoded], dtype=torch.uint8, device=device)
@@ -343,19 +349,19 @@ def costate_message(encoded: Sequence, metas: Sequence, codec: Codec, device: to
     ]
 
 
-def costate_inbox(metas: Sequence, codec: Codec, device: torch.device) -> tuple:
+def costate_inbox(metas: Sequence[Any], codec: Codec, device: torch.device) -> tuple[Any, ...]:
     """``(flags, encoded)`` to receive a costate message into (``costate_message``'s layout)."""
     flags = torch.zeros(len(metas), dtype=torch.uint8, device=device)
     return flags, [empty(codec, m, device) if differentiable(m) else None for m in metas]
 
 
-def received_costate(present: Sequence[bool], encoded: Sequence, spec: Any) -> Any:
+def received_costate(present: Sequence[bool], encoded: Sequence[Any], spec: Any) -> Any:
     """The costate a received message carries, in the boundary's structure ``spec``: each leaf decoded
     where ``present`` (the message's flags), else ``None``."""
     return spec.unflatten([enc.decode() if on else None for on, enc in zip(present, encoded)])
 
 
-def _indices(present: tuple) -> list:
+def _indices(present: tuple[Any, ...]) -> list[Any]:
     return [k for k, on in enumerate(present) if on]
 
 

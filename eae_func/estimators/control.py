@@ -101,7 +101,7 @@ class ControlVariate:
     def __init__(
         self,
         estimator: ZBP | ModelLevel | Guided,
-        twin: Callable | Mapping[str, Callable],
+        twin: Callable[..., Any] | Mapping[str, Callable[..., Any]],
         beta: float | str = 1.0,
         twin_directional: str = "exact",
         decay: float = 0.9,
@@ -150,7 +150,7 @@ class ControlVariate:
         self.estimator, self.beta, self.twin_directional, self.decay = estimator, beta, twin_directional, float(decay)
         self.shrink, self.horizon = (shrink if shrink in (None, "auto") else float(shrink)), float(horizon)
         self.scope = base.scope
-        self.state: Mapping[tuple[str, str], tuple] = MappingProxyType({})
+        self.state: Mapping[tuple[str, str], tuple[Any, ...]] = MappingProxyType({})
 
     @property
     def differentiates(self) -> bool:
@@ -206,7 +206,7 @@ class ControlVariate:
             return max(d / n - 1, 0.0)
         return (d + 1) / n if probes.kind == "gaussian" else (d - 1) / n
 
-    def estimate(self, sums: Sums, name: str, space: str, d: int | None = None) -> tuple[torch.Tensor, dict]:
+    def estimate(self, sums: Sums, name: str, space: str, d: int | None = None) -> tuple[torch.Tensor, dict[Any, Any]]:
         """The estimate from ``sums``; ``d``: the dimension one scalar probes (default: ``s``'s last)."""
         shrink = None
         if self.shrink is not None:
@@ -222,9 +222,9 @@ class ControlVariate:
         wrapped = self.base
         if isinstance(wrapped, ZBP):
             return wrapped.prepare(problem)
-        measured: dict = {}
+        measured: dict[Any, Any] = {}
 
-        def costates(run: Any) -> dict:
+        def costates(run: Any) -> dict[Any, Any]:
             measured["call"] = twin_network(problem, run, self.twins)
             measured["s"] = twin_costates(problem, run, measured["call"])
             return measured["s"]
@@ -238,7 +238,7 @@ class ControlVariate:
         twin = None
         if self.twin_directional == "fd" and wrapped.form != "oracle":  # the network of twins, probed alike
             twin = wrapped.measurements(dataclasses.replace(problem, run=twin_call, meter=None), states=run)[1]
-        sums: dict = {}
+        sums: dict[Any, Any] = {}
         for chunk, paired in zip(chunks, repeat(None) if twin is None else twin):
             shared = None
             for i, (u, ug) in chunk.items():
@@ -270,7 +270,7 @@ class ControlVariate:
         probing = self.fd and bool(param_leaves(problem.params[i])[0])
         if isinstance(wrapped, ZBP):
             twin_grads, twin_in = twin_vjp(problem, i, h_in, costate, fn)
-            cost: dict = {"queries": 2 * wrapped.probes.n, "twin_calls": 1}
+            cost: dict[Any, Any] = {"queries": 2 * wrapped.probes.n, "twin_calls": 1}
             guide = self.guide_vjp(problem, i, h_in, costate, (twin_grads, twin_in), cost)
             estimate = []
             if flat.d:
@@ -307,7 +307,9 @@ class ControlVariate:
             grads, param_cost = exact_param_grads(problem, i, h_in, costate)
         return grads, costate_like(estimate), {**cost, **param_cost}
 
-    def guide_vjp(self, problem: Problem, i: int, h_in: Any, costate: Any, twin: tuple, cost: dict) -> tuple | None:
+    def guide_vjp(
+        self, problem: Problem, i: int, h_in: Any, costate: Any, twin: tuple[Any, ...], cost: dict[Any, Any]
+    ) -> tuple[Any, ...] | None:
         """The guiding twin's ``(parameter gradients, input costate)`` at stage i: ``twin`` (this
         estimator's twin's) where the same twin guides, else its own vjp (one more twin call in
         ``cost``); ``None`` unguided."""
@@ -320,8 +322,15 @@ class ControlVariate:
         return twin_vjp(problem, i, h_in, costate, other)
 
     def param_grads(
-        self, problem: Problem, i: int, h_in: Any, costate: Any, fn: Callable, twin_grads: Any, draw: Callable | None
-    ) -> tuple[Any, dict]:
+        self,
+        problem: Problem,
+        i: int,
+        h_in: Any,
+        costate: Any,
+        fn: Callable[..., Any],
+        twin_grads: Any,
+        draw: Callable[..., Any] | None,
+    ) -> tuple[Any, dict[Any, Any]]:
         """The control variate on stage i's probed parameter directions (``draw``: guided ones), ``s_W``
         the twin's parameter vjp ``twin_grads``."""
         wrapped = self.base
@@ -346,7 +355,7 @@ def positions(s: torch.Tensor) -> int:
 
 def control_variate(
     estimator: ZBP | ModelLevel,
-    twin: Callable | Mapping[str, Callable],
+    twin: Callable[..., Any] | Mapping[str, Callable[..., Any]],
     beta: float | str = 1.0,
     twin_directional: str = "exact",
     decay: float = 0.9,

@@ -68,7 +68,7 @@ class Guided:
     def __init__(
         self,
         estimator: ZBP | ModelLevel,
-        twin: Callable | Mapping[str, Callable],
+        twin: Callable[..., Any] | Mapping[str, Callable[..., Any]],
         history: int = 0,
         combine: str = "span",
     ):
@@ -134,14 +134,14 @@ class Guided:
         past = self.past_guides(problem.chain.names[i])
         return guided_draw(self.estimator.probes, param_vector(problem, i, twin_grads), past)
 
-    def recorded(self, problem: Problem, i: int, grads: Any) -> dict:
+    def recorded(self, problem: Problem, i: int, grads: Any) -> dict[Any, Any]:
         """What ``observe`` reads: stage i's parameter estimate ``grads`` as one vector (with history)."""
         return {"param_estimate": param_vector(problem, i, grads)} if self.history else {}
 
     def check(self, chain: Chain, physical: tuple[int, ...]) -> None:
         self.twins.check(chain, physical)
 
-    def guides(self, problem: Problem) -> Callable[[Any], dict]:
+    def guides(self, problem: Problem) -> Callable[[Any], dict[Any, Any]]:
         """``guide(run)``: the twins' input costates at the states a model-level ``run`` measured."""
         return lambda run: twin_costates(problem, run, twin_network(problem, run, self.twins))
 
@@ -215,7 +215,10 @@ def orthogonalized(s: torch.Tensor, past: Sequence[torch.Tensor]) -> list[torch.
 
 
 def guided(
-    estimator: ZBP | ModelLevel, twin: Callable | Mapping[str, Callable], history: int = 0, combine: str = "span"
+    estimator: ZBP | ModelLevel,
+    twin: Callable[..., Any] | Mapping[str, Callable[..., Any]],
+    history: int = 0,
+    combine: str = "span",
 ) -> Guided:
     """zbp, np or direct whose probes are guided by ``twin`` (``fn(params, h)``, or one per stage
     name): one along the twin's costate, measured exactly, the other n − 1 isotropic and orthogonal

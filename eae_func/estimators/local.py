@@ -68,7 +68,7 @@ class Flat:
     ``batch_shape`` the first ``batch_dims`` dims (shared by all leaves), ``d`` the rest of every
     leaf flattened and concatenated."""
 
-    def __init__(self, floats: list, batch_dims: int, context: str):
+    def __init__(self, floats: list[Any], batch_dims: int, context: str):
         for t in floats:
             if t.ndim < batch_dims:
                 raise ValueError(
@@ -83,11 +83,11 @@ class Flat:
         self.sizes = [int(torch.Size(s[batch_dims:]).numel()) for s in shapes]
         self.d = sum(self.sizes)
 
-    def vector(self, floats: list) -> torch.Tensor:
+    def vector(self, floats: list[Any]) -> torch.Tensor:
         """``(*batch_shape, d)`` from the leaves."""
         return torch.cat([t.reshape(*self.batch_shape, -1) for t in floats], dim=-1)
 
-    def leaves(self, v: torch.Tensor) -> list:
+    def leaves(self, v: torch.Tensor) -> list[Any]:
         """The leaves from ``v: (*lead, *batch_shape, d)``, each ``(*lead, *leaf_shape)``."""
         lead = v.shape[: v.ndim - len(self.batch_shape) - 1]
         return [piece.reshape((*lead, *shape)) for piece, shape in zip(v.split(self.sizes, dim=-1), self.shapes)]
@@ -98,7 +98,7 @@ def per_position(v: torch.Tensor, batch_dims: int, lead: int = 1) -> torch.Tenso
     return v.reshape(*v.shape[: lead + batch_dims], -1).sum(-1)
 
 
-def inner(tangents: list, costates: list, batch_dims: int, where: str) -> torch.Tensor:
+def inner(tangents: list[Any], costates: list[Any], batch_dims: int, where: str) -> torch.Tensor:
     """``Σ_leaves <tangent, costate>`` per probe and batch position: tangents ``(k, *leaf_shape)``."""
     total = None
     for t, p in zip(tangents, costates):
@@ -134,7 +134,7 @@ def perturb_folded(h: Any, k: int, flat: Flat, delta: torch.Tensor, where: str) 
     return rebuild(shifted)
 
 
-def unfold(out: Any, k: int, where: str) -> list:
+def unfold(out: Any, k: int, where: str) -> list[Any]:
     """Differentiable leaves of a folded output, each ``(k, B, ...)``."""
     floats, _, _ = B.split(out, where)
     result = []
@@ -153,17 +153,17 @@ class OutputLeaves:
     leaves]``; ``mask`` records which output leaves those are (set on the first call), to pair
     them with the costate's leaves."""
 
-    def __init__(self, problem: Problem, i: int, fn: Callable | None = None):
+    def __init__(self, problem: Problem, i: int, fn: Callable[..., Any] | None = None):
         self.problem, self.i, self.fn = problem, i, fn
         self.mask: list[bool] = []
 
-    def __call__(self, params: Any, h: Any) -> list:
+    def __call__(self, params: Any, h: Any) -> list[Any]:
         out = call(self.problem, self.i, params, h) if self.fn is None else self.fn(params, h)
         flat = B.leaves(out, f"output of {where(self.problem, self.i)}")[0]
         self.mask = [B.is_differentiable(t) for t in flat]
         return [t for t, m in zip(flat, self.mask) if m]
 
-    def costates(self, costate: Any) -> list:
+    def costates(self, costate: Any) -> list[Any]:
         """The costate at each differentiable output leaf (``None`` where it has none)."""
         leaves = optree.tree_leaves(costate, none_is_leaf=True, namespace=NAMESPACE)
         return [p for p, m in zip(leaves, self.mask) if m]
@@ -174,7 +174,7 @@ def call(problem: Problem, i: int, params: Any, h: Any) -> Any:
     return problem.call(i, params, h)
 
 
-def param_leaves(params: Any) -> tuple[list, Any]:
+def param_leaves(params: Any) -> tuple[list[Any], Any]:
     return optree.tree_flatten(params, namespace=NAMESPACE)
 
 
@@ -184,7 +184,7 @@ def param_vector(problem: Problem, i: int, grads: Any) -> torch.Tensor:
     return Flat(param_leaves(problem.params[i])[0], 0, f"params of {where(problem, i)}").vector(leaves)
 
 
-def exact_param_grads(problem: Problem, i: int, h_in: Any, costate: Any) -> tuple[Any, dict]:
+def exact_param_grads(problem: Problem, i: int, h_in: Any, costate: Any) -> tuple[Any, dict[Any, Any]]:
     """``J_W(h_i)ᵀ p`` by one local vjp w.r.t. the parameters only (``dense``)."""
     params = problem.params[i]
     if not param_leaves(params)[0]:
@@ -196,7 +196,9 @@ def exact_param_grads(problem: Problem, i: int, h_in: Any, costate: Any) -> tupl
     return dense(grads, params), {}
 
 
-def exact_vjp(problem: Problem, i: int, h_in: Any, costate: Any, fn: Callable | None = None) -> tuple[Any, Any]:
+def exact_vjp(
+    problem: Problem, i: int, h_in: Any, costate: Any, fn: Callable[..., Any] | None = None
+) -> tuple[Any, Any]:
     """``(J_W(h_i)ᵀ p, J_x(h_i)ᵀ p)`` by one local vjp (``dense``), the input costate mirroring ``h_in``;
     with ``fn(params, h)`` the vjp is ``fn``'s, at stage i's input and params (a twin's)."""
     floats, rebuild, costate_like = B.split(h_in, f"input of {where(problem, i)}")
@@ -206,7 +208,7 @@ def exact_vjp(problem: Problem, i: int, h_in: Any, costate: Any, fn: Callable | 
     return dense(grads, problem.params[i]), costate_like(g_in)
 
 
-def cotangent(problem: Problem, i: int, costate: Any, out: Any) -> list:
+def cotangent(problem: Problem, i: int, costate: Any, out: Any) -> list[Any]:
     """The costate at stage i's output ``out`` as the cotangent of its differentiable leaves."""
     leaves, spec = B.leaves(out, f"output of {where(problem, i)}")
     return V.cotangent(B.flat(costate, none_is_leaf=True), B.Layout.of_leaves(leaves, spec))
@@ -225,8 +227,14 @@ def dense(grads: Any, params: Any) -> Any:
 
 
 def fd_param_grads(
-    problem: Problem, i: int, h_in: Any, costate: Any, probes: Probes, eps: float, draw: Callable | None = None
-) -> tuple[Any, dict]:
+    problem: Problem,
+    i: int,
+    h_in: Any,
+    costate: Any,
+    probes: Probes,
+    eps: float,
+    draw: Callable[..., Any] | None = None,
+) -> tuple[Any, dict[Any, Any]]:
     """Parameter gradient from probed parameter directions v (shared by the whole batch):
     ``ĝ_W = (1/n) Σ_i v_i <(h(W+εv_i, x) − h(W−εv_i, x)) / 2ε, p>``, the black box only run forward
     (``draw`` as in ``param_directional``).
@@ -249,8 +257,8 @@ def param_directional(
     costate: Any,
     probes: Probes,
     eps: float,
-    fn: Callable | None = None,
-    draw: Callable | None = None,
+    fn: Callable[..., Any] | None = None,
+    draw: Callable[..., Any] | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """``(v, <(h(W+εv) − h(W−εv)) / 2ε, p>)`` chunk by chunk: stage i's parameter probes ``v: (k, d)``
     (its ``"params"`` stream, all leaves flattened) and the central differences of its output along

@@ -58,8 +58,8 @@ REDUCTIONS = ("mean", "sum")
 class Prepared:
     """ĝ_l as ``(*batch_shape, d_l)`` per probed physical stage, and each physical stage's cost."""
 
-    costates: dict
-    costs: dict
+    costates: dict[Any, Any]
+    costs: dict[Any, Any]
 
 
 class ModelLevel:
@@ -93,9 +93,9 @@ class ModelLevel:
     def __repr__(self) -> str:
         return f"{self.name}({self.probes!r}, form={self.form!r}, eps={self.eps:g}, reduction={self.reduction!r})"
 
-    def prepare(self, problem: Problem, guide: Callable[[Any], dict] | None = None) -> Prepared:
+    def prepare(self, problem: Problem, guide: Callable[[Any], dict[Any, Any]] | None = None) -> Prepared:
         run, chunks = self.measurements(problem, guide=guide)
-        totals: dict = {}
+        totals: dict[Any, Any] = {}
         for chunk in chunks:
             for i, (u, scalar) in chunk.items():
                 if i not in totals:
@@ -104,8 +104,8 @@ class ModelLevel:
         return Prepared({i: t / self.probes.n for i, t in totals.items()}, self.costs(problem))
 
     def measurements(
-        self, problem: Problem, states: Any = None, guide: Callable[[Any], dict] | None = None
-    ) -> tuple[Any, Iterator[dict]]:
+        self, problem: Problem, states: Any = None, guide: Callable[[Any], dict[Any, Any]] | None = None
+    ) -> tuple[Any, Iterator[dict[Any, Any]]]:
         """``(run, chunks)``: this microbatch's run (probe layouts; each physical stage's input and
         output as the estimator's forward measured them: ``run.boundaries``, ``run.outputs``) and,
         chunk by chunk, ``{stage: (u, scalar)}``: each probed stage's probes and the scalars the
@@ -135,11 +135,17 @@ class ModelLevel:
             run.guides = guide(run)
         return run, self.probe(run) if exact is None else self.oracle(run, exact)
 
-    def costs(self, problem: Problem) -> dict:
+    def costs(self, problem: Problem) -> dict[Any, Any]:
         return {i: {"queries": self.queries(problem, i)} for i in problem.physical}
 
     def stage_vjp(
-        self, problem: Problem, prepared: Prepared, i: int, h_in: Any, costate: Any, param_draw: Callable | None = None
+        self,
+        problem: Problem,
+        prepared: Prepared,
+        i: int,
+        h_in: Any,
+        costate: Any,
+        param_draw: Callable[..., Any] | None = None,
     ):
         """Physical stage i's reverse step: its estimated input costate, and its parameters' gradient
         (``param_draw``: the probed parameter directions, as in ``local.param_directional``)."""
@@ -152,10 +158,10 @@ class ModelLevel:
             grads, param_cost = exact_param_grads(problem, i, h_in, costate)
         return grads, input_costate, merge_counters(prepared.costs[i], param_cost)
 
-    def oracle(self, run: NetworkRun, exact: dict) -> Iterator[dict]:
+    def oracle(self, run: NetworkRun, exact: dict[Any, Any]) -> Iterator[dict[Any, Any]]:
         raise NotImplementedError
 
-    def probe(self, run: NetworkRun) -> Iterator[dict]:
+    def probe(self, run: NetworkRun) -> Iterator[dict[Any, Any]]:
         raise NotImplementedError
 
     def queries(self, problem: Problem, i: int) -> int:
@@ -167,16 +173,16 @@ class NodePerturbation(ModelLevel):
 
     name = "node_perturbation"
 
-    def oracle(self, run: NetworkRun, exact: dict) -> Iterator[dict]:
+    def oracle(self, run: NetworkRun, exact: dict[Any, Any]) -> Iterator[dict[Any, Any]]:
         return self._lockstep(
             run, lambda chunks: sum(per_position(u * exact[i], run.scalar_dims()) for i, u in chunks.items())
         )
 
-    def probe(self, run: NetworkRun) -> Iterator[dict]:
+    def probe(self, run: NetworkRun) -> Iterator[dict[Any, Any]]:
         slopes = run.slopes_jvp if self.form == "jvp" else run.slopes_fd
         return self._lockstep(run, lambda chunks: slopes(min(chunks), chunks))
 
-    def _lockstep(self, run: NetworkRun, scalars) -> Iterator[dict]:
+    def _lockstep(self, run: NetworkRun, scalars) -> Iterator[dict[Any, Any]]:
         """The probes of all probed stages drawn chunk by chunk in lockstep, one scalar D for all."""
         probed = run.probed
         if not probed:
@@ -194,12 +200,12 @@ class Direct(ModelLevel):
 
     name = "direct"
 
-    def oracle(self, run: NetworkRun, exact: dict) -> Iterator[dict]:
+    def oracle(self, run: NetworkRun, exact: dict[Any, Any]) -> Iterator[dict[Any, Any]]:
         for i, g in exact.items():
             for chunk in run.chunks([i], self.probes.batch_dims):
                 yield {i: (chunk[i], per_position(chunk[i] * g, self.probes.batch_dims))}
 
-    def probe(self, run: NetworkRun) -> Iterator[dict]:
+    def probe(self, run: NetworkRun) -> Iterator[dict[Any, Any]]:
         slopes = run.slopes_jvp if self.form == "jvp" else run.slopes_fd
         for i in run.probed:
             for chunk in run.chunks([i], run.scalar_dims()):

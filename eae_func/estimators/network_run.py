@@ -40,19 +40,19 @@ class NetworkRun:
     def __init__(self, estimator: Probing, problem: Problem):
         self.estimator, self.problem = estimator, problem
         self.physical = problem.physical
-        self.loss_args: tuple = problem.loss_args or ()
-        self.boundaries: dict = {}
-        self.outputs: dict = {}
-        self.flats: dict = {}
-        self.placements: dict = {}
-        self.guides: dict | None = None
+        self.loss_args: tuple[Any, ...] = problem.loss_args or ()
+        self.boundaries: dict[Any, Any] = {}
+        self.outputs: dict[Any, Any] = {}
+        self.flats: dict[Any, Any] = {}
+        self.placements: dict[Any, Any] = {}
+        self.guides: dict[Any, Any] | None = None
 
     def count(self, i: int, kind: str, rows: int) -> None:
         """One more call of stage i of ``kind`` (forward_calls, jvp_calls, backward_calls) on ``rows`` rows."""
         if i in self.physical:
             self.problem.charge(i, rows, kind)
 
-    def layout(self, i: int, floats: list) -> None:
+    def layout(self, i: int, floats: list[Any]) -> None:
         """Record the probe space of physical stage i's input from its differentiable leaves."""
         self.flats[i] = Flat(floats, self.estimator.probes.batch_dims, f"input of {where(self.problem, i)}")
         if floats:
@@ -64,7 +64,7 @@ class NetworkRun:
         return torch.zeros((*self.flats[i].batch_shape, self.flats[i].d), dtype=dtype, device=device)
 
     @property
-    def probed(self) -> list:
+    def probed(self) -> list[Any]:
         """Physical stages with a differentiable input (an integer input has no costate to estimate)."""
         return [i for i in self.physical if self.flats[i].d > 0]
 
@@ -73,7 +73,7 @@ class NetworkRun:
         flat, (dtype, device) = self.flats[i], self.placements[i]
         return self.estimator.probes.chunks(self.problem.probe_seed(i), flat.batch_shape, flat.d, dtype, device)
 
-    def chunks(self, stages: list, dims: int) -> Iterator[dict]:
+    def chunks(self, stages: list[Any], dims: int) -> Iterator[dict[Any, Any]]:
         """``{stage: u}`` chunk by chunk: the probes of ``stages`` drawn in lockstep, guided jointly
         along ``self.guides`` where set (``probes.guide``; ``dims``: the batch dims one scalar keeps)."""
         first = 0
@@ -92,7 +92,7 @@ class NetworkRun:
 
     # ---- oracle: exact input costates from one exact sweep ----
 
-    def exact_costates(self) -> dict:
+    def exact_costates(self) -> dict[Any, Any]:
         """g_l (times loss_scale) for every physical stage, from ``sweep`` without estimator."""
         p, chain = self.problem, self.problem.chain
 
@@ -139,7 +139,7 @@ class NetworkRun:
                 h = self.problem.fed(i, out)
         return h
 
-    def run(self, start: int, h: Any, shifts: dict, kind: str, copies: int = 1) -> Any:
+    def run(self, start: int, h: Any, shifts: dict[Any, Any], kind: str, copies: int = 1) -> Any:
         """Stages ``start..L-1`` on ``h`` (``copies`` of it under vmap); before stage i, ``shifts[i](h)``
         is applied."""
         for i in range(start, len(self.problem.chain)):
@@ -192,7 +192,7 @@ class NetworkRun:
         extra = len(self.flats[i].batch_shape) - (scalar.ndim - 1)
         return scalar.reshape(*scalar.shape, *[1] * (extra + 1))
 
-    def slopes_jvp(self, start: int, probes: dict) -> torch.Tensor:
+    def slopes_jvp(self, start: int, probes: dict[Any, Any]) -> torch.Tensor:
         """Per-sample directional derivatives of the loss shares, all ``probes[i]`` injected at once."""
         h0, order = self.boundaries[start], list(probes)
 
@@ -204,7 +204,7 @@ class NetworkRun:
         with forward_mode():  # every probe sees the tape's dropout masks (its RNG state replayed)
             return vmap(lambda *us: jvp(shares_at, zeros, us)[1], randomness="same")(*(probes[i] for i in order))
 
-    def slopes_fd(self, start: int, probes: dict) -> torch.Tensor:
+    def slopes_fd(self, start: int, probes: dict[Any, Any]) -> torch.Tensor:
         """Central differences of the loss shares, the ± copies of all probes folded into the batch."""
         eps = self.estimator.eps
         k = next(iter(probes.values())).shape[0]

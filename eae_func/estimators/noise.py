@@ -32,7 +32,12 @@ class NoiseEstimate:
 
 
 def suggest_eps(
-    stage: Stage | Callable, params: Any, x: torch.Tensor, repeats: int = 8, factor: float = 10.0, key: int = 0
+    stage: Stage | Callable[..., Any],
+    params: Any,
+    x: torch.Tensor,
+    repeats: int = 8,
+    factor: float = 10.0,
+    key: int = 0,
 ) -> NoiseEstimate:
     """σ from ``repeats`` queries of ``stage`` (a ``Stage`` or ``fn(params, x)``) at ``x``, the gain from
     two more at ``x ± δu`` (u rademacher drawn from ``key``, δ = 0.1 · rms(x)), and ε = factor · σ / gain."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -60,7 +61,7 @@ class Probes:
         )
 
     def chunks(
-        self, seed: int, batch_shape: tuple, d: int, dtype: torch.dtype, device: torch.device
+        self, seed: int, batch_shape: tuple[Any, ...], d: int, dtype: torch.dtype, device: torch.device
     ) -> Iterator[torch.Tensor]:
         """The probes as consecutive chunks of shape ``(chunk, *batch_shape, d)``."""
         stream = _Stream(self, seed, tuple(batch_shape), d, dtype, device)
@@ -71,7 +72,9 @@ class Probes:
 class _Stream:
     """Probes ``start:stop`` of one probe set, from cached fixed-size blocks of base directions."""
 
-    def __init__(self, probes: Probes, seed: int, batch_shape: tuple, d: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, probes: Probes, seed: int, batch_shape: tuple[Any, ...], d: int, dtype: torch.dtype, device: torch.device
+    ):
         self.probes, self.seed, self.batch_shape, self.d, self.dtype, self.device = (
             probes,
             seed,
@@ -125,7 +128,7 @@ class _Stream:
         return u.to(self.dtype)
 
 
-def guide(chunk: dict, s: dict, first: int, n: int, dims: int) -> dict:
+def guide(chunk: dict[Any, Any], s: dict[Any, Any], first: int, n: int, dims: int) -> dict[Any, Any]:
     """``chunk`` (``{stage: u}``, probes ``first..first+k−1`` of ``n``, each ``(k, *batch_shape, d)``)
     guided along ``s`` (``{stage: (*batch_shape, d)}``): probe 0 is ``√n ŝ`` and probe i ≥ 1 is
     ``√(n/(n−1)) (u_i − ŝ (ŝ·u_i))``, ``ŝ = s / ‖s‖`` with the norm and the inner products taken

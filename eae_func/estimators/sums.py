@@ -57,8 +57,13 @@ class Sums:
         return (s * (s + (a.double() - b.double()) / count)).sum()
 
     def estimate(
-        self, beta: Any, past: tuple | None, n: int, prefix: str, shrink: tuple[float, float, float] | None = None
-    ) -> tuple[torch.Tensor, dict]:
+        self,
+        beta: Any,
+        past: tuple[Any, ...] | None,
+        n: int,
+        prefix: str,
+        shrink: tuple[float, float, float] | None = None,
+    ) -> tuple[torch.Tensor, dict[Any, Any]]:
         """``ĝ = β̄ s + λ (a − Σ_h β_h b_h) / n`` (``β̄ = Σ_h n_h β_h / n``) for ``beta`` (a number,
         "xfit", or "ema" with the running sums ``past``) and ``shrink = (λ, v, h)`` (``None``: λ = 1),
         and its stats."""

@@ -32,7 +32,7 @@ class Twins:
     """The twin of every physical stage: one ``fn(params, h)`` for all, or a mapping from stage name
     to function (``entry`` names the estimator in errors)."""
 
-    def __init__(self, entry: str, twin: Callable | Mapping[str, Callable]):
+    def __init__(self, entry: str, twin: Callable[..., Any] | Mapping[str, Callable[..., Any]]):
         if not callable(twin) and not (
             isinstance(twin, Mapping) and all(isinstance(k, str) and callable(f) for k, f in twin.items())
         ):
@@ -56,16 +56,16 @@ class Twins:
                     f"{self.entry}: no twin for the physical stage(s) {missing}; the mapping names {list(self.twin)}"
                 )
 
-    def of(self, problem: Problem, i: int) -> Callable:
+    def of(self, problem: Problem, i: int) -> Callable[..., Any]:
         """Stage i's twin."""
         return self.twin[problem.chain.names[i]] if isinstance(self.twin, Mapping) else self.twin
 
 
-def name_of(fn: Callable) -> str:
+def name_of(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def twin_network(problem: Problem, run: Any, twins: Twins) -> Callable:
+def twin_network(problem: Problem, run: Any, twins: Twins) -> Callable[..., Any]:
     """``call(i, params, h)``: digital stages as the forward ran them, each physical stage as its
     twin shifted to the output a model-level estimator's ``run`` measured at its measured input
     (the states are the hardware's, only the Jacobians the twins')."""
@@ -84,7 +84,7 @@ def twin_network(problem: Problem, run: Any, twins: Twins) -> Callable:
     return call
 
 
-def twin_costates(problem: Problem, run: Any, call: Callable) -> dict:
+def twin_costates(problem: Problem, run: Any, call: Callable[..., Any]) -> dict[Any, Any]:
     """``s_l``: the input costate ``(*batch_shape, d_l)`` of every probed physical stage of ``run``
     from a reverse sweep through ``call`` (``twin_network``), times the microbatch's loss share."""
     assert problem.exact_trace is not None  # checked by the model-level estimator's measurements
@@ -102,12 +102,12 @@ def tiled_add(out: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     return out + offset
 
 
-def network(chain: Chain, call: Callable) -> Chain:
+def network(chain: Chain, call: Callable[..., Any]) -> Chain:
     """``chain`` with every stage i run as ``call(i, params, h)``."""
     return Chain([stage(lambda p, h, i=i: call(i, p, h), name=n) for i, n in enumerate(chain.names)], loss=chain.loss)
 
 
-def twin_vjp(problem: Problem, i: int, h_in: Any, costate: Any, fn: Callable) -> tuple[Any, Any]:
+def twin_vjp(problem: Problem, i: int, h_in: Any, costate: Any, fn: Callable[..., Any]) -> tuple[Any, Any]:
     """``(J_W(fn)ᵀ p, J_x(fn)ᵀ p)`` at stage i's params and measured input ``h_in``: the twin's
     parameter gradients and its input costate (mirroring ``h_in``)."""
     want = [
@@ -131,7 +131,7 @@ class Twin:
     scope = "stage"
     differentiates = False  # the twin is differentiated, never the black box
 
-    def __init__(self, twin_fn: Callable | Mapping[str, Callable]):
+    def __init__(self, twin_fn: Callable[..., Any] | Mapping[str, Callable[..., Any]]):
         self.twins = Twins("twin", twin_fn)
 
     def __repr__(self) -> str:
@@ -167,7 +167,7 @@ class Frozen:
         return grads, costate_like([None] * len(floats)), {}
 
 
-def twin(twin_fn: Callable | Mapping[str, Callable]) -> Twin:
+def twin(twin_fn: Callable[..., Any] | Mapping[str, Callable[..., Any]]) -> Twin:
     """Physics-aware training: forward on the black box, reverse through its twin's vjp at the black
     box's measured input (see module doc). ``twin_fn(params, h)`` serves every physical stage; a
     mapping from stage name to function gives each its own."""

@@ -88,8 +88,8 @@ class ZBP:
         i: int,
         h_in: Any,
         costate: Any,
-        draw: Callable | None = None,
-        param_draw: Callable | None = None,
+        draw: Callable[..., Any] | None = None,
+        param_draw: Callable[..., Any] | None = None,
     ):
         """The reverse step of physical stage i; ``draw`` as in ``directional``, ``param_draw`` the
         parameter directions' (``local.param_directional``)."""
@@ -117,8 +117,8 @@ class ZBP:
         i: int,
         h_in: Any,
         costate: Any,
-        fn: Callable | None = None,
-        draw: Callable | None = None,
+        fn: Callable[..., Any] | None = None,
+        draw: Callable[..., Any] | None = None,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(u, <J u, p>)`` chunk by chunk: stage i's input probes ``u: (k, *batch_shape, d)`` (its
         ``"input"`` stream) and the directional derivatives of its output along them against the
@@ -138,7 +138,7 @@ class ZBP:
                 if fn is None:
                     problem.charge(i, k * rows_of(h_in), "jvp_calls")
 
-                def directional(t: torch.Tensor) -> list:
+                def directional(t: torch.Tensor) -> list[Any]:
                     return jvp(lambda f: stage(problem.params[i], rebuild(f)), (floats,), (flat.leaves(t),))[1]
 
                 with forward_mode():

@@ -89,7 +89,7 @@ def manual_step(
     model: nn.Module,
     x: Any,
     *loss_args: Any,
-    loss: Callable,
+    loss: Callable[..., Any],
     split_at: Sequence[str] | None = None,
     optimizer: Any = None,
     gradient_clip_val: float | None = None,
@@ -144,7 +144,9 @@ def manual_step(
     return fused_step(module, opt, run, log, options)
 
 
-def fused_step(module: Any, opt: Any, run: Callable, log: str | tuple[str, ...], options: dict) -> torch.Tensor:
+def fused_step(
+    module: Any, opt: Any, run: Callable[..., Any], log: str | tuple[str, ...], options: dict[Any, Any]
+) -> torch.Tensor:
     """``manual_step`` fused: the sweep (``run``) inside the optimizer's closure, each stage stepped
     in the backward (``ef.fused``, clipped per stage by ``max_norm=``); fp16's loss scaler refused."""
     if getattr(module.trainer, "precision", None) == "16-mixed":

@@ -107,7 +107,7 @@ class ComputedLoss(nn.Module):
         self._modules, self._parameters, self._buffers = model._modules, model._parameters, model._buffers
         cache = {"use_cache": False} if getattr(getattr(model, "config", None), "use_cache", None) is not None else {}
 
-        def compute_loss(inputs: dict, num_items_in_batch: Any) -> Any:
+        def compute_loss(inputs: dict[Any, Any], num_items_in_batch: Any) -> Any:
             # a KV cache the forward fills would be read again by the rebuilds
             return trainer.compute_loss(model, {**inputs, **cache}, num_items_in_batch=num_items_in_batch)
 
@@ -124,7 +124,7 @@ class ComputedLoss(nn.Module):
         return loss
 
 
-def chunked_causal_loss(trainer: Trainer, model: nn.Module, chunks: int, cache: dict) -> Callable:
+def chunked_causal_loss(trainer: Trainer, model: nn.Module, chunks: int, cache: dict[Any, Any]) -> Callable[..., Any]:
     """The causal-LM loss of ``model`` with its head over ``chunks`` chunks of tokens (the module
     docstring's formula), as ``compute_loss(inputs, num_items_in_batch)``; what it cannot compute as
     the model does is refused."""
@@ -141,7 +141,7 @@ def chunked_causal_loss(trainer: Trainer, model: nn.Module, chunks: int, cache: 
         raise ValueError(f"{where}: the loss would not be the model's own ({why}); leave eae_loss_chunks out")
     summed = chunked_loss(head, chunks=chunks, reduction="sum")
 
-    def compute_loss(inputs: dict, num_items_in_batch: Any) -> torch.Tensor:
+    def compute_loss(inputs: dict[Any, Any], num_items_in_batch: Any) -> torch.Tensor:
         if "labels" not in inputs:
             raise ValueError(f"{where}: the batch has no labels; give the causal LM its labels")
         labels = inputs["labels"]
@@ -166,7 +166,7 @@ class EAETrainer(Trainer):
     def __init__(
         self,
         *args: Any,
-        eae: dict | None = None,
+        eae: dict[Any, Any] | None = None,
         split_at: Sequence[str] | None = None,
         eae_log: str | Sequence[str] = DEFAULT,
         eae_loss_chunks: int | None = None,
@@ -192,7 +192,7 @@ class EAETrainer(Trainer):
         self._logs: dict[str, Any] = {}  # the records' logs of the backward running
         self._eae_state: Any = None  # the passes' state, threaded from step to step (the sweep's)
         self._swept: ComputedLoss | None = None  # of the model
-        self._chunked: Callable | None = None  # the switch's chunked loss
+        self._chunked: Callable[..., Any] | None = None  # the switch's chunked loss
         if self.split_at is None:
             self.split_at = layers_of(self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False))
             logger.info("EAETrainer: cutting %s at %s", type(self.model).__name__, ", ".join(self.split_at))

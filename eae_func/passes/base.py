@@ -59,11 +59,11 @@ class Pass:
     """
 
     init: Callable[[], Any]
-    update: Callable[[AdjointState, Any, Context], tuple]
+    update: Callable[[AdjointState, Any, Context], tuple[Any, ...]]
     name: str = "pass"
-    members: tuple | None = None
+    members: tuple[Any, ...] | None = None
     stages: frozenset[str] = frozenset()
-    value: tuple | None = None
+    value: tuple[Any, ...] | None = None
 
     def _identity(self) -> Hashable:
         if self.value is not None:
@@ -99,7 +99,7 @@ class Pass:
                 f"{names} (exact names, as res.adjoints[k].stage shows, not patterns)"
             )
 
-    def apply(self, adj: AdjointState, state: Any = None, ctx: Context | None = None) -> tuple:
+    def apply(self, adj: AdjointState, state: Any = None, ctx: Context | None = None) -> tuple[Any, ...]:
         """One application outside a sweep: ``update(adj, init() if state is None else state, ctx)``."""
         return self.update(adj, self.init() if state is None else state, Context() if ctx is None else ctx)
 
@@ -176,7 +176,7 @@ def _no_state() -> None:
     return None
 
 
-def _unchanged(adj: AdjointState, state: Any, ctx: Context) -> tuple:
+def _unchanged(adj: AdjointState, state: Any, ctx: Context) -> tuple[Any, ...]:
     return adj, state
 
 
@@ -194,7 +194,7 @@ def stateless(fn: Callable[[AdjointState], Any], name: str | None = None) -> Pas
         raise TypeError(f"stateless: expected a callable adj -> adj, got {type(fn).__name__}")
     label: str = name or getattr(fn, "__name__", "pass")
 
-    def update(adj: AdjointState, state: Any, ctx: Context) -> tuple:
+    def update(adj: AdjointState, state: Any, ctx: Context) -> tuple[Any, ...]:
         out = fn(adj)
         if not isinstance(out, AdjointState):
             raise TypeError(

@@ -33,10 +33,10 @@ def compose(*passes: Any) -> Pass:
     if len(members) == 1:
         return members[0]
 
-    def init() -> tuple:
+    def init() -> tuple[Any, ...]:
         return tuple(m.init() for m in members)
 
-    def update(adj: AdjointState, state: Any, ctx: Context) -> tuple:
+    def update(adj: AdjointState, state: Any, ctx: Context) -> tuple[Any, ...]:
         if not isinstance(state, tuple) or len(state) != len(members):
             raise ValueError(
                 f"compose: expected a pass state tuple of {len(members)} entries (one per pass of "
@@ -60,7 +60,7 @@ def compose(*passes: Any) -> Pass:
     return Pass(init, update, name, members, stages, value=("compose", *members))
 
 
-def _members(p: Pass) -> tuple:
+def _members(p: Pass) -> tuple[Any, ...]:
     return (p,) if p.members is None else p.members
 
 
@@ -71,7 +71,7 @@ def when(predicate: Callable[[AdjointState], bool], p: Any) -> Pass:
         raise TypeError(f"when: predicate must be callable adj -> bool, got {type(predicate).__name__}")
     p = lift(p, "when")
 
-    def update(adj: AdjointState, state: Any, ctx: Context) -> tuple:
+    def update(adj: AdjointState, state: Any, ctx: Context) -> tuple[Any, ...]:
         return p.update(adj, state, ctx) if predicate(adj) else (adj, state)
 
     return Pass(p.init, update, f"when({p.name})", stages=p.stages)
@@ -96,7 +96,7 @@ def only(p: Any, stages: Any = None, indices: Any = None) -> Pass:
     return dataclasses.replace(restricted, name=f"only({inner.name})", stages=inner.stages | stages)
 
 
-def _as_set(arg: str, value: Any, kind: type) -> frozenset:
+def _as_set(arg: str, value: Any, kind: type) -> frozenset[Any]:
     if value is None:
         return frozenset()
     items = (value,) if isinstance(value, kind) else tuple(value)

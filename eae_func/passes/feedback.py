@@ -28,10 +28,10 @@ def error_feedback(compressor: Any) -> Pass:
     """
     compressor = lift(compressor, "error_feedback")
 
-    def init() -> dict:
+    def init() -> dict[Any, Any]:
         return {"residuals": {}, "compressor": compressor.init()}
 
-    def update(adj: AdjointState, state: Any, ctx: Context) -> tuple:
+    def update(adj: AdjointState, state: Any, ctx: Context) -> tuple[Any, ...]:
         if not isinstance(state, dict) or set(state) != {"residuals", "compressor"}:
             raise TypeError(
                 f"error_feedback: expected the state made by init() "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -16,7 +17,7 @@ __all__ = ["costate_statistics", "log", "stats"]
 _FIELDS = ("mean", "std", "min", "max", "norm")
 
 
-def costate_statistics(adj: AdjointState) -> dict:
+def costate_statistics(adj: AdjointState) -> dict[Any, Any]:
     """mean, std (population), min, max, 2-norm, numel, has_nan, has_inf over all the costate's
     entries, in float32 (as eae-runtime's ``AdjointState.statistics``); read lazily, all by one
     transfer when the first is used."""

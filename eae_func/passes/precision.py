@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .. import quantise as Q
@@ -17,7 +19,7 @@ _CASTS = (torch.float16, torch.bfloat16)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _max_of(values: list) -> Lazy | float:
+def _max_of(values: list[Any]) -> Lazy | float:
     """The largest of a list of scalar tensors, read lazily; 0.0 when empty."""
     if len(values) <= 1:
         return Lazy.of(values[0]) if values else 0.0
@@ -96,7 +98,7 @@ def int8(per: str = "tensor", stochastic: bool = False) -> Pass:
     if not isinstance(stochastic, bool):
         raise TypeError(f"int8: stochastic must be a bool, got {type(stochastic).__name__}")
 
-    def quantise(t: torch.Tensor, generator: torch.Generator | None, scales: list) -> torch.Tensor:
+    def quantise(t: torch.Tensor, generator: torch.Generator | None, scales: list[Any]) -> torch.Tensor:
         if t.numel() == 0:
             return t
         q, s = Q.int8_encode(t, per == "channel", generator)

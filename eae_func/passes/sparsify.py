@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .. import quantise as Q
@@ -68,6 +70,6 @@ def randk(ratio: float) -> Pass:
     return stateless(randk_pass, f"randk({ratio:g})")
 
 
-def _fraction(kept: list) -> float:
+def _fraction(kept: list[Any]) -> float:
     n = sum(n for _, n in kept)
     return sum(k for k, _ in kept) / n if n else 1.0

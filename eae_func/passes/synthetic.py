@@ -52,10 +52,10 @@ def synthetic(lr: float = 0.5, momentum: float = 0.9, warmup: int = 100, replace
     if not isinstance(replace, bool):
         raise TypeError(f"synthetic: replace must be a bool, got {type(replace).__name__}")
 
-    def init() -> dict:
+    def init() -> dict[Any, Any]:
         return {}
 
-    def update(adj: AdjointState, state: Any, ctx: Context) -> tuple:
+    def update(adj: AdjointState, state: Any, ctx: Context) -> tuple[Any, ...]:
         costates, spec, boundaries = _leaves(adj, state, ctx)
         entry = state.get(adj.index)
         step = entry["step"] if entry else 0
@@ -78,7 +78,7 @@ def synthetic(lr: float = 0.5, momentum: float = 0.9, warmup: int = 100, replace
     return Pass(init, update, f"synthetic(lr={lr:g}, momentum={momentum:g}, warmup={warmup}, replace={replace})")
 
 
-def _leaves(adj: AdjointState, state: Any, ctx: Context) -> tuple:
+def _leaves(adj: AdjointState, state: Any, ctx: Context) -> tuple[Any, ...]:
     """``(costate leaves, their spec, boundary leaves)`` at ``adj``'s boundary, refused where the state
     is not the pass's, there is no boundary state, or the two trees differ in length."""
     if not isinstance(state, dict):
@@ -99,7 +99,9 @@ def _leaves(adj: AdjointState, state: Any, ctx: Context) -> tuple:
     return costates, spec, boundaries
 
 
-def _lms_step(p: torch.Tensor, x: torch.Tensor, entry: Any, i: int, index: int, lr: float, momentum: float) -> tuple:
+def _lms_step(
+    p: torch.Tensor, x: torch.Tensor, entry: Any, i: int, index: int, lr: float, momentum: float
+) -> tuple[Any, ...]:
     """Leaf i's step: ``(p_hat as rows, new W, new v, [|p_hat - p|^2, |p|^2, <p_hat, p>, |p_hat|^2])``,
     ``p_hat = phi W`` from W before the step (``entry``: the boundary's state, ``None`` at first)."""
     phi, target = _features(x), p.detach().float().reshape(-1, p.shape[-1] if p.ndim else 1)
@@ -119,7 +121,7 @@ def _lms_step(p: torch.Tensor, x: torch.Tensor, entry: Any, i: int, index: int, 
     return prediction, W - lr * v, v, sums
 
 
-def _meta(sums: list, step: int, use: bool) -> dict[str, Any]:
+def _meta(sums: list[Any], step: int, use: bool) -> dict[str, Any]:
     """The records of a visit: the prediction's relative error and cosine over every leaf (lazily)."""
     meta: dict[str, Any] = dict(
         synthetic_error=float("nan"), synthetic_cosine=0.0, synthetic_step=step, synthetic_used=use

@@ -62,7 +62,7 @@ def matches(path: str, pattern: str) -> bool:
     return len(parts) == len(globs) and all(fnmatch.fnmatchcase(p, g) for p, g in zip(parts, globs))
 
 
-def as_call(x: Any) -> tuple[tuple, dict]:
+def as_call(x: Any) -> tuple[tuple[Any, ...], dict[Any, Any]]:
     """The model's ``(args, kwargs)`` from an input: a tensor, a tuple of positional inputs or a dict
     of keyword inputs."""
     if isinstance(x, tuple):
@@ -79,13 +79,13 @@ def _module_calls(node) -> list[tuple[str, str]]:
     return [(path[len(_ROOT) :], key) for key, (path, _) in stack.items() if path.startswith(_ROOT)]
 
 
-def canonical_names(named) -> dict:
+def canonical_names(named) -> dict[Any, Any]:
     """Every name of a tensor in ``named`` (aliases included) -> its first name."""
-    first: dict = {}
+    first: dict[Any, Any] = {}
     return {name: first.setdefault(id(t), name) for name, t in named}
 
 
-def _stage_of_nodes(graph, cut_modules: set) -> tuple[dict, list, list]:
+def _stage_of_nodes(graph, cut_modules: set[Any]) -> tuple[dict[Any, Any], list[Any], list[Any]]:
     """Stage index of every computing node (in execution order), each stage's name (a module's
     second call ``"name#2"``, as run-time cuts name it) and the cut module each stage is a call of
     (``None``: the operations between cuts)."""
@@ -109,7 +109,7 @@ def _stage_of_nodes(graph, cut_modules: set) -> tuple[dict, list, list]:
     return stage_of, [n if k == 0 else f"{n}#{k + 1}" for n, k in zip(names, _occurrences(names))], cuts
 
 
-def _occurrences(names: list) -> list[int]:
+def _occurrences(names: list[Any]) -> list[int]:
     """How many times each name came before it."""
     counts: collections.Counter = collections.Counter()
     out = []
@@ -119,7 +119,9 @@ def _occurrences(names: list) -> list[int]:
     return out
 
 
-def cut_model(model: nn.Module, example: Any, split_at: Sequence[str]) -> tuple[list[CapturedStage], list[str], dict]:
+def cut_model(
+    model: nn.Module, example: Any, split_at: Sequence[str]
+) -> tuple[list[CapturedStage], list[str], dict[Any, Any]]:
     """``(stages, names, shown)``: ``model``'s forward on ``example`` cut before and after every module
     whose path matches a pattern of ``split_at`` (see the module docstring); ``shown``: the boundaries
     the cuts' calls output, as run-time cuts show them (``_shown``)."""
@@ -186,7 +188,7 @@ def _cuttable(model: nn.Module, split_at: Sequence[str]) -> set[str]:
     return cut_modules
 
 
-def _sources(model: nn.Module, signature: Any) -> dict:
+def _sources(model: nn.Module, signature: Any) -> dict[Any, Any]:
     """Where each graph input that is not the user's comes from: ``("parameter" | "buffer", the
     model's canonical name)`` or ``("constant", key)``."""
     parameters = canonical_names(model.named_parameters(remove_duplicate=False))
@@ -208,7 +210,7 @@ def _sources(model: nn.Module, signature: Any) -> dict:
     return sources
 
 
-def _shown(pieces: list[Piece], names: list[str], cuts: list) -> dict:
+def _shown(pieces: list[Piece], names: list[str], cuts: list[Any]) -> dict[Any, Any]:
     """``{boundary k + 1: (j, name, keys)}`` for every stage k that is the j-th cut call: its costate is
     the entries ``keys`` of the boundary, those the call itself computed (``None``: the whole output,
     where the call ends the model)."""
@@ -225,12 +227,18 @@ def _shown(pieces: list[Piece], names: list[str], cuts: list) -> dict:
     }
 
 
-def _model_leaves(h: Any) -> list:
+def _model_leaves(h: Any) -> list[Any]:
     return torch_pytree.tree_leaves(as_call(h))
 
 
 def split(
-    program: Any, stage_of: dict, n: int, sources: dict, flatten: Callable, example: Any, where: str
+    program: Any,
+    stage_of: dict[Any, Any],
+    n: int,
+    sources: dict[Any, Any],
+    flatten: Callable[..., Any],
+    example: Any,
+    where: str,
 ) -> list[Piece]:
     """``program``'s graph as ``n`` pieces, node ``v`` in piece ``stage_of[v]``; ``sources`` say where the
     inputs that are not the user's come from; ``flatten`` turns the first piece's input into the graph's
@@ -249,7 +257,7 @@ def split(
     )
     data_inputs = [name for name in user_inputs if name not in sources]
     graphs, produced, last_use = [], {name: 0 for name in data_inputs}, {name: n for name in user_outputs}
-    shared: dict = {}
+    shared: dict[Any, Any] = {}
     for k in range(n):
         graph = getattr(split, f"submod_{k}", None)
         inputs = [v.name for v in graph.graph.nodes if v.op == "placeholder"] if graph is not None else []
@@ -303,7 +311,7 @@ def structure(graph: Any) -> Any:
     """What a piece's graph computes, positionally: each node's op, target and arguments (nodes as
     their places, names left out). Two graphs of one structure are interchangeable; a graph that
     reads attributes or submodules of its own, or holds a tensor in its code, is its own structure."""
-    place: dict = {}
+    place: dict[Any, Any] = {}
     nodes = []
     for node in graph.graph.nodes:
         args = map_arg((node.args, node.kwargs), lambda v: ("node", place[v]))
@@ -315,7 +323,7 @@ def structure(graph: Any) -> Any:
     return tuple(nodes)
 
 
-def _keep_casts(module: Any, stage_of: dict) -> None:
+def _keep_casts(module: Any, stage_of: dict[Any, Any]) -> None:
     """Put back the dtype conversions the capture dropped as no-ops. Where the model asked for
     ``x.to(torch.float32)`` (an RMSNorm's upcast, ``logits.float()``) and ``x`` was float32 already,
     the graph keeps only ``_assert_tensor_metadata(x, dtype=float32)``; under ``autocast`` ``x`` is

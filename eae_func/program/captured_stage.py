@@ -22,7 +22,7 @@ __all__ = ["CapturedStage", "Piece", "layout", "register_output_types"]
 
 _NATIVE = (tuple, list, dict, collections.OrderedDict, collections.defaultdict, collections.deque, type(None))
 
-_REGISTERED: set = set()
+_REGISTERED: set[Any] = set()
 
 
 def register_output_types(spec) -> None:
@@ -49,18 +49,18 @@ class Piece:
     one whose layout is not ``example``'s."""
 
     graph: nn.Module | None
-    inputs: list
-    outputs: list
-    sources: dict
-    carried: list
-    user_inputs: list | None
-    user_outputs: list | None
+    inputs: list[Any]
+    outputs: list[Any]
+    sources: dict[Any, Any]
+    carried: list[Any]
+    user_inputs: list[Any] | None
+    user_outputs: list[Any] | None
     out_spec: Any
-    constants: dict
-    example: list
-    flatten: Callable[[Any], list]
+    constants: dict[Any, Any]
+    example: list[Any]
+    flatten: Callable[[Any], list[Any]]
 
-    def environment(self, h: Any) -> dict:
+    def environment(self, h: Any) -> dict[Any, Any]:
         if self.user_inputs is None:
             return dict(h)
         flat = self.flatten(h)
@@ -72,7 +72,7 @@ class Piece:
             )
         return dict(zip(self.user_inputs, flat))
 
-    def bind(self, lookup: Callable[[str], torch.Tensor], h: Any) -> tuple[list, dict]:
+    def bind(self, lookup: Callable[[str], torch.Tensor], h: Any) -> tuple[list[Any], dict[Any, Any]]:
         """``(args, env)``: the graph's positional inputs on boundary ``h`` (its parameters and buffers
         read by ``lookup(name)``), and the values known so far by node name."""
         env = self.environment(h)
@@ -88,7 +88,7 @@ class Piece:
             )
         return args, env
 
-    def collect(self, env: dict, outs: Sequence) -> Any:
+    def collect(self, env: dict[Any, Any], outs: Sequence[Any]) -> Any:
         """The piece's output from ``env`` and the graph's outputs ``outs``: the boundary it carries,
         or the user's output for the last piece."""
         env.update(zip(self.outputs, outs))
@@ -102,7 +102,7 @@ class Piece:
         return self.collect(env, self.graph(*args) if self.graph is not None else ())
 
 
-def layout(leaves: list) -> list:
+def layout(leaves: list[Any]) -> list[Any]:
     """What a capture is specialised to: each tensor leaf's shape and dtype, any other leaf itself."""
     return [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves]
 

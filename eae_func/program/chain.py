@@ -47,7 +47,7 @@ class Stage:
     parameters' ``requires_grad``, from their places, ``Slots``, not by walking its submodules).
     """
 
-    fn: Callable | None
+    fn: Callable[..., Any] | None
     name: str | None = None
     physical: bool = False
     differentiable: bool = True
@@ -131,7 +131,7 @@ def through_hooks(param: torch.Tensor, grad: torch.Tensor | None) -> torch.Tenso
     return grad
 
 
-def hooked_grads(grads: tuple, hooks: Mapping[tuple[int, str], torch.Tensor]) -> tuple:
+def hooked_grads(grads: tuple[Any, ...], hooks: Mapping[tuple[int, str], torch.Tensor]) -> tuple[Any, ...]:
     """``grads`` (one dict per stage) with the gradient of each hooked parameter (``hooks``: ``(stage,
     name) -> parameter``) through its hooks, once per gradient tensor: a tied parameter's summed
     gradient, one tensor in each of its places, is hooked once."""
@@ -148,7 +148,9 @@ def hooked_grads(grads: tuple, hooks: Mapping[tuple[int, str], torch.Tensor]) ->
     return tuple(out)
 
 
-def stage(fn: Callable, name: str | None = None, physical: bool = False, differentiable: bool = True) -> Stage:
+def stage(
+    fn: Callable[..., Any], name: str | None = None, physical: bool = False, differentiable: bool = True
+) -> Stage:
     """A stage from a pure function ``fn(params, h) -> h'`` (``params`` any pytree of tensors);
     ``physical``: run forward only, its reverse step from an estimator; ``differentiable=False``:
     it leaves torch (numpy, a device), so only forward-only estimators may probe it."""
@@ -182,7 +184,7 @@ class Chain:
     """
 
     stages: tuple[Stage, ...]
-    loss: Callable
+    loss: Callable[..., Any]
     ties: tuple[tuple[tuple[int, str], ...], ...] = ()
     shown: Mapping[int, Shown] | None = None
     names: tuple[str, ...] = dataclasses.field(init=False)
@@ -190,9 +192,9 @@ class Chain:
 
     def __init__(
         self,
-        stages: Iterable[Stage | Callable],
-        loss: Callable,
-        ties: Iterable = (),
+        stages: Iterable[Stage | Callable[..., Any]],
+        loss: Callable[..., Any],
+        ties: Iterable[Any] = (),
         shown: Mapping[int, Shown] | None = None,
     ):
         stages = tuple(s if isinstance(s, Stage) else stage(s) for s in stages)
@@ -222,7 +224,7 @@ class Chain:
     def __len__(self) -> int:
         return len(self.stages)
 
-    def ending_in(self, loss: Callable) -> Chain:
+    def ending_in(self, loss: Callable[..., Any]) -> Chain:
         """This chain with ``loss`` as its loss (the stages as they are, none made again)."""
         if loss is self.loss:
             return self
@@ -264,7 +266,7 @@ class Chain:
         """``"stage i ('name')"``, as errors name a stage."""
         return self.labels[i]
 
-    def check_params(self, params: Any, stages: Sequence[int] | None = None) -> tuple:
+    def check_params(self, params: Any, stages: Sequence[int] | None = None) -> tuple[Any, ...]:
         """``params`` as a tuple with one entry per stage, those of ``stages`` (default: all)
         checked (a dict of exactly the module's parameter names, shapes and dtypes, tensor leaves
         only) and detached (one tensor given twice stays one tensor: ties are kept)."""
@@ -297,7 +299,7 @@ class Chain:
                         f"params of {self.where(i)}: {name!r} has shape {tuple(t.shape)} and "
                         f"dtype {t.dtype}, the module's has {tuple(shape)} and {dtype}"
                     )
-        detached: dict = {}
+        detached: dict[Any, Any] = {}
 
         def detach(t: torch.Tensor) -> torch.Tensor:
             if not t.requires_grad:  # already outside autograd: used as given
@@ -316,7 +318,7 @@ class Chain:
             for s, p in zip(self.stages, params)
         )
 
-    def check_buffers(self, buffers: Any) -> tuple:
+    def check_buffers(self, buffers: Any) -> tuple[Any, ...]:
         """``buffers`` as a tuple with one dict per stage, each naming only its module's buffers (a
         misspelt name would leave the module's own in use); ``None``: the modules' own."""
         if buffers is None:
@@ -344,7 +346,7 @@ def _base_name(s: Stage) -> str:
     return type(target).__name__ if isinstance(target, nn.Module) else getattr(target, "__name__", "stage")
 
 
-def apply(chain: Chain, params: Sequence, x: Any, buffers: Sequence | None = None) -> Any:
+def apply(chain: Chain, params: Sequence[Any], x: Any, buffers: Sequence[Any] | None = None) -> Any:
     """The chain's output ``x_L = h_L(params_L, ... h_1(params_1, x))``: the stages run forward in
     order, as the sweep's forward runs them, on ``params`` (one entry per stage) and ``buffers`` (one
     dict per stage; default: the modules' own), which are not modified, under the caller's autograd

@@ -17,7 +17,7 @@ from .watch import numpy_drew
 __all__ = ["LOCK", "Refused", "custom_functions", "data_dependent", "exported"]
 
 
-def exported(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, list[str]]:
+def exported(module: nn.Module, args: tuple[Any, ...], kwargs: dict[Any, Any]) -> tuple[Any, list[str]]:
     """``(program, drew)``: ``torch.export.export(module, args, kwargs, strict=False)`` with torch's
     RNG forked (a capture draws no random numbers the next forward should see); ``drew`` names the
     Python-level generators (``random``, ``numpy.random``) the forward drew from, whose states are

@@ -80,7 +80,7 @@ def cut(h: Any, name: str | None = None) -> Any:
 class _Traced(nn.Module):
     """``model_fn`` as a module over the flat leaves of ``(params, inputs)``, as export takes them."""
 
-    def __init__(self, fn: Callable, params_spec: Any, inputs_spec: Any):
+    def __init__(self, fn: Callable[..., Any], params_spec: Any, inputs_spec: Any):
         super().__init__()
         self.fn, self.params_spec, self.inputs_spec = fn, params_spec, inputs_spec
 
@@ -95,7 +95,7 @@ class _Piece:
     def __init__(self, piece: Piece, name: str):
         self.piece, self.__name__ = piece, name
 
-    def __call__(self, params: dict, h: Any) -> Any:
+    def __call__(self, params: dict[Any, Any], h: Any) -> Any:
         return self.piece.run(params.__getitem__, h)
 
 
@@ -105,21 +105,21 @@ class Captured:
     leaf names in their flat order, ``spec`` their structure."""
 
     stages: tuple[Stage, ...]
-    ties: tuple
+    ties: tuple[Any, ...]
     leaves: tuple[str, ...]
     spec: Any
 
-    def per_stage(self, tree: Any, leaf: Callable = lambda v: v) -> tuple[dict, ...]:
+    def per_stage(self, tree: Any, leaf: Callable[..., Any] = lambda v: v) -> tuple[dict[Any, Any], ...]:
         """A tree in params' structure (``tree``'s entry at each leaf position, passed through ``leaf``)
         as one dict ``{leaf name: entry}`` per stage, of the leaves it reads."""
         flat = dict(zip(self.leaves, map(leaf, self.spec.flatten_up_to(tree))))
         return tuple({n: flat[n] for n in s.param_names or ()} for s in self.stages)
 
-    def assemble(self, per_stage: tuple, default: Any) -> Any:
+    def assemble(self, per_stage: tuple[Any, ...], default: Any) -> Any:
         """One value per leaf from per-stage dicts (a tied leaf's from its lowest stage: the last
         the fold reaches), in ``spec``'s structure; ``default(j)`` for leaf j that no stage reads
         (or whose value is ``None``)."""
-        found: dict = {}
+        found: dict[Any, Any] = {}
         for stage in per_stage:
             for n, v in stage.items():
                 if v is not None:
@@ -127,12 +127,12 @@ class Captured:
         return self.spec.unflatten([found[n] if n in found else default(j) for j, n in enumerate(self.leaves)])
 
 
-_CAPTURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CAPTURED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 register("captured functions", "ef.cut: the graphs captured from a function (weakly), per input layout (the 8 "
          "used last per function)", lambda: _CAPTURED.clear())  # fmt: skip
 
 
-def captured(fn: Callable, params: Any, inputs: tuple) -> Captured:
+def captured(fn: Callable[..., Any], params: Any, inputs: tuple[Any, ...]) -> Captured:
     """``fn``'s capture for ``params``' and ``inputs``' layouts: kept per function and layouts with
     the fingerprint of what it reads from outside (``closure``), captured again when that changes."""
     owner = getattr(fn, "__func__", fn)  # a bound method is made anew at every attribute access
@@ -145,7 +145,7 @@ def captured(fn: Callable, params: Any, inputs: tuple) -> Captured:
         return kept(cache, key, U.closure(fn), lambda: capture_function(fn, params, inputs))
 
 
-def _layout(tree: Any) -> tuple:
+def _layout(tree: Any) -> tuple[Any, ...]:
     """A capture's cache key for ``tree``: its structure, ``captured_stage.layout`` of its leaves, their devices."""
     leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
     devices = tuple(t.device for t in leaves if isinstance(t, torch.Tensor))
@@ -160,7 +160,7 @@ def _hashable(value: Any) -> Any:
     return value
 
 
-def capture_function(fn: Callable, params: Any, inputs: tuple) -> Captured:
+def capture_function(fn: Callable[..., Any], params: Any, inputs: tuple[Any, ...]) -> Captured:
     """``fn(params, *inputs)`` captured and cut at its ``cut`` marks (see the module docstring)."""
     label = U.label(fn)
     paths, leaves, spec = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
@@ -170,7 +170,7 @@ def capture_function(fn: Callable, params: Any, inputs: tuple) -> Captured:
             raise TypeError(f"params: leaves must be tensors, {name!r} is a {type(t).__name__}")
     tree: Any = list(inputs)
     data, inputs_spec = optree.tree_flatten(tree, namespace=NAMESPACE)
-    cuts: list = []
+    cuts: list[Any] = []
     _MARKS.cuts = cuts
     try:
         program, drew = exporting.exported(_Traced(fn, spec, inputs_spec), (*(t.detach() for t in leaves), *data), {})
@@ -213,7 +213,7 @@ def capture_function(fn: Callable, params: Any, inputs: tuple) -> Captured:
     return Captured(stages, ties, tuple(names), spec)
 
 
-def _unmarked(program: Any) -> dict:
+def _unmarked(program: Any) -> dict[Any, Any]:
     """Each node's stage, counted by the ``cut`` marks before it, the marks taken out of the graph
     (a function that returns a cut's output returns the value it marked)."""
     graph = program.graph_module.graph
@@ -231,7 +231,9 @@ def _unmarked(program: Any) -> dict:
     return stage_of
 
 
-def _stages(pieces: list, stage_names: list[str], layout: dict) -> tuple[tuple, tuple]:
+def _stages(
+    pieces: list[Any], stage_names: list[str], layout: dict[Any, Any]
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """``(stages, ties)``: a stage per piece, reading the parameter leaves it reads (``layout``: each
     leaf's shape and dtype, in the params' order); a leaf read by several stages is tied."""
     order = list(layout)
@@ -251,13 +253,13 @@ def _stages(pieces: list, stage_names: list[str], layout: dict) -> tuple[tuple, 
     return tuple(stages), tuple(tuple(group) for group in readers.values() if len(group) > 1)
 
 
-def _leaf_names(paths: list) -> list[str]:
+def _leaf_names(paths: list[Any]) -> list[str]:
     """Dotted pytree paths (``layers.0.wq``), made unique where two paths print alike."""
     names = [".".join(str(k) for k in path) or "params" for path in paths]
     return [n if names.count(n) == 1 else f"{n}#{j}" for j, n in enumerate(names)]
 
 
-def _sources(program: Any, names: list[str], fn: Callable) -> dict:
+def _sources(program: Any, names: list[str], fn: Callable[..., Any]) -> dict[Any, Any]:
     """Where each graph input that is not the user's data comes from: the params' leaves (the first
     user inputs) and constants; a closed-over tensor that requires grad is refused."""
     sources, j, trainable = {}, 0, None

@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 
-def ordered_children(model: nn.Module | Sequence) -> list[tuple[str | None, Any]]:
+def ordered_children(model: nn.Module | Sequence[Any]) -> list[tuple[str | None, Any]]:
     """``(name, child)`` for every position of a sequence of stages, in the order its forward runs
     them: an ``nn.Sequential`` / ``nn.ModuleList`` as it iterates (a module placed twice is at both
     positions, where ``named_children()`` would list it once), a list's entries (name ``None``)."""
@@ -48,7 +48,7 @@ def ordered_children(model: nn.Module | Sequence) -> list[tuple[str | None, Any]
     )
 
 
-def _function_stage(f: Callable) -> Callable:
+def _function_stage(f: Callable[..., Any]) -> Callable[..., Any]:
     def apply(params, h):
         return f(h)
 
@@ -57,8 +57,8 @@ def _function_stage(f: Callable) -> Callable:
 
 
 def from_module(
-    model: nn.Module | Sequence,
-    loss: Callable,
+    model: nn.Module | Sequence[Any],
+    loss: Callable[..., Any],
     physical: Iterable[int | str] = (),
     split_at: Sequence[str] | None = None,
     example: Any = None,
@@ -83,7 +83,7 @@ def from_module(
         if isinstance(model, nn.Module):
             fsdp.lazy_init(model)  # the root's, before its FSDP children run one by one
     detached: dict[int, torch.Tensor] = {}
-    positions: dict[int, list] = {}
+    positions: dict[int, list[Any]] = {}
     stages, params = [], []
     for i, (child_name, child) in enumerate(named_children):
         name = child_name if child_name and not child_name.isdigit() else None
@@ -110,7 +110,7 @@ def from_module(
     return chain, tuple(params)
 
 
-def _captured(model: Any, split_at: Sequence[str], example: Any) -> tuple[list, dict]:
+def _captured(model: Any, split_at: Sequence[str], example: Any) -> tuple[list[Any], dict[Any, Any]]:
     """``(named pieces, shown boundaries)`` of ``model``'s forward on ``example`` captured and cut at
     ``split_at`` (``capture.cut_model``, one capture at a time)."""
     if example is None:
@@ -143,7 +143,7 @@ def _module_stage(child: nn.Module, name: str | None) -> Stage:
     )
 
 
-def _entries(model: nn.Module | Sequence, tree: Any, what: str):
+def _entries(model: nn.Module | Sequence[Any], tree: Any, what: str):
     """``(label, owner module, name, value)`` for every entry of a grads or buffers tree: a flat dict
     of the model's names, one dict per stage of a captured model (the model's names too), or one dict
     per child of a sequence (the child's names)."""
@@ -212,7 +212,7 @@ def _shown(names: list[str]) -> str:
     return f"{names[:8]}{f' and {len(names) - 8} more' if len(names) > 8 else ''}"
 
 
-def write_grads(model: nn.Module | Sequence, grads: Any, accumulate: bool = False) -> None:
+def write_grads(model: nn.Module | Sequence[Any], grads: Any, accumulate: bool = False) -> None:
     """Set ``.grad`` of ``model``'s parameters from ``grads`` (overwriting, like ``optimizer.zero_grad`` + backward;
     ``accumulate=True``: added to the ``.grad`` there, as ``backward`` does, for gradient accumulation): one dict per
     stage, or a flat ``{name: grad}`` dict as ``ef.grad(model, dict(model.named_parameters()), ...)`` returns. A tied
@@ -241,7 +241,7 @@ def write_grads(model: nn.Module | Sequence, grads: Any, accumulate: bool = Fals
             p.grad = g.clone() if accumulate else g
 
 
-def write_buffers(model: nn.Module | Sequence, buffers: Any) -> None:
+def write_buffers(model: nn.Module | Sequence[Any], buffers: Any) -> None:
     """Copy updated buffers (``res.buffers``: BatchNorm running statistics) into ``model``'s own."""
     pairs = [
         (_target(owner, name, label, b, "write_buffers", "buffer"), b)
@@ -252,7 +252,7 @@ def write_buffers(model: nn.Module | Sequence, buffers: Any) -> None:
             target.copy_(b)
 
 
-def write_back(model: nn.Module | Sequence, res: Any) -> None:
+def write_back(model: nn.Module | Sequence[Any], res: Any) -> None:
     """Put a sweep's result into ``model``: ``res.grads`` into ``.grad`` (for a ``torch.optim``
     optimizer; none after fused updates) and ``res.buffers`` into its buffers, so nothing the
     step computed is lost."""
@@ -263,7 +263,7 @@ def write_back(model: nn.Module | Sequence, res: Any) -> None:
     write_buffers(model, res.buffers)
 
 
-def check_own(model: nn.Module | Sequence, params: Any, what: str) -> None:
+def check_own(model: nn.Module | Sequence[Any], params: Any, what: str) -> None:
     """Refuse ``params`` (as a sweep used them) that are no longer ``model``'s own tensors: gradients
     computed at other weights (after ``load_state_dict(assign=True)`` or a replaced module, the
     ``from_module`` params still hold the old ones) must not be installed as the model's."""

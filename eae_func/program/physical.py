@@ -82,7 +82,7 @@ class ProbeChecks:
 
     def __init__(self, chain: Chain):
         self.chain = chain
-        self.counts: dict[int, list] = {}  # stage -> [non-finite count (device), entries, calls, first call rows]
+        self.counts: dict[int, list[Any]] = {}  # stage -> [non-finite count (device), entries, calls, first call rows]
 
     def add(self, i: int, out: Any, h: Any) -> None:
         floats = [
@@ -120,7 +120,7 @@ def wrapped(t: torch.Tensor) -> bool:
     return compat.functorch_wrapped(t)
 
 
-def query(fn: Callable, args: Any, repeats: int, piece: Any) -> Any:
+def query(fn: Callable[..., Any], args: Any, repeats: int, piece: Any) -> Any:
     """``fn(args, piece)`` averaged over ``repeats`` queries (a module-level function: picklable)."""
     total = fn(args, piece)
     for _ in range(repeats - 1):
@@ -135,7 +135,7 @@ class BlackBox:
 
     def __init__(
         self,
-        fn: Callable,
+        fn: Callable[..., Any],
         numpy: bool,
         per_sample: bool,
         max_rows: int | None,
@@ -203,7 +203,7 @@ class BlackBox:
         array.flags.writeable = False
         return array
 
-    def _map(self, fn: Callable, pieces: list) -> list:
+    def _map(self, fn: Callable[..., Any], pieces: list[Any]) -> list[Any]:
         if isinstance(self.workers, concurrent.futures.Executor):  # a process pool: send pieces in batches
             return list(self.workers.map(fn, pieces, chunksize=max(1, len(pieces) // 16)))
         if self.workers and self.workers > 1 and len(pieces) > 1:
@@ -226,7 +226,7 @@ class BlackBox:
 
 
 def black_box(
-    fn: Callable,
+    fn: Callable[..., Any],
     name: str | None = None,
     *,
     numpy: bool = False,

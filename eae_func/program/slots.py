@@ -18,7 +18,7 @@ from ..cache import register
 __all__ = ["Slots", "module_lock"]
 
 
-_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCKS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 _LOCKS_LOCK = threading.Lock()
 
@@ -41,9 +41,9 @@ class Slots:
     stage's arithmetic). Each use first checks that the path to every owner, and every name in
     its owner, is unchanged. The cache holds modules weakly, so it keeps none of them alive."""
 
-    _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    _cache: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
-    def __init__(self, links: tuple, places: tuple):
+    def __init__(self, links: tuple[Any, ...], places: tuple[Any, ...]):
         self.links = links  # (parent, child name, child) along the paths to the owners, weakly; parent None: the root
         self.places = places  # (dict, key, dotted name) of every tensor
 
@@ -66,7 +66,7 @@ class Slots:
         ) and all(key in store for store, key, _ in self.places)
 
     @classmethod
-    def find(cls, module: nn.Module, names: tuple) -> Slots | None:
+    def find(cls, module: nn.Module, names: tuple[Any, ...]) -> Slots | None:
         links, places = {}, []
         for dotted in names:
             *path, key = dotted.split(".")
@@ -99,14 +99,14 @@ class Slots:
         finally:
             self.put_back(own)
 
-    def put(self, tensors: Mapping[str, torch.Tensor]) -> list:
+    def put(self, tensors: Mapping[str, torch.Tensor]) -> list[Any]:
         """Put ``tensors`` in their places; the module's own tensors there, for ``put_back``."""
         own = [store[key] for store, key, _ in self.places]
         for store, key, dotted in self.places:
             store[key] = tensors[dotted]
         return own
 
-    def put_back(self, own: list) -> None:
+    def put_back(self, own: list[Any]) -> None:
         for (store, key, _), tensor in zip(self.places, own):
             store[key] = tensor
 

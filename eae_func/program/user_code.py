@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 
-def label(fn: Callable) -> str:
+def label(fn: Callable[..., Any]) -> str:
     """``model_fn (file.py:12)``: the function and where it is defined."""
     target = getattr(fn, "func", fn)
     code = getattr(getattr(target, "__func__", target), "__code__", None)
@@ -80,7 +80,7 @@ def reachable(fn: Any, depth: int = 0):
             yield from reachable(v, depth + 1)
 
 
-def closure(fn: Any) -> tuple:
+def closure(fn: Any) -> tuple[Any, ...]:
     """A comparable fingerprint of what ``fn`` reads from outside (``reachable``), each value by
     ``watch.described``: at every depth, so a nested dict or ``cfg.sub.scale`` changed between
     calls makes a new capture."""
@@ -88,10 +88,10 @@ def closure(fn: Any) -> tuple:
     return tuple((name, watch.described(v, seen)) for name, v in reachable(fn))
 
 
-def trainable(fn: Callable) -> dict:
+def trainable(fn: Callable[..., Any]) -> dict[Any, Any]:
     """``{storage address: name}`` of the tensors that require grad ``fn`` can reach from outside its
     arguments (closed-over tensors, modules' parameters, one level into containers)."""
-    found: dict = {}
+    found: dict[Any, Any] = {}
 
     def visit(name: str, v: Any, nested: bool) -> None:
         if isinstance(v, torch.Tensor) and v.requires_grad:
@@ -132,7 +132,7 @@ def user_line(error: BaseException) -> str | None:
     return None
 
 
-def drawn_at(fn: Callable, params: Any, inputs: tuple) -> str | None:
+def drawn_at(fn: Callable[..., Any], params: Any, inputs: tuple[Any, ...]) -> str | None:
     """Where ``fn`` first draws from Python's ``random`` or numpy's global generator: found by running
     it once more, eagerly, tracing the lines of the user's code and comparing the generators' states
     line by line (the states are put back)."""

@@ -22,7 +22,7 @@ HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_p
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))  # its parameters, buffers, children and hooks: read apart
 
 
-def fingerprint(model: nn.Module, seen: dict[int, Any] | None = None, depth: int = 0) -> tuple:
+def fingerprint(model: nn.Module, seen: dict[int, Any] | None = None, depth: int = 0) -> tuple[Any, ...]:
     """What a capture of ``model`` depends on, as one comparable value: the module tree (paths,
     classes, identities, training flags, hooks), every parameter and buffer (identity, shape,
     dtype, device, requires_grad) and every module's other attributes by ``described`` (numbers,
@@ -30,7 +30,7 @@ def fingerprint(model: nn.Module, seen: dict[int, Any] | None = None, depth: int
     fingerprint differs from the model's is stale."""
     seen = {} if seen is None else seen
 
-    def attributes(module: nn.Module) -> tuple:
+    def attributes(module: nn.Module) -> tuple[Any, ...]:
         return tuple((k, described(v, seen, depth + 1)) for k, v in vars(module).items() if k not in _MODULE_INTERNALS)
 
     modules = tuple(
@@ -102,10 +102,10 @@ class Watch:
     def __init__(self, model: nn.Module):
         self.model = weakref.ref(model)
         self.fingerprint = fingerprint(model)
-        self.objects: list = []
-        self.dicts: list = list(global_hooks())
-        self.sequences: list = []
-        self.tensors: list = []
+        self.objects: list[Any] = []
+        self.dicts: list[Any] = list(global_hooks())
+        self.sequences: list[Any] = []
+        self.tensors: list[Any] = []
         self._reach(model)
         self.kind = type(self.objects.pop(0))  # the model itself is held weakly
         self.filled_dicts = [d for d in self.dicts if d]
@@ -115,7 +115,7 @@ class Watch:
 
     def _reach(self, root: Any) -> None:
         """Collect what ``fingerprint`` reads from ``root`` (a superset: at every depth, every key)."""
-        seen: set = set()
+        seen: set[Any] = set()
         todo = [root]
         while todo:
             v = todo.pop()
@@ -148,7 +148,7 @@ class Watch:
     def _held(self) -> Any:
         return itertools.chain(_FLAT(map(dict.values, self.filled_dicts)), _FLAT(self.filled_sequences))
 
-    def _state(self) -> tuple:
+    def _state(self) -> tuple[Any, ...]:
         return (
             list(map(len, self.dicts)) + list(map(len, self.sequences)),
             list(_FLAT(self.filled_dicts)),
@@ -171,7 +171,7 @@ class Watch:
     __hash__ = None  # type: ignore[assignment]
 
 
-def numpy_drew(before: dict) -> bool:
+def numpy_drew(before: dict[Any, Any]) -> bool:
     """Whether numpy's global generator moved since ``before`` (``get_state(legacy=False)``)."""
     now = np.random.get_state(legacy=False)
     return (
@@ -184,7 +184,7 @@ def numpy_drew(before: dict) -> bool:
 GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
 
 
-def global_hooks() -> tuple:
+def global_hooks() -> tuple[Any, ...]:
     from torch.nn.modules import module as M
 
     return tuple(getattr(M, name) for name in GLOBAL_HOOKS)
