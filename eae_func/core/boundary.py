@@ -152,6 +152,9 @@ class Layout:
 
     @staticmethod
     def of_leaves(flat: list[Any], spec: Any) -> Layout:
+        if len(flat) == 1:  # most boundaries: one tensor, without the generators
+            t = flat[0]
+            return Layout(spec, (t.shape,), ((t.device, t.dtype),))
         return Layout(spec, tuple(t.shape for t in flat), tuple((t.device, t.dtype) for t in flat))
 
     @functools.cached_property

@@ -92,6 +92,8 @@ def first_tensor(tree: Any) -> torch.Tensor | None:
         return tree
     if isinstance(tree, (tuple, list)):
         return next((t for t in map(first_tensor, tree) if t is not None), None)
+    if type(tree) is dict and tree and all(type(k) is str for k in tree):  # optree's order: sorted keys
+        return first_tensor([tree[k] for k in sorted(tree)])
     return next((t for t in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(t, torch.Tensor)), None)
 
 

@@ -10,6 +10,7 @@ from them; every part of the engine reads that record and nothing checks an opti
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -203,7 +204,11 @@ class Options:
         if physical and callable(getattr(self.estimator, "check", None)):
             self.estimator.check(chain, physical)
         self.passes.check_stages((*chain.names, "input"))  # the records' stage names, boundaries L..1 and 0
-        return self if physical == self.physical else dataclasses.replace(self, physical=physical)
+        if physical == self.physical:
+            return self
+        bound = copy.copy(self)  # checked when it was made: only ``physical`` changes, to indices
+        object.__setattr__(bound, "physical", physical)
+        return bound
 
 
 def replicas(given: Any) -> Any:

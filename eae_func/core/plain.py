@@ -75,9 +75,13 @@ def run(r: Any, buffers: tuple[Any, ...], mb: Microbatch, pass_state: Any, pendi
         except Exception as e:
             note(e, f"the reverse step of {chain.where(i)}")
             raise
-        adj = AdjointState(costate, i, boundary_name(chain, i), fold_in(opts.key, i))
-        records.append(traced(shown_as(chain, adj, opts.key), opts))
-        del entry, adj
+        if chain.shown is None:  # the record as ``traced(shown_as(...))`` keeps it: no costate
+            records.append(AdjointState(None, i, boundary_name(chain, i), fold_in(opts.key, i)))
+        else:
+            adj = AdjointState(costate, i, boundary_name(chain, i), fold_in(opts.key, i))
+            records.append(traced(shown_as(chain, adj, opts.key), opts))
+            del adj
+        del entry
     trace = tuple(a for a in records if a is not None)
     stats.update(counters)
     stats["boundaries"] = {a.index: dict(a.meta) for a in trace}
@@ -109,7 +113,9 @@ def forward(r: Any, buffers: tuple[Any, ...], x: Any) -> tuple[list[Entry], Any,
                     out, updated = s.call(params[i], buffers[i], h)
                 else:
                     out, updated, frozen = ran
-            flat, spec = B.leaves(out, f"output of {chain.where(i)}")
+            flat, spec = (
+                ([out], B.TENSOR) if isinstance(out, torch.Tensor) else B.leaves(out, f"output of {chain.where(i)}")
+            )
             check_closed_over(chain, i, flat)
         except Exception as e:
             explain(e, chain, i, params[i], h, None)
@@ -135,32 +141,37 @@ def module_forward(s: Any, params: dict[Any, Any], h: Any) -> tuple[Any, dict[An
         slots = s.slots()
         if slots is None:
             return None
-        frozen = frozenset(
-            n for store, key, n in slots.places if store[key] is not None and not store[key].requires_grad
-        )
-        own = slots.put(params)
+        own = slots.put(params)  # the module's own tensors, whose flags say what is frozen
         try:
-            return s.module(h), {}, frozen
+            out = s.module(h)
         finally:
             slots.put_back(own)
+    frozen = frozenset(n for (_, _, n), t in zip(slots.places, own) if t is not None and not t.requires_grad)
+    return out, {}, frozen
 
 
 def reverse_step(r: Any, opts: Options, entry: Entry, costate: Any) -> tuple[Any, Any]:
     """``(the stage's parameter gradients, the costate of its input)`` from ``costate``, its output's,
     as ``fold.Step.local`` gives them for a digital stage rebuilt from its boundary."""
-    i, params = entry.index, r.params[entry.index]
-    floats, rebuild, costate_like = B.split_as(entry.boundary, entry.layout)
-    flat = B.flat(costate, none_is_leaf=True)
-    if all(c is None for c in flat):  # no costate flows here: nothing to do
-        return optree.tree_map(lambda t: None, params, namespace=NAMESPACE), costate_like([None] * len(floats))
-    s, device = r.chain.stages[i], r.device
-    kind = rebuild_kind(opts, s, entry, floats, True, True)
-    if kind is None and s.module is not None and not s.buffer_names and lone(entry.layout) and lone(entry.out_layout):
+    i, params, s, device = entry.index, r.params[entry.index], r.chain.stages[entry.index], r.device
+    if (
+        isinstance(costate, torch.Tensor)
+        and s.module is not None
+        and not s.buffer_names
+        and lone(entry.layout)
+        and lone(entry.out_layout)
+        and rebuild_kind(opts, s, entry, [entry.boundary], True, True) is None
+    ):
         with module_lock(s.module):
             slots = s.slots()
             if slots is not None:  # a module at given tensors, one floating tensor in and out, rebuilt in full
                 with replay_rng(entry.rng, device), in_modes(entry.modes):
-                    return module_vjp(s.module, slots, params, entry, flat[0], i > 0)
+                    return module_vjp(s.module, slots, params, entry, costate, i > 0)
+    floats, rebuild, costate_like = B.split_as(entry.boundary, entry.layout)
+    flat = B.flat(costate, none_is_leaf=True)
+    if all(c is None for c in flat):  # no costate flows here: nothing to do
+        return optree.tree_map(lambda t: None, params, namespace=NAMESPACE), costate_like([None] * len(floats))
+    kind = rebuild_kind(opts, s, entry, floats, True, True)
 
     def attempt(run: Any) -> Any:
         with replay_rng(entry.rng, device), in_modes(entry.modes):
@@ -182,18 +193,19 @@ def module_vjp(
     """``(J_W^T p, J_x^T p or None)`` of a module stage rebuilt from its boundary, one floating tensor in
     and out, as ``vjp.local_vjp`` computes them: the module run on detached, requires-grad copies of
     its trainable parameters (``slots``: their places) and of its input, one engine call at ``p``."""
-    names = tuple(params)
-    trainable = [n not in entry.frozen and B.is_differentiable(params[n]) for n in names]
+    frozen, given = entry.frozen, {}
     with torch.enable_grad():
-        leaves = [params[n].detach().requires_grad_(m) for n, m in zip(names, trainable)]
+        for n, t in params.items():
+            given[n] = t.detach().requires_grad_(n not in frozen and (t.is_floating_point() or t.is_complex()))
         h = entry.boundary.detach().requires_grad_(inputs_too)
-        own = slots.put(dict(zip(names, leaves)))
+        own = slots.put(given)
         try:
             out = module(h)
         finally:
             slots.put_back(own)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"its rebuild returned {type(out).__name__}, its forward one tensor")
+    names, leaves = tuple(given), tuple(given.values())
     wanted = [t for t in leaves if t.requires_grad] + ([h] if inputs_too else [])
     dt = entry.out_layout.placements[0][1]
     grads = iter(V.pull_back(V.places([out]), [costate if costate.dtype == dt else costate.to(dt)], wanted))

@@ -104,7 +104,7 @@ class Stage:
             return {n: p for n, p in own if p is not None and p._backward_hooks}
 
     def default_buffers(self) -> dict[str, torch.Tensor]:
-        if self.module is None:
+        if self.module is None or not (self.aliased or self.buffer_names):  # no buffers when it was made
             return {}
         slots = self.slots()
         if slots is None:
