@@ -92,10 +92,9 @@ def first_tensor(tree: Any) -> torch.Tensor | None:
         return tree
     if isinstance(tree, (tuple, list)):
         return next((t for t in map(first_tensor, tree) if t is not None), None)
-    if type(tree) is dict:
-        named = cast(dict[Any, Any], tree)
-        if named and all(type(k) is str for k in named):  # optree's order: sorted keys
-            return first_tensor([named[k] for k in sorted(named)])
+    named: Any = tree
+    if type(named) is dict and named and all(type(k) is str for k in named):  # optree's order: sorted keys
+        return first_tensor([named[k] for k in sorted(named)])
     return next((t for t in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(t, torch.Tensor)), None)
 
 
