@@ -179,3 +179,23 @@ def test_a_stage_with_one_tensor_under_two_names_gets_both_uses_gradients():
     mse(model(x), y).backward()
     for (_, g), (_, p) in zip(((n, g) for stage in grads for n, g in stage.items()), model.named_parameters()):
         torch.testing.assert_close(g, p.grad, rtol=1e-12, atol=1e-14)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_modes_are_every_module_once_in_the_order_modules_gives(data):
+    """``replay.modes_of`` walks ``_modules`` itself: the same modules as ``module.modules()``, in its
+    order, each once (a module shared by two parents, a ``None`` child), with their training flags."""
+    from eae_func.core.replay import modes_of
+
+    pool = [nn.Linear(2, 2), nn.Tanh(), nn.Dropout(0.1)]
+    for _ in range(data.draw(st.integers(1, 6))):
+        children = data.draw(st.lists(st.sampled_from(pool), max_size=3))
+        parent = nn.Sequential(*children) if data.draw(st.booleans()) else nn.ModuleList(children)
+        if data.draw(st.booleans()):
+            parent.register_module("empty", None)
+        pool.append(parent)
+    root = pool[-1]
+    for m in root.modules():
+        m.training = data.draw(st.booleans())
+    assert modes_of(root) == tuple((m, m.training) for m in root.modules())

@@ -130,9 +130,19 @@ def host_kind(s: Any, modes: tuple[Any, ...]) -> Hashable:
 
 
 def modes_of(module: torch.nn.Module | None) -> tuple[Any, ...]:
-    """``(module, training)`` for ``module`` and every module in it (``()`` for none): the modes a
-    stage runs in, recorded by its forward so its recompute runs in them too."""
-    return () if module is None else tuple((m, m.training) for m in module.modules())
+    """``(module, training)`` for ``module`` and every module in it (``()`` for none), in
+    ``module.modules()``'s order, each once: the modes a stage runs in, recorded by its forward so
+    its recompute runs in them too (walked without ``named_modules``' names, a third of its cost)."""
+    return () if module is None else tuple(_walk(module, set(), []))
+
+
+def _walk(module: torch.nn.Module, seen: set[Any], out: list[Any]) -> list[Any]:
+    seen.add(module)
+    out.append((module, module.training))
+    for child in module._modules.values():  # pyright: ignore[reportPrivateUsage]
+        if child is not None and child not in seen:
+            _walk(child, seen, out)
+    return out
 
 
 def check_modes(modes: tuple[Any, ...], where: str) -> None:

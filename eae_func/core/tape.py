@@ -177,7 +177,8 @@ def check_floating(chain: Chain, i: int, params: Any, outputs: list[Any], upstre
     """Whether stage i or one before it has parameters; refuse an output of integers alone after one
     that has (no costate could reach those parameters)."""
     upstream_params = upstream_params or bool(optree.tree_leaves(params, namespace=NAMESPACE))
-    if upstream_params and not any(B.is_differentiable(t) for t in outputs):
+    floating = B.is_differentiable(outputs[0]) if len(outputs) == 1 else any(map(B.is_differentiable, outputs))
+    if upstream_params and not floating:
         raise TypeError(
             f"output of {chain.where(i)}: only integer tensors "
             f"({', '.join(str(t.dtype) for t in outputs)}), so no costate flows back to the "
