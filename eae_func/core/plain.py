@@ -94,7 +94,11 @@ def forward(r: Any, buffers: tuple[Any, ...], x: Any) -> tuple[list[Entry], Any,
     chain, params, device = r.chain, r.params, r.device
     kept, entries, new_buffers, stats = x, [], [], {}
     layout = B.Layout.of_leaves(*B.leaves(x, f"input of {chain.where(0)}"))
-    h = optree.tree_map(lambda t: t.detach().clone(), x, namespace=NAMESPACE)
+    h = (
+        x.detach().clone()
+        if isinstance(x, torch.Tensor)
+        else optree.tree_map(lambda t: t.detach().clone(), x, namespace=NAMESPACE)
+    )
     upstream_params = False
     for i, s in enumerate(chain.stages):
         stats[chain.names[i]] = {"boundary_bytes": B.nbytes(kept)}
