@@ -2,6 +2,7 @@
 ``AdjointState`` is registered), as ``jax.tree_util`` users expect them."""
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -10,7 +11,7 @@ import torch
 from .cache import register
 from .compat import pytree
 
-__all__ = ["flatten_call", "flatten_output", "tree_leaves", "tree_map", "tree_structure", "unflatten"]
+__all__ = ["flatten_call", "flatten_output", "map_tensors", "tree_leaves", "tree_map", "tree_structure", "unflatten"]
 
 NAMESPACE = "eae_func"
 
@@ -20,6 +21,11 @@ tree_leaves = functools.partial(optree.tree_leaves, namespace=NAMESPACE)
 """``optree.tree_leaves(tree)``, an ``AdjointState``'s tensors among them."""
 tree_structure = functools.partial(optree.tree_structure, namespace=NAMESPACE)
 """``optree.tree_structure(tree)``, ``AdjointState`` a node."""
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """``tree_map(fn, tree)`` over a tree whose leaves are tensors, ``fn`` typed as taking one."""
+    return optree.tree_map(fn, tree, namespace=NAMESPACE)
 
 
 _TENSOR = pytree.tree_structure(torch.empty(0))

@@ -11,7 +11,7 @@ from typing import Any
 import optree
 import torch
 
-from ..tree import NAMESPACE
+from ..tree import NAMESPACE, map_tensors
 
 __all__ = ["Layout", "Policy", "Prefetcher", "flat", "is_differentiable", "leaves", "nbytes", "split", "split_as"]
 
@@ -105,13 +105,9 @@ class Policy:
         the device-to-host copies issued on ``stream``, a side CUDA stream, so the compute stream
         never waits on them) and as the next stage runs on it: the kept values back in the compute
         dtype, cast on the device (no round trip through the host)."""
-        low = optree.tree_map(
-            lambda t: t.to(self.dtype) if self.dtype is not None and is_differentiable(t) else t,
-            tree,
-            namespace=NAMESPACE,
-        )
+        low = map_tensors(lambda t: t.to(self.dtype) if self.dtype is not None and is_differentiable(t) else t, tree)
         fed = self.load(low, like) if self.dtype is not None else tree
-        kept = optree.tree_map(lambda t: to_host(t, stream), low, namespace=NAMESPACE) if self.offload else low
+        kept = map_tensors(lambda t: to_host(t, stream), low) if self.offload else low
         return kept, fed
 
     def load(self, stored: Any, like: Layout) -> Any:

@@ -25,7 +25,7 @@ import torch
 
 from ..adjoint import AdjointState, fold_in
 from ..program.chain import Chain
-from ..tree import NAMESPACE
+from ..tree import NAMESPACE, map_tensors
 from . import boundary as B
 from . import compiled, fsdp_reverse
 from . import early_stop as ES
@@ -257,7 +257,7 @@ class Step:
                 grads = {n: None if n in entry.frozen else g for n, g in grads.items()}
             return grads, costate_in
         if all(c is None for c in costate):  # no costate flows here: nothing to do
-            grads = optree.tree_map(lambda t: None, self.params[i], namespace=NAMESPACE)
+            grads = map_tensors(lambda t: None, self.params[i])
             return grads, B.split_as(entry.boundary, entry.layout)[2]([None] * sum(entry.layout.mask))
         return self.digital(entry, costate, stats)
 

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import optree
 import torch
 
 from ..adjoint import AdjointState, fold_in
 from ..program.slots import module_lock
-from ..tree import NAMESPACE
+from ..tree import map_tensors
 from . import boundary as B
 from . import early_stop as ES
 from . import vjp as V
@@ -94,11 +93,7 @@ def forward(r: Any, buffers: tuple[Any, ...], x: Any) -> tuple[list[Entry], Any,
     chain, params, device = r.chain, r.params, r.device
     kept, entries, new_buffers, stats = x, [], [], {}
     layout = B.Layout.of_leaves(*B.leaves(x, f"input of {chain.where(0)}"))
-    h = (
-        x.detach().clone()
-        if isinstance(x, torch.Tensor)
-        else optree.tree_map(lambda t: t.detach().clone(), x, namespace=NAMESPACE)
-    )
+    h = x.detach().clone() if isinstance(x, torch.Tensor) else map_tensors(lambda t: t.detach().clone(), x)
     upstream_params = False
     for i, s in enumerate(chain.stages):
         stats[chain.names[i]] = {"boundary_bytes": B.nbytes(kept)}
@@ -174,7 +169,7 @@ def reverse_step(r: Any, opts: Options, entry: Entry, costate: Any) -> tuple[Any
     floats, rebuild, costate_like = B.split_as(entry.boundary, entry.layout)
     flat = B.flat(costate, none_is_leaf=True)
     if all(c is None for c in flat):  # no costate flows here: nothing to do
-        return optree.tree_map(lambda t: None, params, namespace=NAMESPACE), costate_like([None] * len(floats))
+        return map_tensors(lambda t: None, params), costate_like([None] * len(floats))
     kind = rebuild_kind(opts, s, entry, floats, True, True)
 
     def attempt(run: Any) -> Any:

@@ -16,7 +16,7 @@ import torch
 
 from ..program.chain import Chain
 from ..program.physical import Meter, rows_of
-from ..tree import NAMESPACE
+from ..tree import NAMESPACE, map_tensors
 from . import boundary as B
 from . import compiled, remat
 from . import vjp as V
@@ -141,7 +141,7 @@ def forward(
     )
     tape, plan = Tape(opts.boundary, device), opts.recompute.plan(measured)
     if lo == 0:  # the caller's input: the first stage runs on a copy, which a write into it cannot leave
-        h = optree.tree_map(lambda t: t.detach().clone(), h, namespace=NAMESPACE)
+        h = map_tensors(lambda t: t.detach().clone(), h)
     upstream_params = False
     for i in range(lo, hi):
         stats = tape.stats[chain.names[i]] = dict.fromkeys(STAGE_COUNTERS if opts.timers else ("boundary_bytes",), 0)
@@ -261,7 +261,7 @@ def kept_ops(
     floats, rebuild, _ = B.split(h, f"input of {chain.where(i)}")
     check = lambda o, own: check_closed_over(chain, i, o, own)
     out, _, updated = V.local_vjp(call, params, floats, rebuild, frozen, check=check, has_aux=True)
-    return optree.tree_map(torch.Tensor.detach, out, namespace=NAMESPACE), updated
+    return map_tensors(torch.Tensor.detach, out), updated
 
 
 def replaying(cached: Any, run: Callable[..., Any]) -> Callable[..., Any]:
@@ -296,4 +296,4 @@ def kept_graph(
         )
     if saved is not None and not plan.kept(i, saved.bytes):
         closure = None
-    return optree.tree_map(torch.Tensor.detach, out, namespace=NAMESPACE), closure, updated
+    return map_tensors(torch.Tensor.detach, out), closure, updated
