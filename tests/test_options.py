@@ -250,6 +250,7 @@ def test_the_compute_device_comes_from_the_params_not_the_input():
 def test_stored_boundaries_keep_their_memory_format():
     """A channels_last boundary stored in bf16 stays channels_last, so the recompute runs the same kernels."""
     from eae_func.core.options import Options
+    from eae_func.core.runner import Range
     from eae_func.core.tape import forward
 
     chain = ef.Chain(
@@ -258,7 +259,7 @@ def test_stored_boundaries_keep_their_memory_format():
     )
     x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
     opts = Options(boundary_dtype=torch.bfloat16).bind(chain)
-    tape = forward(chain, 0, 2, ({}, {}), ({}, {}), x, opts, torch.device("cpu"))
+    tape = forward(Range(chain, 0, 2, ({}, {}), opts, torch.device("cpu")), ({}, {}), x, opts)
     stored = tape.entries[1].boundary
     assert stored.dtype == torch.bfloat16 and stored.is_contiguous(memory_format=torch.channels_last)
     assert not stored.is_contiguous()

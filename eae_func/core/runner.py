@@ -72,17 +72,7 @@ class Range:
 
     def forward(self, buffers: tuple[Any, ...], mb: Microbatch, h: Any = None) -> TP.Tape:
         """The forward of microbatch ``mb`` from ``h`` (``None``: ``mb.x``, the chain's input)."""
-        return TP.forward(
-            self.chain,
-            self.lo,
-            self.hi,
-            self.params,
-            buffers,
-            mb.x if h is None else h,
-            self.at(mb),
-            self.device,
-            self.meter,
-        )
+        return TP.forward(self, buffers, mb.x if h is None else h, self.at(mb))
 
     def backward(
         self,

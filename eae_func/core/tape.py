@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
 
 from ..program.chain import Chain
-from ..program.physical import Meter, rows_of
+from ..program.physical import rows_of
 from ..tree import NAMESPACE, map_tensors
 from . import boundary as B
 from . import compiled, remat
@@ -24,6 +24,9 @@ from .diagnose import check_closed_over, explain, note
 from .options import Options
 from .replay import HOST, NULL, autocast, check_modes, drew, host_kind, modes_of, rng_state
 from .timing import timer
+
+if TYPE_CHECKING:
+    from .runner import Range
 
 __all__ = [
     "Entry",
@@ -115,24 +118,16 @@ class Tape:
         return output
 
 
-def forward(
-    chain: Chain,
-    lo: int,
-    hi: int,
-    params: tuple[Any, ...],
-    buffers: tuple[Any, ...],
-    h: Any,
-    opts: Options,
-    device: torch.device,
-    meter: Meter | None = None,
-) -> Tape:
-    """Stages ``lo..hi-1`` on ``h`` with no autograd graph (except the graphs the remat policy keeps).
+def forward(r: Range, buffers: tuple[Any, ...], h: Any, opts: Options) -> Tape:
+    """Stages ``r.lo..r.hi-1`` of range ``r`` on ``h`` with no autograd graph (except the graphs the
+    remat policy keeps), under ``opts`` (the range's, with the microbatch's key).
 
-    ``params`` and ``buffers`` have one entry per stage of the whole chain. Boundaries are stored
+    ``r.params`` and ``buffers`` have one entry per stage of the whole chain. Boundaries are stored
     as ``opts.boundary`` says, and the next stage runs on exactly what is stored. A stage that
     writes into its input is refused (the first one runs on a copy, so the caller's input is
-    never written). ``meter`` counts the physical stages' rows.
+    never written). ``r.meter`` counts the physical stages' rows.
     """
+    chain, lo, hi, params, device, meter = r.chain, r.lo, r.hi, r.params, r.device, r.meter
     kept, layout = h, B.Layout.of_leaves(*B.leaves(h, f"input of {chain.where(lo)}"))
     measured = (
         remat.sizes(chain, (lo, hi, layout, opts.autocast, opts.boundary, opts.recompute.nbytes))
@@ -152,7 +147,7 @@ def forward(
         kind = host_kind(chain.stages[i], modes)
         host = HOST.before(kind)
         out, (outputs, out_spec), closure, rng, cached, tape.buffers[i] = run_stage(
-            chain, i, params[i], buffers[i], h, opts, device, plan, stats, frozen
+            r, i, buffers[i], h, opts, plan, stats, frozen
         )
         check_modes(modes, chain.where(i))
         rng = with_host(rng, HOST.after(kind, host))
@@ -198,22 +193,21 @@ def check_unwritten(chain: Chain, i: int, inputs: list[Any], versions: list[Any]
 
 
 def run_stage(
-    chain: Chain,
+    r: Range,
     i: int,
-    params: Any,
     buffers: Mapping[Any, Any],
     h: Any,
     opts: Options,
-    device: torch.device,
     plan: remat.Plan,
     stats: dict[Any, Any],
     frozen: frozenset[str],
 ) -> tuple[Any, tuple[Any, ...], Callable[..., Any] | None, tuple[Any, ...] | None, Any, Mapping[Any, Any]]:
-    """Stage i's forward on ``h``: ``(output, (its leaves, treespec), vjp closure if its graph is kept,
+    """Stage i of range ``r`` run forward on ``h``: ``(output, (its leaves, treespec), vjp closure if its graph is kept,
     RNG state to replay or None, the replaying context of the ops' outputs it kept or None, its
     updated buffers)``; its counters are added to ``stats``. The remat ``plan`` says whether the graph is kept
     (a physical stage's never is: its reverse step comes from the estimator) and which ops'
     outputs are (``remat.save``)."""
+    chain, params, device = r.chain, r.params[i], r.device
     s = chain.stages[i]
     rng, closure, cached = rng_state(device), None, None
     inputs = B.flat(h)
