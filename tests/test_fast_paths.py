@@ -199,3 +199,29 @@ def test_modes_are_every_module_once_in_the_order_modules_gives(data):
     for m in root.modules():
         m.training = data.draw(st.booleans())
     assert modes_of(root) == tuple((m, m.training) for m in root.modules())
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_a_cut_call_walks_its_module_as_named_modules_does(data):
+    """``cut_call.walk`` visits ``_modules`` itself: the parameters (aliases included), buffers and
+    modes that ``named_modules(remove_duplicate=False)`` gives, in its order, a shared submodule once
+    per place it sits in."""
+    from eae_func.drivers.cut_call import walk
+
+    pool = [nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Tanh()]
+    for _ in range(data.draw(st.integers(1, 5))):
+        children = data.draw(st.lists(st.sampled_from(pool), max_size=3))
+        parent = nn.Sequential(*children)
+        if data.draw(st.booleans()):
+            parent.register_module("empty", None)
+            parent.register_buffer("none", None)
+        pool.append(parent)
+    root = pool[-1]
+    params, buffers, modes = walk(root)
+    named = list(root.named_modules(remove_duplicate=False))
+    assert modes == tuple((m, m.training) for _, m in named)
+    assert list(params.items()) == list(root.named_parameters(remove_duplicate=False))
+    assert list(buffers) == [n for n, _ in root.named_buffers(remove_duplicate=False)]
+    own = dict(root.named_buffers(remove_duplicate=False))
+    assert all(torch.equal(b, own[n]) and b.data_ptr() != own[n].data_ptr() for n, b in buffers.items())  # copies

@@ -75,16 +75,28 @@ class Call:
     compiled: bool = False
 
 
-def walk(modules: Iterable[tuple[str, nn.Module]]) -> tuple[dict[Any, Any], dict[Any, Any], tuple[Any, ...]]:
-    """Over a cut module's ``named_modules(remove_duplicate=False)``: its parameters by name (aliases
-    included, as ``named_parameters(remove_duplicate=False)``), clones of its buffers by name, its
-    modes (``replay.modes_of``)."""
-    params, buffers, modes = {}, {}, []
-    for prefix, m in modules:
+def walk(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any], tuple[Any, ...]]:
+    """Over a cut module and its submodules in ``named_modules(remove_duplicate=False)``'s order (walked
+    over ``_modules`` itself, without its generators): its parameters by name (aliases included, as
+    ``named_parameters(remove_duplicate=False)``), clones of its buffers by name, its modes (each
+    module with its training flag, once per place it sits in)."""
+    params: dict[str, Any] = {}
+    buffers: dict[str, Any] = {}
+    modes: list[Any] = []
+
+    def visit(m: nn.Module, dot: str) -> None:
         modes.append((m, m.training))
-        dot = f"{prefix}." if prefix else ""
-        params.update((dot + n, p) for n, p in m._parameters.items() if p is not None)
-        buffers.update((dot + n, b.detach().clone()) for n, b in m._buffers.items() if b is not None)
+        for n, p in m._parameters.items():  # pyright: ignore[reportPrivateUsage]
+            if p is not None:
+                params[dot + n] = p
+        for n, b in m._buffers.items():  # pyright: ignore[reportPrivateUsage]
+            if b is not None:
+                buffers[dot + n] = b.detach().clone()
+        for name, child in m._modules.items():  # pyright: ignore[reportPrivateUsage]
+            if child is not None:
+                visit(child, f"{dot}{name}.")
+
+    visit(module, "")
     return params, buffers, tuple(modes)
 
 

@@ -116,7 +116,7 @@ class Sweep(CutReverse):
         self.count += 1
         leaves, spec = T.flatten_call(args, kwargs)
         refuse_caches(name, leaves, self.split_at)
-        params, buffers, modes = walk(module.named_modules(remove_duplicate=False))
+        params, buffers, modes = walk(module)
         call = Call(
             self.count,
             name if k == 1 else f"{name}#{k}",
