@@ -23,6 +23,7 @@ from ..core import early_stop as ES
 from ..core import microbatch as M
 from ..core import replay
 from ..core import vjp as V
+from ..core.costates import traced
 from ..core.diagnose import note
 from ..core.options import Options
 from ..core.timing import timer
@@ -70,37 +71,41 @@ class CutReverse:
         """The costate of the call's output after the passes (one tensor, or a tuple for several)."""
         value = costates[0] if len(costates) == 1 else tuple(costates)
         adj = AdjointState(value, call.index, call.name, fold_in(self.opts.key, call.index))
-        if not self.opts.no_passes:
-            stats = self.stats.setdefault(call.name, {})
-            try:
-                with timer(self.opts, stats, "pass_s", f"eae/{call.name}/passes"):
-                    out = self.opts.passes.update(adj, self.pass_state, Context(None, None, self.opts.key))
-            except Exception as e:
-                note(e, f"the passes at cut {call.name!r}")
-                raise
-            if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], AdjointState)):
-                raise TypeError(
-                    f"pass {self.opts.passes.name!r} at cut {call.name!r}: update must return (AdjointState, state), "
-                    f"got {type(out).__name__}"
-                )
-            adj, self.pass_state = out
-            got = [adj.value] if len(costates) == 1 else list(adj.value) if isinstance(adj.value, tuple) else None
-            if (
-                got is None
-                or len(got) != len(costates)
-                or any(not isinstance(g, torch.Tensor) or g.shape != c.shape for g, c in zip(got, costates))
-            ):
-                raise ValueError(
-                    f"pass {self.opts.passes.name!r} at cut {call.name!r}: expected a costate like "
-                    f"{[tuple(c.shape) for c in costates]}, got {type(adj.value).__name__}"
-                )
-            costates = got
+        if self.opts.no_passes:  # the record alone
+            self.record(adj)
+            return costates
+        stats = self.stats.setdefault(call.name, {})
+        try:
+            with timer(self.opts, stats, "pass_s", f"eae/{call.name}/passes"):
+                out = self.opts.passes.update(adj, self.pass_state, Context(None, None, self.opts.key))
+        except Exception as e:
+            note(e, f"the passes at cut {call.name!r}")
+            raise
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], AdjointState)):
+            raise TypeError(
+                f"pass {self.opts.passes.name!r} at cut {call.name!r}: update must return (AdjointState, state), "
+                f"got {type(out).__name__}"
+            )
+        adj, self.pass_state = out
+        got = [adj.value] if len(costates) == 1 else list(adj.value) if isinstance(adj.value, tuple) else None
+        if (
+            got is None
+            or len(got) != len(costates)
+            or any(not isinstance(g, torch.Tensor) or g.shape != c.shape for g, c in zip(got, costates))
+        ):
+            raise ValueError(
+                f"pass {self.opts.passes.name!r} at cut {call.name!r}: expected a costate like "
+                f"{[tuple(c.shape) for c in costates]}, got {type(adj.value).__name__}"
+            )
+        costates = got
         self.record(adj)
         return costates
 
     def record(self, adj: AdjointState) -> None:
         """The trace's record of a boundary (its costate dropped unless ``keep_costates``)."""
-        self.trace.append(adj if self.opts.keep_costates else adj.replace(value=None))
+        kept = traced(adj, self.opts)
+        assert kept is not None  # a record in, a record out
+        self.trace.append(kept)
 
     def reverse(self, call: Call, costates: list[Any]) -> list[Any]:
         """The call's reverse step: the passes on its output costate, the module rebuilt at the
