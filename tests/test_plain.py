@@ -148,6 +148,16 @@ def test_a_tied_weight_and_a_stage_that_stops_drawing():
         assert (fast.adjoints[0].index, len(fast.grads)) == (3, 3)
 
 
+def test_a_first_stage_on_a_batch_of_sequences():
+    """(batch, tokens, width) boundaries through Linear's matmul, at the first stage and after it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 16))
+    chain, params = ef.from_module(model, loss=mse)
+    fast, general, used = both(chain, params, torch.randn(3, 7, 16), torch.randn(3, 7, 16))
+    assert used
+    assert_same(results(fast), results(general))
+
+
 def test_a_first_stage_that_writes_into_its_input_is_refused_and_the_input_kept():
     model = nn.Sequential(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4)), nn.Linear(4, 4))
     chain, params = ef.from_module(model, loss=mse)

@@ -191,12 +191,13 @@ def module_vjp(
 ) -> tuple[Any, ...]:
     """``(J_W^T p, J_x^T p or None)`` of a module stage rebuilt from its boundary, one floating tensor in
     and out, as ``vjp.local_vjp`` computes them: the module run on detached, requires-grad copies of
-    its trainable parameters (``slots``: their places) and of its input, one engine call at ``p``."""
+    its trainable parameters (``slots``: their places) and of its input (``J_x^T p`` asked for only
+    with ``inputs_too``), one engine call at ``p``."""
     frozen, given = entry.frozen, {}
     with torch.enable_grad():
         for n, t in params.items():
             given[n] = t.detach().requires_grad_(n not in frozen and (t.is_floating_point() or t.is_complex()))
-        h = entry.boundary.detach().requires_grad_(inputs_too)
+        h = entry.boundary.detach().requires_grad_()  # as the general rebuild: kernels may depend on it
         own = slots.put(given)
         try:
             out = module(h)
