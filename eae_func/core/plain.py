@@ -1,6 +1,7 @@
-"""The fold over a plain range: the whole chain, one microbatch, no passes, estimator, fused
-update, stored-apart boundaries, autocast, compile, kept graphs, timers or kept costates (what
-``ef.grad`` and ``ef.value_and_grad`` run by default), as two loops with nothing else in them.
+"""The fold over a plain range: the whole chain (each microbatch's, earlier ones' gradients added),
+no passes, estimator, fused update, stored-apart boundaries, autocast, compile, kept graphs, timers
+or kept costates (what ``ef.grad`` and ``ef.value_and_grad`` run by default), as two loops with
+nothing else in them.
 
     forward:  x_l = h_l(W_l, x_{l-1}), each stage's input, RNG state and modes kept
     reverse:  (grad W_l, p_{l-1}) = vjp(h_l rebuilt from x_{l-1})(p_l),  l = L..1
@@ -16,18 +17,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import optree
 import torch
 
 from ..adjoint import AdjointState, fold_in
 from ..program.slots import module_lock
-from ..tree import map_tensors
+from ..tree import NAMESPACE, map_tensors
 from . import boundary as B
 from . import early_stop as ES
 from . import vjp as V
 from .costates import boundary_name, shown_as, traced
 from .diagnose import check_closed_over, explain, note
 from .fold import boundary_condition, rebuild_kind, rebuilt_vjp
-from .microbatch import Microbatch
+from .microbatch import Microbatch, add
 from .options import Options
 from .replay import HOST, check_modes, drew, host_kind, in_modes, modes_of, replay_rng, rng_state
 from .tape import Entry, check_floating, check_unwritten, with_host
@@ -52,9 +54,13 @@ def applies(opts: Options, chain: Any, lo: int, hi: int) -> bool:
     )
 
 
-def run(r: Any, buffers: tuple[Any, ...], mb: Microbatch, pass_state: Any, pending: Any = None) -> Any:
+def run(
+    r: Any, buffers: tuple[Any, ...], mb: Microbatch, pass_state: Any, pending: Any = None, earlier: Any = None
+) -> Any:
     """``Range.run`` of a plain range ``r`` (``applies``) with no updater: the same ``Piece``, the fused
-    updates' ``pending`` (a later microbatch's fold runs them) handed through."""
+    updates' ``pending`` (a later microbatch's fold runs them) handed through; with ``earlier`` (one
+    entry per stage: the earlier microbatches' gradients), each stage's gradients plus its entry,
+    which is let go at once, as ``fold.make_step`` adds them."""
     from .runner import Piece
 
     chain, opts = r.chain, r.at(mb)
@@ -65,7 +71,8 @@ def run(r: Any, buffers: tuple[Any, ...], mb: Microbatch, pass_state: Any, pendi
     del output
     costate, head = carry.adj.value, traced(carry.shown, opts)
     del carry  # p_L is held by ``costate`` alone: freed once stage L-1 has used it
-    grads, records = [None] * len(entries), [head]
+    grads: list[Any] = [None] * len(entries)
+    records = [head]
     while entries:
         entry = entries.pop()
         i = entry.index
@@ -74,6 +81,11 @@ def run(r: Any, buffers: tuple[Any, ...], mb: Microbatch, pass_state: Any, pendi
         except Exception as e:
             note(e, f"the reverse step of {chain.where(i)}")
             raise
+        if earlier is not None:
+            grads[i], earlier[i] = (
+                optree.tree_map(add, earlier[i], grads[i], none_is_leaf=True, namespace=NAMESPACE),
+                None,
+            )
         if chain.shown is None:  # the record as ``traced(shown_as(...))`` keeps it: no costate
             records.append(AdjointState(None, i, boundary_name(chain, i), fold_in(opts.key, i)))
         else:

@@ -136,8 +136,8 @@ class Range:
         earlier: list[Any] | None = None,
     ) -> Piece:
         """Forward and backward of the whole chain on microbatch ``mb`` (a plain range: ``plain.run``)."""
-        if updater is None and earlier is None and plain.applies(self.opts, self.chain, self.lo, self.hi):
-            return plain.run(self, buffers, mb, pass_state, pending)
+        if updater is None and plain.applies(self.opts, self.chain, self.lo, self.hi):
+            return plain.run(self, buffers, mb, pass_state, pending, earlier)
         return self.backward(
             self.forward(buffers, mb), buffers, mb, pass_state, updater=updater, pending=pending, earlier=earlier
         )
