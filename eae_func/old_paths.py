@@ -12,7 +12,7 @@ import warnings
 from types import ModuleType
 from typing import Any
 
-__all__ = ["ALIASED", "MOVED", "install"]
+__all__ = ["ALIASED", "MOVED", "SPLIT", "install"]
 
 MOVED = {
     **dict.fromkeys("capture chain fsdp function module_chain physical user_code".split(), "program"),
@@ -24,6 +24,10 @@ MOVED = {
     **dict.fromkeys("cuts in_backward input_writes model_sweep physical_cuts switch sweep".split(), "drivers"),
 }
 """Each module that stood at ``eae_func/<name>.py`` before the folders -> its folder now."""
+
+SPLIT = {"chain": "eae_func.program.module_chain"}
+"""A moved module whose functions went on to another module: ``eae_func.chain.from_module`` (and the
+other names of ``module_chain.__all__``) still reads them, with a DeprecationWarning."""
 
 ALIASED: set[str] = set()
 """The moved modules whose names the package binds, put in ``sys.modules`` by ``install``."""
@@ -37,7 +41,14 @@ class Moved(ModuleType):
         self._target = target
 
     def __getattr__(self, attr: str) -> Any:
-        return getattr(self._target, attr)
+        try:
+            return getattr(self._target, attr)
+        except AttributeError:
+            split = SPLIT.get(self.__name__.rpartition(".")[2])
+            if split is None or attr not in (went := importlib.import_module(split)).__all__:
+                raise
+        warnings.warn(f"{self.__name__}.{attr} moved to {split}", DeprecationWarning, stacklevel=2)
+        return getattr(went, attr)
 
     def __dir__(self) -> list[str]:
         return dir(self._target)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import types
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -367,18 +366,3 @@ def apply(chain: Chain, params: Sequence[Any], x: Any, buffers: Sequence[Any] | 
             e.add_note(f"(eae_func.apply: in {chain.where(i)})")
             raise
     return x
-
-
-def __getattr__(name: str) -> Any:
-    """The module functions that moved to ``module_chain`` (``ef.from_module`` and friends), still
-    importable from here, with a DeprecationWarning."""
-    from . import module_chain  # here: module_chain imports this module
-
-    if name in module_chain.__all__:
-        warnings.warn(
-            f"{__name__}.{name} moved to eae_func.program.module_chain (ef.{name} where public)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(module_chain, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
