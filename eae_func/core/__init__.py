@@ -2,3 +2,5 @@
 stage range (``tape``, ``fold``, ``runner``), boundaries and their records (``boundary``,
 ``costates``), the local vjp (``vjp``), RNG, mode and autocast replay (``replay``), ties, early
 stop, remat, fused updates, options, and what an estimator sees (``problem``)."""
+
+__all__: list[str] = []  # the modules are the API: nothing is re-exported here

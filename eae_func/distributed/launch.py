@@ -90,11 +90,8 @@ def spawn(
     ctx = mp.get_context("forkserver")  # one server imports torch once; ranks fork from it
     ctx.set_forkserver_preload(["eae_func.distributed"])
     results = ctx.SimpleQueue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(fn, args, r, nprocs, port, backend, pg_timeout, threads, results))
-        for r in range(nprocs)
-    ]
+    group = Group(nprocs, free_port(), backend, pg_timeout, threads)
+    procs = [ctx.Process(target=_worker, args=(fn, args, r, group, results)) for r in range(nprocs)]
     start = time.monotonic()
     for proc in procs:
         proc.start()
@@ -132,19 +129,31 @@ def _drain(results, reported: dict[Any, Any]) -> None:
         reported[rank] = pickle.loads(payload)
 
 
-def _worker(fn, args, rank, world, port, backend, pg_timeout, threads, results) -> None:
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """The process group ``spawn`` starts: ``world`` ranks meeting at ``port`` on 127.0.0.1 over
+    ``backend``, collectives bounded by ``timeout`` seconds, ``threads`` threads a rank."""
+
+    world: int
+    port: int
+    backend: str
+    timeout: float
+    threads: int
+
+
+def _worker(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, group: Group, results: Any) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        MASTER_PORT=str(group.port),
         RANK=str(rank),
-        WORLD_SIZE=str(world),
+        WORLD_SIZE=str(group.world),
         LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(group.world),
     )
-    torch.set_num_threads(threads)
+    torch.set_num_threads(group.threads)
     start = time.monotonic()
     try:
-        init(backend, timeout=pg_timeout)
+        init(group.backend, timeout=group.timeout)
         value = fn(*args)
         results.put((rank, pickle.dumps((value, None, time.monotonic() - start))))
     except BaseException:

@@ -335,8 +335,7 @@ class Pipeline(Peers):
                 RangeStage(
                     r,
                     len(self.ranges),
-                    self.ranges[r][0],
-                    self.ranges[r][1],
+                    self.ranges[r],
                     device,
                     self.group,
                     (self.boundary_codec, self.costate_codec),

@@ -91,7 +91,7 @@ class Step:
 
 
 class RangeStage(PipelineStage):
-    """Stage range ``index`` (stages ``lo..hi-1`` of the chain) of ``num_ranges``, on ``device``,
+    """Stage range ``index`` (stages ``lo..hi-1`` of the chain, ``span = (lo, hi)``) of ``num_ranges``, on ``device``,
     talking over ``group``; ``where`` names it in errors; ``specs`` (shared by a rank's ranges) maps a
     range to the tree structure of what it sends. ``begin(runner, step)`` before each step, ``end()``
     after it."""
@@ -100,8 +100,7 @@ class RangeStage(PipelineStage):
         self,
         index: int,
         num_ranges: int,
-        lo: int,
-        hi: int,
+        span: tuple[int, int],
         device: torch.device,
         group: Any,
         codecs: tuple[Codec, Codec],
@@ -109,7 +108,7 @@ class RangeStage(PipelineStage):
         specs: dict[Any, Any],
     ):
         super().__init__(torch.nn.Module(), index, num_ranges, device, group=group)
-        self.lo, self.hi, self.codecs, self.where, self.specs = lo, hi, codecs, where, specs
+        (self.lo, self.hi), self.codecs, self.where, self.specs = span, codecs, where, specs
         self.runner: Range | None = None
         self.step: Step | None = None
         self.tapes: dict[int, Tape] = {}
