@@ -71,7 +71,9 @@ def split_as(tree: Any, layout: Layout) -> tuple[list[Any], Callable[[list[Any]]
     return _split(flat(tree), layout.spec, layout.mask)
 
 
-def _split(flat: list[Any], spec: Any, mask: Sequence[bool]) -> tuple[Any, ...]:
+def _split(
+    flat: list[Any], spec: Any, mask: Sequence[bool]
+) -> tuple[list[Any], Callable[[list[Any]], Any], Callable[[list[Any]], Any]]:
     if all(mask):  # every leaf differentiable: nothing to put back
         return list(flat), spec.unflatten, spec.unflatten
 

@@ -144,12 +144,12 @@ def _compiled(opts: Any) -> tuple[Any, ...]:
     """The compiled forward and reverse of module and function stages, then of captured pieces'
     graphs, for ``opts.compile`` (``torch.compile``'s keyword arguments, whose values may be dicts:
     keyed by their repr)."""
-    options = {"dynamic": False, **opts.compile}  # one graph per stage kind and shape
+    options: dict[str, Any] = {"dynamic": False, **opts.compile}  # one graph per stage kind and shape
     return kept(
         _COMPILED,
         repr(sorted(opts.compile.items())),
         None,
-        lambda: tuple(torch.compile(fn, **options) for fn in (_run, _reverse, _run_graph, _reverse_graph, _call)),
+        lambda: tuple(torch.compile(fn, **options) for fn in (_run, _reverse, _run_graph, _reverse_graph, _call)),  # pyright: ignore[reportUnknownMemberType]  # torch.compile's own signature holds Callable[..., Unknown]
     )
 
 
@@ -226,6 +226,8 @@ def _reverse_piece(
     value the piece passes through unchanged takes its output cotangent as well."""
     h = entry.boundary
     args, _ = piece.bind({**params, **buffers}.__getitem__, h)
+    where: list[int]
+    wanted: list[tuple[str, Any]]
     where, wanted = [], []
     for k, name in enumerate(piece.inputs):
         kind, key = piece.sources.get(name, ("value", name))

@@ -5,7 +5,7 @@ and kept in the trace as the options say.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -79,7 +79,7 @@ def processed(
     except Exception as e:
         note(e, f"the passes at boundary {shown.index} ({shown.name!r})")
         raise
-    if not (isinstance(out, tuple) and len(out) == 2):
+    if not (isinstance(cast(object, out), tuple) and len(out) == 2):
         raise TypeError(
             f"pass {opts.passes.name!r} at boundary {shown.index} ({shown.name!r}): update must return "
             f"(AdjointState, state), got {type(out).__name__}"
@@ -124,7 +124,7 @@ def with_part(costate: Any, keys: tuple[str, ...] | None, value: Any) -> Any:
     if keys is None:
         return value
     parts = (value,) if len(keys) == 1 else value
-    if not isinstance(parts, tuple) or len(parts) != len(keys):
+    if not isinstance(cast(object, parts), tuple) or len(parts) != len(keys):
         return value
     return {**costate, **dict(zip(keys, parts))}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -71,9 +71,7 @@ def check_closed_over(chain: Chain, i: int, outputs: list[Any], own: Sequence[to
     )
 
 
-def closed_over(
-    outputs: Sequence[Any], own: Sequence[torch.Tensor] = (), data: Sequence[torch.Tensor] = ()
-) -> list[Any] | None:
+def closed_over(outputs: Sequence[Any], own: Sequence[torch.Tensor] = (), data: Sequence[Any] = ()) -> list[Any] | None:
     """The shapes of up to three leaf tensors requiring grad, other than ``own``, that ``outputs``
     depend on (``[]``: some, unknown; ``None``: none). A view of one of the ``data`` tensors (the
     inputs) made a leaf that requires grad inside the forward (``x[:, None]``, as HuBERT's feature
@@ -83,7 +81,8 @@ def closed_over(
         return None
     mine = {id(t) for t in own}
     inputs = {t.untyped_storage().data_ptr() for t in data if isinstance(t, torch.Tensor)}
-    leaves, seen, todo = [], set(), [f for f in grad_fns if f is not None]
+    leaves: list[tuple[int, ...]]
+    leaves, seen, todo = [], cast("set[Any]", set()), [f for f in grad_fns if f is not None]
     while todo and len(leaves) < 3:
         fn = todo.pop()
         if fn in seen:

@@ -141,9 +141,9 @@ def observed(modules: Iterable[nn.Module]) -> bool:
     """Whether a forward hook or pre-hook could see a rebuild's tail: one of ``modules`` (those the
     rebuild calls) has one, or a global one is registered."""
     hooks = nn.modules.module
-    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:  # pyright: ignore[reportPrivateUsage, reportUnknownMemberType]  # torch keeps the hooks in private dicts of untyped callables
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)  # pyright: ignore[reportPrivateUsage, reportUnknownMemberType, reportUnknownArgumentType]  # as above
 
 
 def whole(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -161,12 +161,12 @@ class Rebuild(TorchDispatchMode):
     from save N on, skips the kernels of the learned tail, op for op."""
 
     def __init__(self, kind: Kind | None):
-        super().__init__()
+        super().__init__()  # pyright: ignore[reportUnknownMemberType]  # torch: an untyped _dispatch_key parameter
         self.kind = kind
         self.count = 0  # tensors saved so far
         self.began = self.last = self.before = 0  # the count when the tail so far began / at the last op / before it
         self.ops: list[Op] = []  # the tail so far
-        self.outputs: list[weakref.ref] = []  # its outputs, weakly: a skipped kernel's output is freed as
+        self.outputs: list[weakref.ref[torch.Tensor]] = []  # its outputs, weakly: a skipped kernel's output is freed as
         # the kernel's would be (an id of a freed one may come back: ``number`` checks the object)
         self.held: list[torch.Tensor] = []  # learning: the outputs themselves, for their nodes
         self.index: dict[int, int] = {}  # id of a tail output -> its number
@@ -194,7 +194,7 @@ class Rebuild(TorchDispatchMode):
                 if self.pushed:
                     if compat.innermost_dispatch_mode() is not self:
                         raise RuntimeError("early_stop: the stage's forward left a dispatch mode of its own on")
-                    self.__exit__(None, None, None)
+                    self.__exit__(None, None, None)  # pyright: ignore[reportUnknownMemberType]  # torch: untyped parameters
         returns = tuple(self.number(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
         if self.kind is None:
             self.learned = self.learn(returns)
@@ -203,7 +203,7 @@ class Rebuild(TorchDispatchMode):
         self.outputs, self.held, self.index = [], [], {}  # the graph holds what it needs of them
         return out
 
-    def push(self) -> None:
+    def push(self) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]  # shadows TorchDispatchMode's deprecated classmethod push
         self.pushed = True
         self.__enter__()
 
@@ -261,7 +261,7 @@ class Rebuild(TorchDispatchMode):
             self.read, self.work, self.unsafe = set(), 0, None
         self.last = self.count
         described = self.describe(args, kwargs)
-        self.read.update(d[1] for d in described[1] if type(d) is tuple and d[:1] == ("tail",))
+        self.read.update(cast("Iterable[int]", (d[1] for d in described[1] if type(d) is tuple and d[:1] == ("tail",))))
         grad, ours = torch.is_grad_enabled(), self.ours()
         out = func(*args, **kwargs)
         leaves, spec = pytree.tree_flatten(out)
@@ -328,7 +328,7 @@ def layout(t: torch.Tensor) -> tuple[Any, ...]:
     return t.shape, t.stride(), t.dtype, t.device
 
 
-def described(leaf: Any) -> Hashable:
+def described(leaf: object) -> Hashable:
     """An argument of a stage, as part of its kind's key: a tensor's layout, a plain value, or the
     type of anything else (a key must not keep a cache object and its tensors alive)."""
     if isinstance(leaf, torch.Tensor):

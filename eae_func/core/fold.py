@@ -17,7 +17,7 @@ built from it, are freed when the step returns.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import optree
@@ -91,8 +91,8 @@ def first_tensor(tree: Any) -> torch.Tensor | None:
     if isinstance(tree, torch.Tensor):
         return tree
     if isinstance(tree, (tuple, list)):
-        return next((t for t in map(first_tensor, tree) if t is not None), None)
-    named: Any = tree
+        return next((t for t in map(first_tensor, cast("Sequence[Any]", tree)) if t is not None), None)
+    named: dict[Any, Any] = tree  # as the dict it is tested for
     if type(named) is dict and named and all(type(k) is str for k in named):  # optree's order: sorted keys
         return first_tensor([named[k] for k in sorted(named)])
     return next((t for t in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(t, torch.Tensor)), None)
@@ -216,7 +216,7 @@ class Step:
                 note(e, f"the reverse step of {chain.where(i)}")
                 raise
             if self.earlier is not None:
-                before, now = self.earlier[i], cast(Any, grads)
+                before, now = self.earlier[i], grads
                 grads, self.earlier[i] = optree.tree_map(add, before, now, none_is_leaf=True, namespace=NAMESPACE), None
             if updater is not None:
                 with (
@@ -391,7 +391,7 @@ def rebuilt_vjp(
     buffers = entry.buffers
     if s.sharded is not None:
         return fsdp_reverse.local_vjp(s, buffers, floats, rebuild)[1]
-    call = lambda p, x: run(s.call, p, buffers, x)[0]
+    call: Callable[[Any, Any], Any] = lambda p, x: run(s.call, p, buffers, x)[0]
     return V.local_vjp(call, params, floats, rebuild, entry.frozen, params_too, inputs_too)[1]
 
 
@@ -404,6 +404,7 @@ def reverse(
 
     Returns the final carry (boundary lo) and the outputs in stage order lo..hi-1.
     """
+    outputs: list[StepOut]
     carry, outputs = (start.pop() if isinstance(start, list) else start), []
     while len(tape):
         carry, out = step(carry, tape.pop())

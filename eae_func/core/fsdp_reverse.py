@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -58,7 +58,7 @@ def check(chain: Any, params: tuple[Any, ...], buffers: tuple[Any, ...], opts: A
 
 
 def _same(own: torch.Tensor, used: torch.Tensor) -> bool:
-    local = (lambda t: t.to_local()) if isinstance(own, DTensor) else (lambda t: t)
+    local: Callable[[Any], torch.Tensor] = (lambda t: t.to_local()) if isinstance(own, DTensor) else (lambda t: t)
     if isinstance(own, DTensor) != isinstance(used, DTensor) or own.shape != used.shape:
         return False
     return not own.numel() or local(own).data_ptr() == local(used).data_ptr()
@@ -82,7 +82,7 @@ def prefetch_below(chain: Any, i: int) -> None:
 
 
 @contextlib.contextmanager
-def unsharded_until_backward(module: nn.Module) -> Iterator[None]:
+def unsharded_until_backward(module: nn.Module) -> Generator[None, None, None]:
     """Keep ``module``'s parameters unsharded after this forward (its backward follows at once, and
     would all-gather them again); FSDP's own setting is put back after."""
     groups = _groups(module)
@@ -118,7 +118,7 @@ def local_vjp(
                 torch.autograd.backward(graph, cots)
         else:
             module.reshard()  # type: ignore[operator]
-        grads = {}
+        grads: dict[Any, Any] = {}
         for name, p in zip(stage.param_names, stage.sharded):
             grads[name], p.grad = p.grad, None
         if not inputs_too:
@@ -158,7 +158,7 @@ class Sweep:
                 g.reduce_grads, g.all_reduce_grads = reduce, all_reduce
 
     @contextlib.contextmanager
-    def fold(self, last: bool) -> Iterator[None]:
+    def fold(self, last: bool) -> Generator[None, None, None]:
         """One microbatch's fold: the last one syncs each stage in its own backward."""
         token = _SYNCED.set(self.sync if last else {})
         try:
@@ -177,7 +177,7 @@ def _groups(module: nn.Module) -> list[Any]:
 
 
 @contextlib.contextmanager
-def _synced(module: nn.Module) -> Iterator[None]:
+def _synced(module: nn.Module) -> Generator[None, None, None]:
     """The module's own gradient sync during its backward in the last fold (``Sweep.fold``)."""
     settings = _SYNCED.get().get(module, ())
     for g, reduce, all_reduce in settings:

@@ -14,7 +14,7 @@ import copy
 import dataclasses
 import numbers
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import torch
 
@@ -137,7 +137,7 @@ class Options:
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"sweep: reduction must be 'mean' or 'sum', got {self.reduction!r}")
         m = self.microbatches
-        if not isinstance(m, numbers.Integral) or isinstance(m, bool) or m < 1:
+        if not isinstance(m, numbers.Integral) or isinstance(m, bool) or m < 1:  # pyright: ignore[reportUnnecessaryIsInstance]  # bool is an Integral at run time (numbers registers int), not to pyright
             raise ValueError(f"sweep: microbatches must be a positive int, got {m!r}")
         if self.estimator is not None and not all(
             callable(getattr(self.estimator, f, None)) for f in ("prepare", "stage_vjp")
@@ -150,7 +150,7 @@ class Options:
         if b is not None and (isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1):
             raise TypeError(f"sweep: budget must be None or an int >= 1 (rows per step), got {b!r}")
         if self.physical is not None:
-            if isinstance(self.physical, (str, int)) or not isinstance(self.physical, Sequence):
+            if isinstance(self.physical, (str, int)) or not isinstance(cast(object, self.physical), Sequence):
                 raise TypeError(f"sweep: physical must be a list of stage names or indices, got {self.physical!r}")
             set_(self, "physical", tuple(self.physical))
         set_(self, "recompute", remat.policy(self.recompute))
@@ -242,7 +242,7 @@ def compiling(given: Any) -> dict[Any, Any] | None:
         return {}
     if isinstance(given, str):
         return {"mode": given}
-    if isinstance(given, Mapping) and all(isinstance(k, str) for k in given):
+    if isinstance(cast(object, given), Mapping) and all(isinstance(k, str) for k in given):
         return dict(given)
     raise TypeError(
         f"sweep: compile= takes True, a torch.compile mode (e.g. 'max-autotune') or a dict of torch.compile "

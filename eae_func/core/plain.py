@@ -103,6 +103,9 @@ def forward(r: Any, buffers: tuple[Any, ...], x: Any) -> tuple[list[Entry], Any,
     """Every stage on ``x`` with no autograd graph kept: ``(entries, x_L, updated buffers, counters)``,
     as ``tape.forward`` leaves them for a plain range (the first stage runs on a copy of ``x``)."""
     chain, params, device = r.chain, r.params, r.device
+    entries: list[Entry]
+    new_buffers: list[Any]
+    stats: dict[Any, Any]
     kept, entries, new_buffers, stats = x, [], [], {}
     layout = B.Layout.of_leaves(*B.leaves(x, f"input of {chain.where(0)}"))
     h = x.detach().clone() if isinstance(x, torch.Tensor) else map_tensors(lambda t: t.detach().clone(), x)
@@ -205,6 +208,7 @@ def module_vjp(
     and out, as ``vjp.local_vjp`` computes them: the module run on detached, requires-grad copies of
     its trainable parameters (``slots``: their places) and of its input (``J_x^T p`` asked for only
     with ``inputs_too``), one engine call at ``p``."""
+    given: dict[Any, torch.Tensor]
     frozen, given = entry.frozen, {}
     with torch.enable_grad():
         for n, t in params.items():

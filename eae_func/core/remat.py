@@ -20,10 +20,10 @@ import numbers
 import typing
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts  # pyright: ignore[reportUnknownVariableType]  # torch: an untyped policy parameter
 
 from ..cache import register
 from ..compat import OpOverload, TorchDispatchMode, pytree
@@ -99,7 +99,9 @@ def save(
     running those ops again, so it costs their outputs' memory and saves their time. The stages
     where ``keep(i, name)`` is true keep their whole graph instead (say the last one: it is used
     before anything is rebuilt, so it costs no peak)."""
-    if not callable(ops) and not (isinstance(ops, Sequence) and all(isinstance(op, OpOverload) for op in ops)):
+    if not callable(ops) and not (
+        isinstance(cast(object, ops), Sequence) and all(isinstance(op, OpOverload) for op in ops)
+    ):
         raise TypeError(
             f"remat.save: expected a sequence of torch.ops.aten overloads or a policy function, got {ops!r}"
         )
@@ -152,6 +154,7 @@ class Plan:
 
     def _last_that_fit(self) -> frozenset[int]:
         """The last stages (of those measured) whose graphs fit in the budget together."""
+        chosen: list[int]
         chosen, left = [], self.remat.nbytes
         for i in sorted(self.sizes, reverse=True):
             if self.sizes[i] > left:
@@ -212,7 +215,11 @@ class Saving:
     def __init__(self, ops: Any):
         self.kept: set[int] = set()  # the storages of the outputs kept
         self.written = False
-        chosen = ops if callable(ops) else lambda ctx, op, *args, **kwargs: op in ops
+
+        def listed(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+            return op in ops
+
+        chosen = ops if callable(ops) else listed
 
         def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
             decision = chosen(ctx, op, *args, **kwargs)
@@ -238,7 +245,7 @@ class _Writes(TorchDispatchMode):
     """Marks ``saving.written`` when an op writes into the storage of an output ``saving`` kept."""
 
     def __init__(self, saving: Saving):
-        super().__init__()
+        super().__init__()  # pyright: ignore[reportUnknownMemberType]  # torch: an untyped _dispatch_key parameter
         self.saving = saving
 
     def __torch_dispatch__(

@@ -13,7 +13,7 @@ import contextlib
 import ctypes
 import random
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -69,7 +69,7 @@ def replay_rng(state: tuple[Any, ...] | None, device: torch.device):
 @contextlib.contextmanager
 def _replayed(state: tuple[Any, ...], device: torch.device):
     cpu, cuda = state[0], state[1]
-    forked = NULL if cpu is None else torch.random.fork_rng(devices=[device] if cuda is not None else [])
+    forked = NULL if cpu is None else torch.random.fork_rng(devices=[device] if cuda is not None else [])  # pyright: ignore[reportUnknownVariableType, reportUnknownMemberType]  # torch: untyped devices parameter
     with forked, HOST.replay(state[2:] or None):
         if cpu is not None:
             torch.set_rng_state(cpu)
@@ -127,11 +127,11 @@ register("host random", "which kinds of stage draw from Python's or numpy's gene
          "training flag); watched again", lambda: (HOST.watched.clear(), HOST.drawing.clear()))  # fmt: skip
 
 
-def host_kind(s: Any, modes: tuple[Any, ...]) -> Hashable:
+def host_kind(s: Any, modes: tuple[tuple[torch.nn.Module, bool], ...]) -> Hashable:
     """A stage's kind for ``HostRandom``: the classes of its modules and its training flag (two
     groupings of other layers are two kinds), or its function's code."""
     if s.module is None:
-        return getattr(s.fn, "__code__", type(s.fn))
+        return getattr(s.fn, "__code__", type(cast(object, s.fn)))
     return tuple(type(m) for m, _ in modes), modes[0][1]
 
 

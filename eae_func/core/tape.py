@@ -8,8 +8,8 @@ replay, its buffers, and with ``recompute=False`` or ``remat.save`` what it kept
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import optree
 import torch
@@ -134,6 +134,7 @@ def forward(r: Range, buffers: tuple[Any, ...], h: Any, opts: Options) -> Tape:
         if opts.recompute.kind == "budget"
         else None
     )
+    plan: remat.Plan
     tape, plan = Tape(opts.boundary, device), opts.recompute.plan(measured)
     if lo == 0:  # the caller's input: the first stage runs on a copy, which a write into it cannot leave
         h = map_tensors(lambda t: t.detach().clone(), h)
@@ -250,10 +251,10 @@ def kept_ops(
 
     def call(p: Any, x: Any) -> tuple[Any, ...]:
         with saving.forward():  # the stage's own ops alone, as ``replaying`` hands them back
-            return chain.stages[i].call(p, buffers, x)
+            return cast("tuple[Any, ...]", chain.stages[i].call(p, buffers, x))
 
     floats, rebuild, _ = B.split(h, f"input of {chain.where(i)}")
-    check = lambda o, own: check_closed_over(chain, i, o, own)
+    check: Callable[[list[Any], Sequence[torch.Tensor]], None] = lambda o, own: check_closed_over(chain, i, o, own)
     out, _, updated = V.local_vjp(call, params, floats, rebuild, frozen, check=check, has_aux=True)
     return map_tensors(torch.Tensor.detach, out), updated
 
@@ -276,18 +277,15 @@ def kept_graph(
 ) -> tuple[Any, Callable[..., Any] | None, Mapping[Any, Any]]:
     """Stage i run with its local graph: ``(detached output, vjp closure or None, updated buffers)``;
     with a byte budget the closure is only kept if its saved tensors fit in what is left."""
+
+    def call(p: Any, x: Any) -> tuple[Any, ...]:
+        return cast("tuple[Any, ...]", chain.stages[i].call(p, buffers, x))
+
+    check: Callable[[list[Any], Sequence[torch.Tensor]], None] = lambda o, own: check_closed_over(chain, i, o, own)
     floats, rebuild, _ = B.split(h, f"input of {chain.where(i)}")
     saved = remat.SavedBytes([*optree.tree_leaves(params, namespace=NAMESPACE), *floats]) if plan.counts else None
     with saved.hooks() if saved is not None else NULL:
-        out, closure, updated = V.local_vjp(
-            lambda p, x: chain.stages[i].call(p, buffers, x),
-            params,
-            floats,
-            rebuild,
-            frozen,
-            check=lambda o, own: check_closed_over(chain, i, o, own),
-            has_aux=True,
-        )
+        out, closure, updated = V.local_vjp(call, params, floats, rebuild, frozen, check=check, has_aux=True)
     if saved is not None and not plan.kept(i, saved.bytes):
         closure = None
     return map_tensors(torch.Tensor.detach, out), closure, updated

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import optree
 
@@ -31,7 +31,7 @@ def tie_groups(chain: Chain, params: tuple[Any, ...]) -> list[Any]:
             for s, p in zip(chain.stages, params)
             for t in (
                 p.values()
-                if s.param_names is not None and type(p) is dict
+                if s.param_names is not None and type(cast(object, p)) is dict
                 else optree.tree_leaves(p, namespace=NAMESPACE)
             )
         ]
@@ -103,6 +103,7 @@ class InFold:
     def due(self, i: int, grads: dict[Any, Any], sums: Mapping[Any, Any]) -> tuple[dict[Any, Any], Mapping[Any, Any]]:
         """``(the gradients due at stage i, the new sums)``: its own, and a tied tensor's sum where i is
         its lowest stage; ``sums`` (group -> Σ of the uses so far) is not changed, a new one is returned."""
+        due: dict[Any, Any]
         due, sums = {}, dict(sums)
         for name, g in grads.items():
             found = self.group_of.get((i, name))

@@ -39,7 +39,7 @@ class timed:  # noqa: N801 - used as a context manager, like contextlib's
         else:
             self.start = time.perf_counter()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any):
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -63,7 +63,11 @@ def fused(update: Any, state: Any = None, *, max_norm: float | None = None, per:
         raise ValueError(f"fused: max_norm must be a number > 0 or None, got {max_norm!r}")
     if isinstance(update, torch.optim.Optimizer):
         return Fused(optimizers=(update,), max_norm=max_norm)
-    if isinstance(update, (list, tuple)) and update and all(isinstance(o, torch.optim.Optimizer) for o in update):
+    if (
+        isinstance(cast(object, update), (list, tuple))
+        and update
+        and all(isinstance(o, torch.optim.Optimizer) for o in update)
+    ):
         return Fused(optimizers=tuple(update), max_norm=max_norm)
     if callable(update):
         if state is None:
@@ -93,9 +97,9 @@ class Pending:
 
     params: tuple[Any, ...]
     state: tuple[Any, ...] = ()
-    tied: Mapping[Any, Any] = dataclasses.field(default_factory=dict)
+    tied: Mapping[Any, Any] = dataclasses.field(default_factory=cast(Callable[[], Mapping[Any, Any]], dict))
     held: tuple[Any, ...] = ()
-    kept: Mapping[Any, Any] = dataclasses.field(default_factory=dict)
+    kept: Mapping[Any, Any] = dataclasses.field(default_factory=cast(Callable[[], Mapping[Any, Any]], dict))
     stepped: tuple[Any, ...] = ()
 
 
@@ -152,12 +156,12 @@ class Updater:
         keeping, spec = spec is None, spec or Fused()
         what = "data_parallel: the params" if keeping else "fused: the params"
         for i, p in enumerate(params):
-            if not isinstance(p, dict) or not all(isinstance(t, torch.Tensor) for t in p.values()):
+            if not isinstance(cast(object, p), dict) or not all(isinstance(t, torch.Tensor) for t in p.values()):
                 raise TypeError(
                     f"{what} of {chain.where(i)} must be a dict of tensors (as from_module gives) for "
                     f"the fold to take their gradients stage by stage, got {type(p).__name__}"
                 )
-        if spec.fn is not None and not isinstance(spec.state, (list, tuple)):
+        if spec.fn is not None and not isinstance(cast(object, spec.state), (list, tuple)):
             raise TypeError(f"fused: state must be one entry per stage (a list), got {type(spec.state).__name__}")
         state = tuple(spec.state) if spec.state is not None else ()
         ties = InFold(groups)
@@ -182,7 +186,7 @@ class Updater:
             raise ValueError(f"fused: expected one optimizer or one per stage ({len(chain)}), got {len(optimizers)}")
         owned = [{id(p): p for group in o.param_groups for p in group["params"]} for o in optimizers]
         by_storage = [{p.data_ptr(): p for p in o.values() if p.numel()} for o in owned]
-        targets = {}
+        targets: dict[Any, Any] = {}
         for i, stage in enumerate(params):
             s, k = chain.stages[i], i if len(optimizers) > 1 else 0
             frozen = s.frozen()
@@ -267,7 +271,7 @@ class Updater:
         given (names, shapes, dtypes, devices): a misspelt name would add a stray entry and leave the
         real weight as it was."""
         where = f"fused: the update of {self.chain.where(i)}"
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], dict)):
+        if not (isinstance(cast(object, out), tuple) and len(out) == 2 and isinstance(cast(object, out[0]), dict)):
             raise TypeError(f"{where} must return (params_l, state_l) with params_l a dict, got {type(out).__name__}")
         if set(out[0]) != set(due):
             raise ValueError(f"{where} returned params {sorted(out[0])}; it was given {sorted(due)}, the same names")
@@ -283,9 +287,9 @@ class Updater:
     def grads(self, pending: Pending) -> tuple[Any, ...]:
         """The kept gradients, one dict per stage in the params' structure: a tied parameter's sum in
         each of its uses, ``None`` where there is none (frozen or unused)."""
-        out = []
+        out: list[dict[Any, Any]] = []
         for i, stage in enumerate(pending.params):
-            grads = {}
+            grads: dict[Any, Any] = {}
             for name in stage:
                 owner_stage, owner_name = self.ties.uses(i, name)[0]
                 grads[name] = pending.kept.get(owner_stage, {}).get(owner_name)
@@ -324,8 +328,8 @@ def clipped(due: dict[Any, Any], max_norm: float | None) -> dict[Any, Any]:
     """``due`` scaled by ``min(1, max_norm / (‖due‖ + 1e-6))``, the norm over all its tensors (``None``: as is)."""
     if max_norm is None:
         return due
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in due.values()]))
-    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in due.values()]))  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # torch.linalg's functions are untyped
+    scale = torch.clamp(max_norm / (cast(torch.Tensor, norm) + 1e-6), max=1.0)
     return {n: g * scale.to(g.dtype) for n, g in due.items()}
 
 

@@ -18,7 +18,7 @@ call ``pull_back`` on graphs of their own, and FSDP stages, whose backward runs 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -88,7 +88,8 @@ def local_vjp(
     build the graph of the inputs alone / the parameters alone (the I and W halves of a zero-bubble
     backward). The output is still attached to the graph; ``check(output leaves, inputs)`` sees it
     before the pullback is made."""
-    if type(params) is dict and all(isinstance(t, torch.Tensor) for t in params.values()):  # a module's
+    unflatten: Callable[[list[Any]], Any]
+    if type(cast(object, params)) is dict and all(isinstance(t, torch.Tensor) for t in params.values()):  # a module's
         names, leaves = list(params), list(params.values())
         unflatten = lambda xs: dict(zip(names, xs))
     else:  # any pytree (a function stage): a frozen name is a top-level key

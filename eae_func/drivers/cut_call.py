@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -62,14 +62,14 @@ class Call:
     through: tuple[Any, ...] = ()
     routes: tuple[Any, ...] = ()
     constants: list[Any] | None = None
-    versions: list[Any] = dataclasses.field(default_factory=list)
+    versions: list[Any] = dataclasses.field(default_factory=cast("Callable[[], list[Any]]", list))
     written: tuple[Any, ...] = ()
-    trained: list[Any] = dataclasses.field(default_factory=list)
-    trained_versions: list[Any] = dataclasses.field(default_factory=list)
+    trained: list[Any] = dataclasses.field(default_factory=cast("Callable[[], list[Any]]", list))
+    trained_versions: list[Any] = dataclasses.field(default_factory=cast("Callable[[], list[Any]]", list))
     stored: tuple[Any, ...] = ()
     layout: Any = None
     physical: int | None = None
-    outs: list[Any] = dataclasses.field(default_factory=list)
+    outs: list[Any] = dataclasses.field(default_factory=cast("Callable[[], list[Any]]", list))
     graph: tuple[Any, ...] | None = None
     cached: Any = None
     compiled: bool = False
@@ -146,9 +146,9 @@ def cut_modules(
 ) -> dict[str, nn.Module]:
     """The modules of ``model`` matched by a pattern of ``split_at`` (glob per dotted part), among
     ``modules`` (``model.named_modules()``, where the caller has it)."""
-    if isinstance(split_at, str) or not split_at or not all(isinstance(p, str) for p in split_at):
+    if isinstance(split_at, str) or not split_at or not all(isinstance(cast(object, p), str) for p in split_at):
         raise TypeError(f"split_at: expected a list of module paths (glob patterns), got {split_at!r}")
-    modules = list(model.named_modules() if modules is None else modules)
+    modules = list(cast("Iterable[tuple[str, nn.Module]]", model.named_modules()) if modules is None else modules)
     found = {n: m for n, m in modules if n and any(matches(n, p) for p in split_at)}
     if not found:
         shown = [n for n, _ in modules if n][:12]

@@ -29,8 +29,8 @@ the new tensors and state come back.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -60,12 +60,12 @@ class InBackward:
     given: Mapping[Any, Any]
     params: dict[Any, Any]
     state: dict[Any, Any]
-    waiting: dict[Any, Any] = dataclasses.field(default_factory=dict)
-    stepped: list[Any] = dataclasses.field(default_factory=list)
-    arrived: set[Any] = dataclasses.field(default_factory=set)
+    waiting: dict[Any, Any] = dataclasses.field(default_factory=cast("Callable[[], dict[Any, Any]]", dict))
+    stepped: list[Any] = dataclasses.field(default_factory=cast("Callable[[], list[Any]]", list))
+    arrived: set[Any] = dataclasses.field(default_factory=cast("Callable[[], set[Any]]", set))
     reducer: Any = None
-    order: list[Any] = dataclasses.field(default_factory=list)
-    complete: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    order: list[Any] = dataclasses.field(default_factory=cast("Callable[[], list[Any]]", list))
+    complete: dict[Any, Any] = dataclasses.field(default_factory=cast("Callable[[], dict[Any, Any]]", dict))
     launched: int = 0
 
     @classmethod
@@ -91,8 +91,12 @@ class InBackward:
             members.setdefault(groups[f"#{k}"], []).append(f"#{k}")
         state: dict[Any, Any] = {}
         if spec.fn is not None:
-            if not isinstance(spec.state, Mapping) or set(trained) - set(spec.state):
-                got = sorted(set(trained) - set(spec.state)) if isinstance(spec.state, Mapping) else spec.state
+            if not isinstance(cast(object, spec.state), Mapping) or set(trained) - set(spec.state):
+                got = (
+                    sorted(set(trained) - set(spec.state))
+                    if isinstance(cast(object, spec.state), Mapping)
+                    else spec.state
+                )
                 raise TypeError(
                     f"fused: a model cut at run time takes the pure update's state in params' structure, a dict "
                     f"with an entry per trainable parameter name; missing {got!r:.200}"
@@ -114,7 +118,11 @@ class InBackward:
 
     def install(self, leaves: Mapping[str, torch.Tensor]) -> list[Any]:
         """The hooks on the sweep's trained leaves and the outside tensors: handles to remove."""
-        handles = [leaves[n].register_post_accumulate_grad_hook(self._arrival(n)) for n in self.groups if n[0] != "#"]
+        handles: list[Any] = [
+            leaves[n].register_post_accumulate_grad_hook(self._arrival(n))  # pyright: ignore[reportUnknownMemberType]
+            for n in self.groups
+            if n[0] != "#"
+        ]
         handles += [p.register_post_accumulate_grad_hook(self._arrival(f"#{k}")) for k, p in enumerate(self.outside)]
         return handles
 
@@ -170,8 +178,8 @@ class InBackward:
 
     def _check(self, group: str, due: dict[Any, Any], new: Any) -> None:
         where = f"fused: the update of {group!r}"
-        if not isinstance(new, dict) or set(new) != set(due):
-            got = sorted(new) if isinstance(new, dict) else type(new).__name__
+        if not isinstance(cast(object, new), dict) or set(new) != set(due):
+            got = sorted(new) if isinstance(cast(object, new), dict) else type(new).__name__
             raise ValueError(f"{where} returned params {got}; it was given {sorted(due)}, the same names")
         for n, t in new.items():
             old = self.given[n]
@@ -226,7 +234,7 @@ def _targets(
     optimizers' trainable tensors that are none of these (a head the loss reads beside the model)."""
     owned = {id(p): (o, p) for o in optimizers for group in o.param_groups for p in group["params"]}
     by_storage = {p.data_ptr(): (o, p) for o, p in owned.values() if p.numel()}
-    targets = {}
+    targets: dict[Any, Any] = {}
     for n in trained:
         t, own = params[n], model.get_parameter(n)
         check_same_tensor(own, t, "fused: the gradients were computed at", repr(n))

@@ -92,11 +92,11 @@ def estimate(
 
     chain = Chain([Stage(fn=stage, name=name, physical=True)], loss=_unused)
     checks = ProbeChecks(chain)
-    charged = (
-        None
-        if meter is None
-        else types.SimpleNamespace(charge=lambda i, rows, kind="forward_calls": meter.charge(at, rows, kind))
-    )
+
+    def charge(i: int, rows: int, kind: str = "forward_calls") -> Any:
+        return meter.charge(at, rows, kind)
+
+    charged = None if meter is None else types.SimpleNamespace(charge=charge)
     problem = Problem(
         chain,
         (params,),

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ __all__ = ["grad", "sweep", "value_and_grad"]
 def _python(entry: Callable[..., Any]) -> Callable[..., Any]:
     """An entry point that ``torch.compile`` around it runs as Python (the fold between stages, with
     its passes, RNG replay and checks, is not one graph); ``compile=`` compiles the stages instead."""
-    return functools.wraps(entry)(torch.compiler.disable(entry, recursive=True))
+    return functools.wraps(entry)(torch.compiler.disable(entry, recursive=True))  # pyright: ignore[reportUnknownMemberType]
 
 
 @_python
@@ -96,7 +96,7 @@ def run(req: Request) -> SweepResult:
     if isinstance(model, DistributedDataParallel):
         return _on_ddp(model, req)
     if isinstance(model, types.FunctionType | functools.partial | types.MethodType):
-        return _on_function(model, req)
+        return _on_function(cast("Callable[..., Any]", model), req)
     if not isinstance(model, Chain):
         return on_model(model, req)
     if req.loss is not None or req.split_at is not None:
@@ -110,17 +110,19 @@ def _on_ddp(ddp: DistributedDataParallel, req: Request) -> SweepResult:
     (``module.``-prefixed), and the results come back so named."""
     params, opts = req.params, req.opts
     if opts.data_parallel is None:
-        opts = dataclasses.replace(opts, data_parallel=ddp.process_group)
+        opts = dataclasses.replace(opts, data_parallel=ddp.process_group)  # pyright: ignore[reportUnknownMemberType]
     prefix = "module."
-    named = isinstance(params, Mapping) and bool(params) and all(str(k).startswith(prefix) for k in params)
+    named = (
+        isinstance(cast(object, params), Mapping) and bool(params) and all(str(k).startswith(prefix) for k in params)
+    )
     if named:
         params = {k[len(prefix) :]: v for k, v in params.items()}
-    res = run(dataclasses.replace(req, model=ddp.module, params=params, opts=opts))
+    res = run(dataclasses.replace(req, model=ddp.module, params=params, opts=opts))  # pyright: ignore[reportUnknownMemberType]
     if not named:
         return res
 
     def named_as_ddp(tree: Any) -> Any:
-        return {prefix + k: v for k, v in tree.items()} if isinstance(tree, Mapping) else tree
+        return {prefix + k: v for k, v in tree.items()} if isinstance(cast(object, tree), Mapping) else tree
 
     return dataclasses.replace(
         res, grads=named_as_ddp(res.grads), buffers=named_as_ddp(res.buffers), params=named_as_ddp(res.params)
@@ -141,7 +143,8 @@ def _on_function(fn: Callable[..., Any], req: Request) -> SweepResult:
     captured = function.captured(fn, params, piece_of(inputs, opts, "a function"))
     chain = Chain(captured.stages, loss=loss or _returned, ties=captured.ties)
     # every leaf its own tensor object: two leaves that are one tensor get their own gradients, as in torch.func.grad
-    per_stage = captured.per_stage(params, lambda t: t.detach())
+    detached: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.detach()
+    per_stage = captured.per_stage(params, detached)
     spec = opts.update
     if spec is not None and spec.fn is not None:  # the state in params' structure: per stage, per leaf
         try:
@@ -155,7 +158,8 @@ def _on_function(fn: Callable[..., Any], req: Request) -> SweepResult:
     res = run(Request(chain, per_stage, inputs, rest, None, None, req.pass_state, None, opts))
     flat = captured.spec.flatten_up_to(params)
     if res.update_state is None:
-        grads = None if res.grads is None else captured.assemble(res.grads, lambda j: torch.zeros_like(flat[j]))
+        zeros: Callable[[int], torch.Tensor] = lambda j: torch.zeros_like(flat[j])
+        grads = None if res.grads is None else captured.assemble(res.grads, zeros)
         return dataclasses.replace(res, grads=grads, buffers=(), params=params)
     assert spec is not None
     return dataclasses.replace(
@@ -233,7 +237,7 @@ def grad(
 
 def dropping(where: str, opts: Options, has_state: bool) -> None:
     """Refuse passes whose state ``where`` would drop (no ``has_state=True``), naming them."""
-    if not isinstance(has_state, bool):
+    if not isinstance(cast(object, has_state), bool):
         raise TypeError(f"{where}: has_state must be True or False, got {has_state!r}")
     if has_state:
         return

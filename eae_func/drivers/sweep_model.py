@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -51,7 +51,7 @@ def chain_of(
     if split_at is None:
 
         def made() -> tuple[Any, ...]:
-            chain, _ = from_module(model, loss)
+            chain, _ = cast("tuple[Chain, Any]", from_module(model, loss))
             prefixes = [n for n, _ in ordered_children(model)] if isinstance(model, nn.Module) else [None] * len(chain)
             return chain, _names(model, chain, prefixes)
 
@@ -83,7 +83,7 @@ def _names(model: nn.Module | Sequence[Any], chain: Chain, prefixes: list[Any]) 
         **canonical_names(model.named_parameters(remove_duplicate=False)),
         **canonical_names(model.named_buffers(remove_duplicate=False)),
     }
-    qualified = []
+    qualified: list[dict[Any, Any]] = []
     for s, prefix in zip(chain.stages, prefixes):
         own = (
             [n for n, _ in s.module.named_parameters()] + [n for n, _ in s.module.named_buffers()]
@@ -101,25 +101,26 @@ def on_model(model: nn.Module | Sequence[Any], req: Request) -> SweepResult:
     if split_at is not None and at_run_time(model, params, opts):
         assert isinstance(model, nn.Module)  # at_run_time checked it
         return cut_at_run_time(model, req)
-    if not isinstance(params, Mapping) and not (
-        isinstance(params, (tuple, list)) and all(p is None or isinstance(p, Mapping) for p in params)
+    if not isinstance(cast(object, params), Mapping) and not (
+        isinstance(cast(object, params), (tuple, list)) and all(p is None or isinstance(p, Mapping) for p in params)
     ):
         got = (
             f"a {type(params).__name__} of {len(params)} tensors"
-            if isinstance(params, (tuple, list)) and all(isinstance(p, torch.Tensor) for p in params)
+            if isinstance(cast(object, params), (tuple, list)) and all(isinstance(p, torch.Tensor) for p in params)
             else f"a {type(params).__name__}"
         )
         raise TypeError(
             f"params: a model ({type(model).__name__}) takes a flat {{name: tensor}} dict, "
             f"dict(model.named_parameters()), or one dict per stage as ef.from_module(model) gives; got {got}"
         )
-    if split_at is not None and opts.data_parallel is not None and isinstance(params, Mapping):
+    if split_at is not None and opts.data_parallel is not None and isinstance(cast(object, params), Mapping):
         # the replicas agree on the model before each captures it: one whose model differs (and whose
         # capture may fail on it) names the difference, as every other replica does
         model_sweep.replicas_of(opts.data_parallel, params)
     example = req.x if split_at is None else piece_of(req.x, opts, "a model cut with split_at")
     chain, qualified = chain_of(model, loss, split_at, example)
-    flat = isinstance(params, Mapping)
+    flat = isinstance(cast(object, params), Mapping)
+    given: Mapping[str, Any] = cast("Mapping[str, Any]", params) if flat else {}
     if flat:
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -128,7 +129,7 @@ def on_model(model: nn.Module | Sequence[Any], req: Request) -> SweepResult:
             )
         trainable_names(model, params)  # refuses a name that is not a parameter, and a trainable one left out
         full = {**{q: p.detach() for q, p in model.named_parameters() if q not in params}, **params}  # frozen
-        given, params = params, tuple({n: full[q] for n, q in names.items() if q in full} for names in qualified)
+        params = tuple({n: full[q] for n, q in names.items() if q in full} for names in qualified)
     res = on_chain(chain, dataclasses.replace(req, model=chain, params=params, loss=None, split_at=None))
     if not flat:
         return res
@@ -155,7 +156,7 @@ def on_model(model: nn.Module | Sequence[Any], req: Request) -> SweepResult:
 
 def cut_at_run_time(model: nn.Module, req: Request) -> SweepResult:
     """``sweep`` of a model cut at run time (``eae_func.drivers.model_sweep``), its params a flat dict."""
-    assert isinstance(req.params, Mapping)  # at_run_time checked it
+    assert isinstance(cast(object, req.params), Mapping)  # at_run_time checked it
     if req.loss is None:
         raise TypeError(f"sweep: a model ({type(model).__name__}) needs loss=loss_fn(output, *loss_args)")
     if req.buffers is not None and not isinstance(req.buffers, Mapping):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -79,7 +79,7 @@ def _module_calls(node) -> list[tuple[str, str]]:
     return [(path[len(_ROOT) :], key) for key, (path, _) in stack.items() if path.startswith(_ROOT)]
 
 
-def canonical_names(named) -> dict[Any, Any]:
+def canonical_names(named: Iterable[tuple[Any, Any]]) -> dict[Any, Any]:
     """Every name of a tensor in ``named`` (aliases included) -> its first name."""
     first: dict[Any, Any] = {}
     return {name: first.setdefault(id(t), name) for name, t in named}
