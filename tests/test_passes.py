@@ -500,6 +500,72 @@ def test_compose_is_associative_for_both_kinds(names, value):
     assert all(torch.equal(u, v) if torch.is_tensor(u) else u == v for u, v in zip(leaves(s_left), leaves(s_right)))
 
 
+# ----------------------------------------------------------------------------- init(example)
+
+
+def _threaded(p, records, state, steps):
+    outs = []
+    for _ in range(steps):
+        for adj in records:
+            out, state = p.update(adj, state, context(adj))
+            outs.append(out)
+    return outs, state
+
+
+def _shapes(tree):
+    """A state's structure with each tensor leaf as its shape and dtype and every other leaf as its type."""
+    return optree.tree_map(
+        lambda x: (tuple(x.shape), x.dtype) if torch.is_tensor(x) else type(x),
+        tree,
+        none_is_leaf=True,
+        namespace=NAMESPACE,
+    )
+
+
+@pytest.mark.parametrize("name", sorted(all_passes()))
+@given(value=costates(), steps=st.integers(1, 3))
+def test_a_state_started_from_the_example_keeps_its_shape_and_changes_no_costate(name, value, steps):
+    """``start(example)`` makes every boundary's state at once: threading the records from it sends
+    the costates threading from ``start()`` sends (equal, as ``torch.equal`` reads a signed zero),
+    and the state has ``start(example)``'s structure, shapes and dtypes after every sweep."""
+    p = _make(name)
+    records = [record(value, index=i, key=10 + i) for i in (2, 1, 0)]
+    started = p.start(P.examples((adj.index, adj.stage, adj.value) for adj in records))
+    lazy, lazy_state = _threaded(p, records, p.start(), steps)
+    eager, eager_state = _threaded(p, records, started, steps)
+    for x, y in zip(lazy, eager):
+        assert x.history == y.history
+        assert all(torch.equal(u, v) for u, v in zip(leaves(x.value), leaves(y.value)))
+    assert _shapes(eager_state) == _shapes(started) == _shapes(lazy_state)
+
+
+def test_the_example_holds_each_boundarys_structure_and_nothing_to_read():
+    """``examples``: per boundary a record of its index and stage whose costate leaves have the
+    shape, dtype and device of the given tree's and one element of storage; an integer leaf (no
+    costate) is ``None``."""
+    like = {"h": torch.randn(4, 3, dtype=torch.float64), "ids": torch.zeros(4, dtype=torch.long)}
+    (adj,) = P.examples([(2, "block", like)])
+    assert (adj.index, adj.stage, adj.value["ids"]) == (2, "block", None)
+    h = adj.value["h"]
+    assert (h.shape, h.dtype, h.device) == (like["h"].shape, torch.float64, like["h"].device)
+    assert h.untyped_storage().nbytes() == h.element_size()
+
+
+def test_start_calls_an_init_that_takes_no_example_without_one_and_only_restricts_the_example():
+    """A pass written before ``example`` (``init()``, or a builtin such as ``dict``) starts as it did;
+    ``only`` starts its pass on the boundaries it applies at."""
+    example = P.examples((i, f"stage_{i}", torch.randn(2, 3)) for i in (2, 1, 0))
+    assert counter().start(example) == {}
+    assert P.Pass(lambda: 7, lambda adj, state, ctx: (adj, state)).start(example) == 7
+    seen = []
+    P.Pass(lambda ex: seen.extend(ex), lambda adj, state, ctx: (adj, state)).start(example)
+    assert [adj.index for adj in seen] == [2, 1, 0]
+    restricted = P.only(P.error_feedback(P.int8()), indices=1).start(example)
+    assert set(restricted["residuals"]) == {1} and torch.equal(restricted["residuals"][1], torch.zeros(2, 3))
+    composed = P.compose(P.synthetic(), P.int8(), P.error_feedback(P.int8())).start(example)
+    assert set(composed[0]) == {0, 1, 2} and composed[1] is None and set(composed[2]["residuals"]) == {0, 1, 2}
+
+
 # ----------------------------------------------------------------------------- purity and pytrees
 
 

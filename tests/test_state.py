@@ -172,3 +172,63 @@ def test_lightning_manual_step_equals_a_hand_threaded_sweep_loop(monkeypatch):
     assert len(spy.calls) == 3
     state = spy.replay()
     assert all(torch.equal(a, b) for a, b in zip(optree_leaves(state), optree_leaves(module.eae_pass_state)))
+
+
+def _seeing():
+    """A pass whose ``init`` keeps the example it is given (and which changes nothing)."""
+    seen = []
+
+    def init(example):
+        seen.append(example)
+        return ()
+
+    return P.Pass(init, lambda adj, state, ctx: (adj, state), "seeing"), seen
+
+
+def _shapes(tree):
+    from eae_func.tree import tree_map
+
+    return tree_map(lambda t: (tuple(t.shape), t.dtype) if torch.is_tensor(t) else type(t), tree, none_is_leaf=True)
+
+
+def _blocks():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)])
+    return model, torch.randn(6, 4), torch.randn(6, 4)
+
+
+def _on(driver, passes, pass_state):
+    """One sweep of ``_blocks`` on ``driver``: (its records, its pass state)."""
+    model, x, y = _blocks()
+    loss = lambda out, y: (out - y).square().mean()  # noqa: E731
+    if driver == "switch":
+        switch = ef.enable(model, split_at=["*"], passes=passes, keep_costates=True)
+        switch.pass_state = pass_state
+        loss(model(x), y).backward()
+        return list(ef.records(model).values()), switch.pass_state
+    if driver == "chain":
+        chain, params = ef.from_module(model, loss=loss)
+        res = ef.sweep(chain, params, x, y, passes=passes, pass_state=pass_state)
+    else:
+        capture = {"capture": "graph"} if driver == "graph" else {}
+        params = dict(model.named_parameters())
+        res = ef.sweep(model, params, x, y, loss=loss, split_at=["*"], passes=passes, pass_state=pass_state, **capture)
+    return list(res.adjoints), res.pass_state
+
+
+@pytest.mark.parametrize("driver", ["chain", "cuts", "graph", "switch"])
+def test_the_passes_start_from_the_boundaries_they_will_be_applied_to(driver):
+    """On every driver, a sweep given no state starts the passes once, before its first boundary, with
+    one record per boundary it shows them (index, stage, costate shapes and dtypes as the records
+    have them); error feedback's state then has one structure from the first sweep on."""
+    seeing, seen = _seeing()
+    passes = ef.compose(seeing, P.error_feedback(P.int8()))
+    records, state = _on(driver, passes, None)
+    (example,) = seen
+    shown = {(a.index, a.stage, str(_shapes(a.value))) for a in example}
+    assert {(a.index, a.stage, str(_shapes(a.value))) for a in records if a.value is not None} <= shown
+    assert {a.index for a in example} <= {a.index for a in records}
+    assert all(t.untyped_storage().nbytes() == t.element_size() for a in example for t in a.tensors())
+    _, again = _on(driver, passes, state)
+    assert len(seen) == 1 and _shapes(again) == _shapes(state)
+    assert set(state[1]["residuals"]) == {a.index for a in example}

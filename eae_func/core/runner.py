@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..adjoint import AdjointState, fold_in
+from ..passes.base import examples
 from ..program.chain import Chain
 from ..program.physical import Meter, ProbeChecks
 from . import boundary as B
@@ -93,6 +94,8 @@ class Range:
         ``earlier``: earlier microbatches' gradients, one entry per stage, added to this one's
         (``fold.make_step``)."""
         chain, lo, hi, opts = self.chain, self.lo, self.hi, self.at(mb)
+        if pass_state is None:  # the passes start here, seeing the boundaries they will be applied to
+            pass_state = opts.passes.start(self.example(tape) if opts.passes.wants_example else ())
         stats: dict[Any, Any] = {}
         if hi == len(chain):
             assert mb.scale is not None, "the range that computes the loss weighs its microbatches"
@@ -141,6 +144,19 @@ class Range:
         return self.backward(
             self.forward(buffers, mb), buffers, mb, pass_state, updater=updater, pending=pending, earlier=earlier
         )
+
+    def example(self, tape: TP.Tape) -> tuple[AdjointState, ...]:
+        """What the passes will be applied to (``passes.examples``): the boundaries the fold passes
+        them, L (where the range ends the chain; else p_hi came through them on the next range) then
+        hi-1 down to lo, as the chain shows them (``costates.shown_as``), each costate's structure,
+        shapes, dtypes and devices as the tape's layouts record them."""
+        layouts = {e.index: e.layout for e in tape.entries} | {self.hi: tape.entries[-1].out_layout}
+        top = self.hi if self.hi == len(self.chain) else self.hi - 1
+        every = (
+            AdjointState(_like(layouts[l]), l, C.boundary_name(self.chain, l)) for l in range(top, self.lo - 1, -1)
+        )
+        shown = (C.shown_as(self.chain, adj, 0) for adj in every)
+        return examples((adj.index, adj.stage, adj.value) for adj in shown if adj is not None)
 
     def at(self, mb: Microbatch) -> Options:
         """The options for microbatch ``mb`` (its own key)."""
@@ -210,3 +226,13 @@ class Range:
             state,
             checks=checks,
         )
+
+
+def _like(layout: B.Layout) -> Any:
+    """A tree of the boundary's structure whose differentiable leaves are one-element tensors expanded
+    to their shapes, in their dtypes and on their devices (``None`` where a leaf has no costate)."""
+    leaves = [
+        torch.empty((), dtype=dtype, device=device).expand(shape) if differentiable else None
+        for shape, (device, dtype), differentiable in zip(layout.shapes, layout.placements, layout.mask)
+    ]
+    return layout.spec.unflatten(leaves)

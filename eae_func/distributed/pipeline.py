@@ -199,7 +199,7 @@ class Pipeline(Peers):
         if first and x is None:
             raise ValueError(f"Pipeline.sweep: rank {self.rank} runs the first stage and needs the input x")
         pieces = self._pieces(opts, x, loss_args)
-        state = opts.passes.init() if pass_state is None else pass_state
+        state = pass_state  # None: the passes start in this rank's first fold, from its boundaries
         device = F.device_of([params[i] for i in self.stages], x if first else None, default=self.device)
         meter = Meter(chain, tuple(i for i in opts.physical if i in self.stages), opts.budget)
         groups = tie_groups(chain, params)
@@ -253,7 +253,7 @@ class Pipeline(Peers):
                 f"a pipelining stage receives into buffers of one shape: give a batch whose rows divide by {m}"
             )
         stages, schedule = self._schedule_for(shapes[0], m, device)
-        if carries_state(state) and not self._in_one_process_order(schedule):
+        if carries_state(opts.passes.start() if state is None else state) and not self._in_one_process_order(schedule):
             raise ValueError(
                 f"Pipeline.sweep: passes {opts.passes.name!r} keep state, and schedule {self.schedule!r} runs the "
                 f"backwards of a rank's ranges out of one process's order; use one range per rank "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -27,7 +27,7 @@ from ..core.costates import traced
 from ..core.diagnose import note
 from ..core.options import Options
 from ..core.timing import timer
-from ..passes import Context
+from ..passes import Context, examples
 from ..program.physical import Meter
 from ..program.slots import module_lock
 from . import physical_cuts as PC
@@ -48,6 +48,7 @@ class CutReverse:
     trace: list[AdjointState]
     prefetch: B.Prefetcher | None
     meter: Meter | None
+    outputs: list[tuple[int, str, list[Any]]] | None
 
     def kind(self, call: Call) -> Hashable | None:
         """The kind of the call's rebuild for ``early_stop`` (``None``: it runs in full: the option is
@@ -67,6 +68,17 @@ class CutReverse:
             tuple(training for _, training in call.modes),
         )
 
+    def example(self) -> tuple[AdjointState, ...]:
+        """What the passes will be applied to (``passes.examples``): each call's costate, one tensor or a
+        tuple for several outputs; none where the passes read no example."""
+        if self.outputs is None:
+            return ()
+        specs = [
+            (i, name, [torch.empty((), dtype=d, device=v).expand(s) for s, d, v in outs])
+            for i, name, outs in self.outputs
+        ]
+        return examples((i, name, outs[0] if len(outs) == 1 else tuple(outs)) for i, name, outs in specs)
+
     def passes(self, call: Call, costates: list[Any]) -> list[Any]:
         """The costate of the call's output after the passes (one tensor, or a tuple for several)."""
         value = costates[0] if len(costates) == 1 else tuple(costates)
@@ -75,19 +87,27 @@ class CutReverse:
             self.record(adj)
             return costates
         stats = self.stats.setdefault(call.name, {})
+        if self.pass_state is None:
+            self.pass_state = self.opts.passes.start(self.example())
         try:
             with timer(self.opts, stats, "pass_s", f"eae/{call.name}/passes"):
                 out = self.opts.passes.update(adj, self.pass_state, Context(None, None, self.opts.key))
         except Exception as e:
             note(e, f"the passes at cut {call.name!r}")
             raise
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], AdjointState)):
+        if not (isinstance(out, tuple) and len(cast("tuple[Any, ...]", out)) == 2 and isinstance(out[0], AdjointState)):
             raise TypeError(
                 f"pass {self.opts.passes.name!r} at cut {call.name!r}: update must return (AdjointState, state), "
-                f"got {type(out).__name__}"
+                f"got {type(cast(object, out)).__name__}"
             )
-        adj, self.pass_state = out
-        got = [adj.value] if len(costates) == 1 else list(adj.value) if isinstance(adj.value, tuple) else None
+        adj, self.pass_state = cast("tuple[AdjointState, Any]", out)
+        got = (
+            [adj.value]
+            if len(costates) == 1
+            else list(adj.value)
+            if isinstance(cast(object, adj.value), tuple)
+            else None
+        )
         if (
             got is None
             or len(got) != len(costates)

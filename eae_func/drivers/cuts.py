@@ -22,8 +22,8 @@ whose parameter gradients are summed. A cut inside another cut's call runs as pa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Generator, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -84,6 +84,11 @@ class Sweep(CutReverse):
         self.count = 0
         self.trace: list[AdjointState] = []
         self.stats: dict[str, dict[Any, Any]] = {}
+        # (index, name, (shape, dtype, device) of each output) of every call, where the passes start
+        # at this sweep's first reverse step and read what they will be applied to
+        self.outputs: list[tuple[int, str, list[Any]]] | None = (
+            [] if pass_state is None and opts.passes.wants_example else None
+        )
         # an input of every cut's node: autograd runs only the nodes on a path to an input it is asked
         # for, and a cut whose parameters no glue reads is on the path to this one alone
         self.anchor = torch.empty(0, requires_grad=True)
@@ -92,7 +97,7 @@ class Sweep(CutReverse):
     def installed(self):
         """The cut modules' ``forward`` replaced by a cut (an instance attribute, so the module's hooks
         run around it and a ``module.forward(x)`` call goes through it too), put back on exit."""
-        replaced = []
+        replaced: list[tuple[nn.Module, Any]] = []
         try:
             for name, module in self.names.items():
                 replaced.append((module, module.__dict__.get("forward")))
@@ -140,7 +145,10 @@ class Sweep(CutReverse):
         call.trained_versions = [p._version for p in call.trained]
         if self.stores:
             self.store(call)
-        tensors = StageCall.apply(self, call, self.anchor, *[leaves[i] for i in call.inputs], *call.trained)
+        tensors = cast(
+            "tuple[torch.Tensor, ...]",
+            StageCall.apply(self, call, self.anchor, *[leaves[i] for i in call.inputs], *call.trained),  # pyright: ignore[reportUnknownMemberType]
+        )
         out, call.constants = call.constants or [], None  # the call keeps no output of its own
         return T.unflatten([c if k is None else tensors[k] for c, k in zip(out, call.routes)], call.out_spec)
 
@@ -222,7 +230,7 @@ class Sweep(CutReverse):
         ]
 
     @contextlib.contextmanager
-    def remat(self, call: Call):
+    def remat(self, call: Call) -> Generator[Callable[[Any], None], None, None]:
         """The forward of ``call`` as ``recompute=`` plans it, as stage ``call.index - 1`` of a chain of
         the cut calls: without a graph (rebuilt in the reverse step), or with its graph at local
         parameters and inputs that require grad, as the rebuild has them: kept (in ``call.graph``;
@@ -294,7 +302,7 @@ def cutting(
     return call
 
 
-@torch.compiler.disable(recursive=True)
+@torch.compiler.disable(recursive=True)  # pyright: ignore[reportUnknownMemberType, reportUntypedFunctionDecorator]
 def _eager(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[Any, Any]) -> Any:
     """``fn(*args, **kwargs)`` as Python under ``torch.compile``: a graph break."""
     return fn(*args, **kwargs)
@@ -312,6 +320,8 @@ class StageCall(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an output no costate reaches gets None, not zeros: it pulls nothing back
         dirty = [t for i, t in zip(call.inputs, inputs) if i in call.written]  # as autograd records x.mul_(2)
         call.outs = [(t.shape, t.dtype, t.device) for t in (*tensors, *dirty)]
+        if sweep.outputs is not None:
+            sweep.outputs.append((call.index, call.name, call.outs[: len(tensors)]))
         if not dirty:
             return tuple(tensors)
         ctx.mark_dirty(*dirty)

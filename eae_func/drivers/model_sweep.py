@@ -13,8 +13,8 @@ Which options need a captured chain instead (``needs_graph``) is said here too.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -111,10 +111,10 @@ def sweep_model(model: nn.Module, req: Request) -> Swept:
         from ..distributed.data_parallel import Reducer
 
         update.averaging(Reducer(replicas))
-    fresh = {n: b.detach().clone() for n, b in {**kept, **(buffers or {})}.items()}
+    fresh = {n: b.detach().clone() for n, b in cast("dict[Any, Any]", {**kept, **(buffers or {})}).items()}
     given = {**leaves, **fresh}
     device = F.device_of(leaves, x)
-    state = opts.passes.init() if pass_state is None else pass_state
+    state = pass_state  # None: the passes start at the first cut reverse step, from the cuts (CutReverse.passes)
     pieces = M.split(x, loss_args, opts.microbatches, opts.reduction, opts.key)
 
     def sweep_of(mb: M.Microbatch, state: Any) -> Sweep:
@@ -158,6 +158,10 @@ def run_pieces(
     """Each microbatch's forward and backward in turn (``sweep_of(mb, pass state)``: its ``Sweep``),
     the pass state threaded; with ``update``, the last one's backward steps each stage as its
     gradients are complete. ``(losses, traces, stats, pass state)``."""
+    values: list[Any]
+    traces: list[Any]
+    all_stats: list[Any]
+    handles: list[Any]
     values, traces, all_stats, handles = [], [], [], []
     try:
         for j, mb in enumerate(pieces):
@@ -188,13 +192,13 @@ def walked(
     (the module's flags, not the given tensors'), the buffers by their first names, the parameters
     with hooks of their own (``p.register_hook(fn)``: run on the summed gradient) and
     ``named_modules()``."""
-    every = list(model.named_modules(remove_duplicate=False))
-    own_params = [(f"{m}.{n}" if m else n, p) for m, mod in every for n, p in mod._parameters.items() if p is not None]
-    own_buffers = [(f"{m}.{n}" if m else n, b) for m, mod in every for n, b in mod._buffers.items() if b is not None]
+    every = list(cast("Iterable[tuple[str, nn.Module]]", model.named_modules(remove_duplicate=False)))
+    own_params = [(f"{m}.{n}" if m else n, p) for m, mod in every for n, p in mod._parameters.items() if p is not None]  # pyright: ignore[reportPrivateUsage]
+    own_buffers = [(f"{m}.{n}" if m else n, b) for m, mod in every for n, b in mod._buffers.items() if b is not None]  # pyright: ignore[reportPrivateUsage]
     first = canonical_names([*own_params, *own_buffers])
     seen: set[int] = set()
     unique = [(n, m) for n, m in every if not (id(m) in seen or seen.add(id(m)))]
-    named = {}  # named_parameters(): each tensor under its first name
+    named: dict[Any, Any] = {}  # named_parameters(): each tensor under its first name
     for n, p in own_params:
         named.setdefault(first[n], p)
     trainable = trainable_names(model, params, named)
@@ -238,7 +242,7 @@ def piece(
         )
     scale = 1.0 if mb.scale is None else mb.scale
     if value.requires_grad:
-        beside = update.outside if update is not None else []
+        beside: list[Any] = update.outside if update is not None else []
         given = [t for t in pytree.tree_leaves((mb.x, mb.loss_args)) if isinstance(t, torch.Tensor)]
         outside = closed_over([value], [*inputs, *beside, *given, run.anchor], data=given)
         if outside is not None:

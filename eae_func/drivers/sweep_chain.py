@@ -5,7 +5,8 @@ gradients summed."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
@@ -36,9 +37,9 @@ class Folded:
     pass_state: Any
     pending: Any
     grads: Any = None
-    losses: list[Any] = dataclasses.field(default_factory=list)
-    traces: list[Any] = dataclasses.field(default_factory=list)
-    stats: list[Any] = dataclasses.field(default_factory=list)
+    losses: list[Any] = dataclasses.field(default_factory=cast("Callable[[], list[Any]]", list))
+    traces: list[Any] = dataclasses.field(default_factory=cast("Callable[[], list[Any]]", list))
+    stats: list[Any] = dataclasses.field(default_factory=cast("Callable[[], list[Any]]", list))
 
 
 def on_chain(chain: Chain, req: Request) -> SweepResult:
@@ -50,7 +51,7 @@ def on_chain(chain: Chain, req: Request) -> SweepResult:
     sharded = any(s.sharded is not None for s in chain.stages)
     if sharded:
         fsdp_reverse.check(chain, params, buffers, opts)
-    state = opts.passes.init() if req.pass_state is None else req.pass_state
+    state = req.pass_state  # None: the passes start in the first fold, from its boundaries (Range.backward)
     meter = Meter(chain, opts.physical, opts.budget)
     groups = tie_groups(chain, params)
     hooks = {(i, n): p for i, s in enumerate(chain.stages) for n, p in s.hooked().items()}

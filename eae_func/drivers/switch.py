@@ -35,7 +35,7 @@ import io
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -67,7 +67,7 @@ class Switch:
         self.model, self.split_at, self.opts = model, list(split_at), opts
         self.names = cut_modules(model, split_at)
         self.device = F.device_of(dict(model.named_parameters()))
-        self.pass_state = opts.passes.init()
+        self.pass_state: Any = None  # the passes start at the first cut reverse step (CutReverse.passes)
         self.listeners: list[Callable[[AdjointState], Any]] = []
         self.current: Step | None = None
         self.last: Step | None = None
@@ -92,10 +92,12 @@ class Switch:
         for name, module in self.names.items():
             self.originals.append((module, module.__dict__.get("forward")))
             module.forward = cuts.cutting(self.sweep, name, module, module.forward)
+        saving: Callable[..., None] = lambda *a: self.saved(*a)  # a function: torch marks it
+        loading: Callable[..., None] = lambda *a: self.loaded(*a)
         self.handles = [
             self.model.register_forward_pre_hook(self.new_forward),
-            self.model.register_state_dict_post_hook(lambda *a: self.saved(*a)),  # a function: torch marks it
-            self.model.register_load_state_dict_pre_hook(lambda *a: self.loaded(*a)),
+            self.model.register_state_dict_post_hook(saving),  # pyright: ignore[reportUnknownMemberType]
+            self.model.register_load_state_dict_pre_hook(loading),  # pyright: ignore[reportUnknownMemberType]
         ]
         if self.update is not None:
             self.handles += self.update.install(dict(self.model.named_parameters()))
@@ -205,7 +207,7 @@ def enable(model: nn.Module, split_at: Sequence[str], **options: Unpack[SweepOpt
     returns the ``Switch``. Also a context manager: ``with ef.enable(model, ...):`` turns it off on exit.
     Options that need the sweep to own the step (``microbatches=``, ``data_parallel=``, a pure update)
     or a captured graph are refused, naming them."""
-    if not isinstance(model, nn.Module):
+    if not isinstance(cast(object, model), nn.Module):
         raise TypeError(f"enable: expected an nn.Module, got {type(model).__name__}")
     if enabled(model) is not None:
         raise ValueError(f"enable: {type(model).__name__} is already enabled; ef.disable(model) first")

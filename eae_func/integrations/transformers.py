@@ -210,8 +210,8 @@ class EAETrainer(Trainer):
 
     @eae_state.setter
     def eae_state(self, value: Any) -> None:
-        if self._switch is not None:  # None: the passes start from init(), as a sweep given none
-            self._switch.pass_state = self._switch.opts.passes.init() if value is None else value
+        if self._switch is not None:  # None: the passes start afresh, as a sweep given none
+            self._switch.pass_state = value
         else:
             self._eae_state = value
 

@@ -9,7 +9,7 @@ they reach ``res.stats["boundaries"][l]``). No built-in pass reads a number off 
 inside the sweep, except ``check_finite("raise")``, which must read its count to raise.
 """
 
-from .base import Context, Pass, global_norm, identity, map_costate, map_costate_random, stateless
+from .base import Context, Pass, examples, global_norm, identity, map_costate, map_costate_random, stateless
 from .combinators import compose, lift, only, tap, when
 from .feedback import error_feedback
 from .guards import check_finite
@@ -29,6 +29,7 @@ __all__ = [
     "compose",
     "costate_statistics",
     "error_feedback",
+    "examples",
     "fp8",
     "gaussian_noise",
     "global_norm",

@@ -2,8 +2,15 @@
 
 A pass is a ``Pass(init, update)`` record, as an optax ``GradientTransformation``:
 
-    state = p.init()
+    state = p.init(example)
     adj, state = p.update(adj, state, ctx)
+
+``example`` is what the pass will be applied to, as optax's ``init(params)`` sees the params: one
+``AdjointState`` per boundary it will visit, its index, stage and a costate of the right
+structure, shapes, dtypes and devices whose numbers are not to be read (``examples``). A stateful
+pass makes its state for every boundary at once, so the state keeps one shape from the first call.
+A sweep calls ``p.start(example)`` when it begins without a state, where its boundaries are known;
+an ``init`` that takes no argument is called without one.
 
 ``adj`` is the ``AdjointState`` at one boundary; ``ctx`` (a ``Context``) is what a
 pass may read besides the costate: the boundary state x_l, the stage whose output
@@ -21,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, ParamSpec
 
 import optree
@@ -30,7 +37,17 @@ import torch
 from ..adjoint import AdjointState, fold_in
 from ..tree import NAMESPACE
 
-__all__ = ["Context", "Pass", "global_norm", "identity", "map_costate", "map_costate_random", "stateless", "valued"]
+__all__ = [
+    "Context",
+    "Pass",
+    "examples",
+    "global_norm",
+    "identity",
+    "map_costate",
+    "map_costate_random",
+    "stateless",
+    "valued",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +66,8 @@ class Context:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Pass:
-    """``init() -> state``; ``update(adj, state, ctx) -> (adj, state)``; pure functions.
+    """``init(example) -> state`` (or ``init() -> state``); ``update(adj, state, ctx) -> (adj, state)``;
+    pure functions.
 
     ``name`` is what ``repr`` shows; ``members`` lists the passes of a ``compose``
     (``()`` for ``identity()``, the empty composition; ``None`` for any other pass); ``stages``:
@@ -58,7 +76,7 @@ class Pass:
     compares and hashes (``None``: by its functions, name, members and stages).
     """
 
-    init: Callable[[], Any]
+    init: Callable[..., Any]
     update: Callable[[AdjointState, Any, Context], tuple[Any, ...]]
     name: str = "pass"
     members: tuple[Any, ...] | None = None
@@ -77,6 +95,19 @@ class Pass:
 
     def __hash__(self) -> int:
         return hash(self._identity())
+
+    @property
+    def wants_example(self) -> bool:
+        """Whether ``start`` reads its example (an ``init`` that takes one, or a member's of a
+        ``compose``): a sweep builds the example only then."""
+        if self.members is not None:
+            return any(m.wants_example for m in self.members)
+        return _takes_example(self.init)
+
+    def start(self, example: Sequence[AdjointState] = ()) -> Any:
+        """The state before the first boundary: ``init(example)``, or ``init()`` where ``init`` takes
+        no argument (a pass written before ``example``)."""
+        return self.init(example) if _takes_example(self.init) else self.init()
 
     def describe(self) -> str:
         """The pass as text two processes agree on when they built equal passes: its value with
@@ -100,14 +131,43 @@ class Pass:
             )
 
     def apply(self, adj: AdjointState, state: Any = None, ctx: Context | None = None) -> tuple[Any, ...]:
-        """One application outside a sweep: ``update(adj, init() if state is None else state, ctx)``."""
-        return self.update(adj, self.init() if state is None else state, Context() if ctx is None else ctx)
+        """One application outside a sweep: ``update(adj, start([adj]) if state is None else state, ctx)``."""
+        return self.update(adj, self.start([adj]) if state is None else state, Context() if ctx is None else ctx)
 
     def __repr__(self) -> str:
         return self.name
 
 
 P = ParamSpec("P")
+
+
+def _takes_example(init: Callable[..., Any]) -> bool:
+    """Whether ``init`` takes a positional argument (the example): read off a function's code, else
+    its signature (a builtin without one, as ``dict``, takes none)."""
+    code = getattr(init, "__code__", None)
+    if code is not None and not inspect.ismethod(init):
+        return code.co_argcount > 0 or bool(code.co_flags & inspect.CO_VARARGS)
+    try:
+        parameters = inspect.signature(init).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in parameters)
+
+
+def examples(costates: Iterable[tuple[int, str, Any]]) -> tuple[AdjointState, ...]:
+    """The records ``init(example)`` sees, from ``(index, stage, costate-like tree)`` per boundary:
+    each tensor leaf as one element of its dtype on its device, expanded to its shape (no copy of
+    the boundary, nothing to read), every other leaf as ``None`` (no costate)."""
+    return tuple(
+        AdjointState(optree.tree_map(_spec, like, none_is_leaf=True, namespace=NAMESPACE), index, stage)
+        for index, stage, like in costates
+    )
+
+
+def _spec(leaf: Any) -> torch.Tensor | None:
+    if not isinstance(leaf, torch.Tensor) or not (leaf.is_floating_point() or leaf.is_complex()):
+        return None
+    return torch.empty((), dtype=leaf.dtype, device=leaf.device).expand(leaf.shape)
 
 
 def valued(factory: Callable[P, Pass]) -> Callable[P, Pass]:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..adjoint import AdjointState
@@ -33,8 +33,8 @@ def compose(*passes: Any) -> Pass:
     if len(members) == 1:
         return members[0]
 
-    def init() -> tuple[Any, ...]:
-        return tuple(m.init() for m in members)
+    def init(example: Sequence[AdjointState] = ()) -> tuple[Any, ...]:
+        return tuple(m.start(example) for m in members)
 
     def update(adj: AdjointState, state: Any, ctx: Context) -> tuple[Any, ...]:
         if not isinstance(state, tuple) or len(state) != len(members):
@@ -92,8 +92,20 @@ def only(p: Any, stages: Any = None, indices: Any = None) -> Pass:
     if not stages and not indices:
         raise ValueError("only: give the stages (names) and/or the boundary indices where the pass applies")
     inner = lift(p, "only")
-    restricted = when(lambda adj: adj.stage in stages or adj.index in indices, inner)
-    return dataclasses.replace(restricted, name=f"only({inner.name})", stages=inner.stages | stages)
+
+    def applies(adj: AdjointState) -> bool:
+        return adj.stage in stages or adj.index in indices
+
+    def init(example: Sequence[AdjointState] = ()) -> Any:
+        return inner.start([adj for adj in example if applies(adj)])
+
+    restricted = when(applies, inner)
+    return dataclasses.replace(
+        restricted,
+        init=init if inner.wants_example else inner.init,
+        name=f"only({inner.name})",
+        stages=inner.stages | stages,
+    )
 
 
 def _as_set(arg: str, value: Any, kind: type) -> frozenset[Any]:
@@ -130,4 +142,4 @@ def stateful(passes: Any) -> list[str]:
     if passes is None:
         return []
     p = compose(passes)
-    return [m.name for m in (p.members or (p,)) if carries_state(m.init())]
+    return [m.name for m in (p.members or (p,)) if carries_state(m.start())]

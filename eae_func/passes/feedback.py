@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import optree
@@ -9,7 +10,7 @@ import torch
 
 from ..adjoint import AdjointState
 from ..lazy import Lazy
-from ..tree import NAMESPACE
+from ..tree import NAMESPACE, map_tensors
 from .base import Context, Pass, global_norm, valued
 from .combinators import lift
 
@@ -23,13 +24,15 @@ def error_feedback(compressor: Any) -> Pass:
         e = p + r_l,   sent = compressor(e),   r_l <- e - sent
 
     The state is ``{"residuals": {l: residual pytree}, "compressor": the compressor's state}``
-    (no residuals at ``init``), so ``sum_t sent_t = sum_t p_t - r_T``: nothing the compressor
-    drops is lost for good. Records ``ef_residual_norm`` (``|r_l|`` after the step).
+    (``init(example)``: a zero residual at each boundary of the example), so
+    ``sum_t sent_t = sum_t p_t - r_T``: nothing the compressor drops is lost for good. Records
+    ``ef_residual_norm`` (``|r_l|`` after the step).
     """
     compressor = lift(compressor, "error_feedback")
 
-    def init() -> dict[Any, Any]:
-        return {"residuals": {}, "compressor": compressor.init()}
+    def init(example: Sequence[AdjointState] = ()) -> dict[Any, Any]:
+        residuals = {adj.index: map_tensors(torch.zeros_like, adj.value) for adj in example}
+        return {"residuals": residuals, "compressor": compressor.start(example)}
 
     def update(adj: AdjointState, state: Any, ctx: Context) -> tuple[Any, ...]:
         if not isinstance(state, dict) or set(state) != {"residuals", "compressor"}:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import optree
@@ -39,7 +40,8 @@ def synthetic(lr: float = 0.5, momentum: float = 0.9, warmup: int = 100, replace
     After ``warmup`` steps at a boundary, ``replace=True`` sends ``p_hat`` (from W before this
     step's update) instead of ``p``; the true ``p`` is still the regression target, so this
     simulates a predictor whose target arrives later. The state is
-    ``{boundary index: {"step": int, "W": (...), "v": (...)}}`` (one W and v per tensor leaf).
+    ``{boundary index: {"step": int, "W": (...), "v": (...)}}`` (one W and v per tensor leaf;
+    ``init(example)``: step 0 and zeros at each boundary of the example).
     Records ``synthetic_error`` (``|p_hat - p|^2 / |p|^2``, nan when p = 0), ``synthetic_cosine``,
     ``synthetic_step`` and ``synthetic_used``.
     """
@@ -52,8 +54,8 @@ def synthetic(lr: float = 0.5, momentum: float = 0.9, warmup: int = 100, replace
     if not isinstance(replace, bool):
         raise TypeError(f"synthetic: replace must be a bool, got {type(replace).__name__}")
 
-    def init() -> dict[Any, Any]:
-        return {}
+    def init(example: Sequence[AdjointState] = ()) -> dict[Any, Any]:
+        return {adj.index: _unvisited(adj) for adj in example}
 
     def update(adj: AdjointState, state: Any, ctx: Context) -> tuple[Any, ...]:
         costates, spec, boundaries = _leaves(adj, state, ctx)
@@ -76,6 +78,15 @@ def synthetic(lr: float = 0.5, momentum: float = 0.9, warmup: int = 100, replace
         return adj.applied("synthetic", spec.unflatten(sent), **meta), {**state, adj.index: new_entry}
 
     return Pass(init, update, f"synthetic(lr={lr:g}, momentum={momentum:g}, warmup={warmup}, replace={replace})")
+
+
+def _unvisited(adj: AdjointState) -> dict[str, Any]:
+    """A boundary's entry before its first step: step 0, ``W = v = 0`` of shape ``(D + 1, D)`` in float32
+    per costate leaf (``D`` its last dim, 1 for a scalar; ``None`` for a leaf with no costate)."""
+    leaves = optree.tree_leaves(adj.value, none_is_leaf=True, namespace=NAMESPACE)
+    dims = [None if p is None else (p.shape[-1] if p.ndim else 1) for p in leaves]
+    W = tuple(None if d is None else torch.zeros(d + 1, d, device=p.device) for d, p in zip(dims, leaves))
+    return {"step": 0, "W": W, "v": tuple(None if w is None else torch.zeros_like(w) for w in W)}
 
 
 def _leaves(adj: AdjointState, state: Any, ctx: Context) -> tuple[Any, ...]:
