@@ -32,7 +32,8 @@ from .fold import boundary_condition, rebuild_kind, rebuilt_vjp
 from .microbatch import Microbatch, add
 from .options import Options
 from .replay import HOST, check_modes, drew, host_kind, in_modes, modes_of, replay_rng, rng_state
-from .tape import Entry, check_floating, check_unwritten, with_host
+from .result import Piece
+from .tape import Entry, Span, check_floating, check_unwritten, with_host
 
 __all__ = ["applies", "run"]
 
@@ -55,14 +56,12 @@ def applies(opts: Options, chain: Any, lo: int, hi: int) -> bool:
 
 
 def run(
-    r: Any, buffers: tuple[Any, ...], mb: Microbatch, pass_state: Any, pending: Any = None, earlier: Any = None
-) -> Any:
+    r: Span, buffers: tuple[Any, ...], mb: Microbatch, pass_state: Any, pending: Any = None, earlier: Any = None
+) -> Piece:
     """``Range.run`` of a plain range ``r`` (``applies``) with no updater: the same ``Piece``, the fused
     updates' ``pending`` (a later microbatch's fold runs them) handed through; with ``earlier`` (one
     entry per stage: the earlier microbatches' gradients), each stage's gradients plus its entry,
     which is let go at once, as ``fold.make_step`` adds them."""
-    from .runner import Piece
-
     chain, opts = r.chain, r.at(mb)
     entries, output, new_buffers, counters = forward(r, buffers, mb.x)
     assert mb.scale is not None, "the range that computes the loss weighs its microbatches"
@@ -99,7 +98,7 @@ def run(
     return Piece(loss * mb.scale, tuple(grads), trace, new_buffers, pass_state, stats, costate, pending)
 
 
-def forward(r: Any, buffers: tuple[Any, ...], x: Any) -> tuple[list[Entry], Any, tuple[Any, ...], dict[Any, Any]]:
+def forward(r: Span, buffers: tuple[Any, ...], x: Any) -> tuple[list[Entry], Any, tuple[Any, ...], dict[Any, Any]]:
     """Every stage on ``x`` with no autograd graph kept: ``(entries, x_L, updated buffers, counters)``,
     as ``tape.forward`` leaves them for a plain range (the first stage runs on a copy of ``x``)."""
     chain, params, device = r.chain, r.params, r.device
@@ -164,7 +163,7 @@ def module_forward(s: Any, params: dict[Any, Any], h: Any) -> tuple[Any, dict[An
     return out, {}, frozen
 
 
-def reverse_step(r: Any, opts: Options, entry: Entry, costate: Any) -> tuple[Any, Any]:
+def reverse_step(r: Span, opts: Options, entry: Entry, costate: Any) -> tuple[Any, Any]:
     """``(the stage's parameter gradients, the costate of its input)`` from ``costate``, its output's,
     as ``fold.Step.local`` gives them for a digital stage rebuilt from its boundary."""
     i, params, s, device = entry.index, r.params[entry.index], r.chain.stages[entry.index], r.device

@@ -1,5 +1,5 @@
-"""What a sweep returns: ``SweepResult``, and the counters of its physical stages over the whole
-step (``metered``)."""
+"""What a sweep returns: ``SweepResult``, what one microbatch's fold over a range returns
+(``Piece``), and the counters of its physical stages over the whole step (``metered``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import torch
 from ..program.chain import Chain
 from ..program.physical import Meter
 from . import microbatch as M
+from .update import Pending
 
-__all__ = ["SweepResult", "metered"]
+__all__ = ["Piece", "SweepResult", "metered"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,25 @@ class SweepResult:
     stats: Mapping[str, Any]
     params: Any = None
     update_state: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One microbatch's results over a range: the loss times its scale (``None`` where the range
+    does not end the chain), one gradient entry per stage (``None`` each with fused updates; a
+    ``fold.Deferred`` with ``defer_weights``), the trace (record L first if the range ends the
+    chain, then hi-1 down to lo), the updated buffers of the range's stages, the pass state, the
+    stats, p_lo after the passes (what a pipeline rank sends back, kept whatever the trace keeps)
+    and what the fused updates had made when the fold ended (``update.Pending``; ``None`` without)."""
+
+    loss: torch.Tensor | None
+    grads: tuple[Any, ...]
+    trace: tuple[Any, ...]
+    buffers: tuple[Any, ...]
+    pass_state: Any
+    stats: dict[Any, Any]
+    costate: Any = None
+    pending: Pending | None = None
 
 
 def metered(stats: dict[Any, Any], chain: Chain, meter: Meter) -> dict[Any, Any]:

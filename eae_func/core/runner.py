@@ -24,7 +24,7 @@ import torch
 from ..adjoint import AdjointState, fold_in
 from ..passes.base import examples
 from ..program.chain import Chain
-from ..program.physical import Meter, ProbeChecks
+from ..program.physical import ProbeChecks
 from . import boundary as B
 from . import costates as C
 from . import fold as F
@@ -34,42 +34,16 @@ from . import tape as TP
 from .microbatch import Microbatch, merge_counters
 from .options import Options
 from .problem import Problem
+from .result import Piece
 from .update import Pending, Updater
 
-__all__ = ["Piece", "Range"]
+__all__ = ["Range"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Piece:
-    """One microbatch's results over a range: the loss times its scale (``None`` where the range
-    does not end the chain), one gradient entry per stage (``None`` each with fused updates; a
-    ``fold.Deferred`` with ``defer_weights``), the trace (record L first if the range ends the
-    chain, then hi-1 down to lo), the updated buffers of the range's stages, the pass state, the
-    stats, p_lo after the passes (what a pipeline rank sends back, kept whatever the trace keeps)
-    and what the fused updates had made when the fold ended (``update.Pending``; ``None`` without)."""
-
-    loss: torch.Tensor | None
-    grads: tuple[Any, ...]
-    trace: tuple[Any, ...]
-    buffers: tuple[Any, ...]
-    pass_state: Any
-    stats: dict[Any, Any]
-    costate: Any = None
-    pending: Pending | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Range:
-    """Stages ``lo..hi-1`` of ``chain`` at ``params`` (one entry per stage of the whole chain), run
-    as the bound ``opts`` say on ``device``; ``meter`` counts the physical stages' rows."""
-
-    chain: Chain
-    lo: int
-    hi: int
-    params: tuple[Any, ...]
-    opts: Options
-    device: torch.device
-    meter: Meter | None = None
+class Range(TP.Span):
+    """A ``tape.Span`` (stages ``lo..hi-1`` of ``chain`` at ``params``, run as the bound ``opts`` say
+    on ``device``) with its forward, its reverse fold and what an estimator sees of it."""
 
     def forward(self, buffers: tuple[Any, ...], mb: Microbatch, h: Any = None) -> TP.Tape:
         """The forward of microbatch ``mb`` from ``h`` (``None``: ``mb.x``, the chain's input)."""
@@ -157,10 +131,6 @@ class Range:
         )
         shown = (C.shown_as(self.chain, adj, 0) for adj in every)
         return examples((adj.index, adj.stage, adj.value) for adj in shown if adj is not None)
-
-    def at(self, mb: Microbatch) -> Options:
-        """The options for microbatch ``mb`` (its own key)."""
-        return self.opts if mb.key == self.opts.key else dataclasses.replace(self.opts, key=mb.key)
 
     def exact_trace(self, probed: Chain, buffers: tuple[Any, ...], mb: Microbatch) -> tuple[Any, ...]:
         """The exact trace of ``probed`` (the chain with every boundary shown) on this microbatch: the

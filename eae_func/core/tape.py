@@ -9,27 +9,26 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import optree
 import torch
 
 from ..program.chain import Chain
-from ..program.physical import rows_of
+from ..program.physical import Meter, rows_of
 from ..tree import NAMESPACE, map_tensors
 from . import boundary as B
 from . import compiled, remat
 from . import vjp as V
 from .diagnose import check_closed_over, explain, note
+from .microbatch import Microbatch
 from .options import Options
 from .replay import HOST, NULL, autocast, check_modes, drew, host_kind, modes_of, rng_state
 from .timing import timer
 
-if TYPE_CHECKING:
-    from .runner import Range
-
 __all__ = [
     "Entry",
+    "Span",
     "STAGE_COUNTERS",
     "Tape",
     "check_floating",
@@ -44,6 +43,25 @@ __all__ = [
 
 
 STAGE_COUNTERS = ("forward_s", "recompute_s", "vjp_s", "pass_s", "boundary_bytes")
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Stages ``lo..hi-1`` of ``chain`` at ``params`` (one entry per stage of the whole chain), run
+    as the bound ``opts`` say on ``device``; ``meter`` counts the physical stages' rows. What a
+    forward reads of a range (``runner.Range`` adds the reverse)."""
+
+    chain: Chain
+    lo: int
+    hi: int
+    params: tuple[Any, ...]
+    opts: Options
+    device: torch.device
+    meter: Meter | None = None
+
+    def at(self, mb: Microbatch) -> Options:
+        """The options for microbatch ``mb`` (its own key)."""
+        return self.opts if mb.key == self.opts.key else dataclasses.replace(self.opts, key=mb.key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +136,7 @@ class Tape:
         return output
 
 
-def forward(r: Range, buffers: tuple[Any, ...], h: Any, opts: Options) -> Tape:
+def forward(r: Span, buffers: tuple[Any, ...], h: Any, opts: Options) -> Tape:
     """Stages ``r.lo..r.hi-1`` of range ``r`` on ``h`` with no autograd graph (except the graphs the
     remat policy keeps), under ``opts`` (the range's, with the microbatch's key).
 
@@ -194,7 +212,7 @@ def check_unwritten(chain: Chain, i: int, inputs: list[Any], versions: list[Any]
 
 
 def run_stage(
-    r: Range,
+    r: Span,
     i: int,
     buffers: Mapping[Any, Any],
     h: Any,

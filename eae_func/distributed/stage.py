@@ -37,7 +37,8 @@ from torch.distributed.pipelining import PipelineStage
 from ..core import boundary as B
 from ..core import fold as F
 from ..core.microbatch import Microbatch
-from ..core.runner import Piece, Range
+from ..core.result import Piece
+from ..core.runner import Range
 from ..core.tape import Tape
 from .codecs import Codec, Encoded, Raw, round_trip
 
