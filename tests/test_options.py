@@ -240,7 +240,7 @@ def test_gpu_seconds_add_lazily_and_are_read_when_used_as_numbers():
 def test_the_compute_device_comes_from_the_params_not_the_input():
     """``x`` may live on the CPU while the stages compute elsewhere (a first stage moves it): the
     device whose RNG state is saved, whose autocast runs and where offload prefetches is the params'."""
-    from eae_func.core.fold import device_of
+    from eae_func.core.boundary import device_of
 
     elsewhere = ({"w": torch.empty(2, device="meta")}, {})
     assert device_of(elsewhere, torch.randn(2)) == torch.device("meta")

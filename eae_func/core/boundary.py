@@ -6,14 +6,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
 
 from ..tree import NAMESPACE, map_tensors
 
-__all__ = ["Layout", "Policy", "Prefetcher", "flat", "is_differentiable", "leaves", "nbytes", "split", "split_as"]
+__all__ = [
+    "Layout",
+    "Policy",
+    "Prefetcher",
+    "device_of",
+    "first_tensor",
+    "flat",
+    "is_differentiable",
+    "leaves",
+    "nbytes",
+    "split",
+    "split_as",
+]
 
 
 def is_differentiable(t: torch.Tensor) -> bool:
@@ -203,3 +215,24 @@ class Prefetcher:
             if t.is_cuda:
                 t.record_stream(current)
         return tree
+
+
+def device_of(*trees: Any, default: torch.device = torch.device("cpu")) -> torch.device:
+    """Where the stages compute: the device of the first tensor of ``trees`` (the params first)."""
+    for tree in trees:
+        first = first_tensor(tree)
+        if first is not None:
+            return first.device
+    return default
+
+
+def first_tensor(tree: Any) -> torch.Tensor | None:
+    """The first tensor leaf of ``tree`` in optree's order, found without flattening all of a tuple."""
+    if isinstance(tree, torch.Tensor):
+        return tree
+    if isinstance(tree, (tuple, list)):
+        return next((t for t in map(first_tensor, cast("Sequence[Any]", tree)) if t is not None), None)
+    named: dict[Any, Any] = tree  # as the dict it is tested for
+    if type(named) is dict and named and all(type(k) is str for k in named):  # optree's order: sorted keys
+        return first_tensor([named[k] for k in sorted(named)])
+    return next((t for t in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(t, torch.Tensor)), None)

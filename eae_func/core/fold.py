@@ -17,8 +17,8 @@ built from it, are freed when the step returns.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
 import optree
 import torch
@@ -43,7 +43,6 @@ __all__ = [
     "Deferred",
     "boundary_condition",
     "check_scalar",
-    "device_of",
     "make_step",
     "rebuild_kind",
     "rebuilt_vjp",
@@ -77,27 +76,6 @@ class StepOut:
 # ----------------------------------------------------------------------------- small parts
 
 
-def device_of(*trees: Any, default: torch.device = torch.device("cpu")) -> torch.device:
-    """Where the stages compute: the device of the first tensor of ``trees`` (the params first)."""
-    for tree in trees:
-        first = first_tensor(tree)
-        if first is not None:
-            return first.device
-    return default
-
-
-def first_tensor(tree: Any) -> torch.Tensor | None:
-    """The first tensor leaf of ``tree`` in optree's order, found without flattening all of a tuple."""
-    if isinstance(tree, torch.Tensor):
-        return tree
-    if isinstance(tree, (tuple, list)):
-        return next((t for t in map(first_tensor, cast("Sequence[Any]", tree)) if t is not None), None)
-    named: dict[Any, Any] = tree  # as the dict it is tested for
-    if type(named) is dict and named and all(type(k) is str for k in named):  # optree's order: sorted keys
-        return first_tensor([named[k] for k in sorted(named)])
-    return next((t for t in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(t, torch.Tensor)), None)
-
-
 # ----------------------------------------------------------------------------- the three parts
 
 
@@ -113,7 +91,7 @@ def boundary_condition(
     """``(loss, carry of p_L)``: p_L = loss_scale * d loss(x_L) / d x_L, through the passes; the loss
     runs under the stages' autocast, as an AMP training step computes it."""
     L = len(chain)
-    device = device_of(h)
+    device = B.device_of(h)
     try:
         with timer(opts, stats, "forward_s", "eae/loss", device), autocast(opts.autocast, device):
             floats, rebuild, costate_like = B.split(h, "input of the loss")

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..adjoint import Measurements
-from ..core import fold as F
+from ..core import boundary as B
 from ..core import microbatch as M
 from ..core.options import Options, make
 from ..core.result import SweepResult, metered
@@ -200,7 +200,7 @@ class Pipeline(Peers):
             raise ValueError(f"Pipeline.sweep: rank {self.rank} runs the first stage and needs the input x")
         pieces = self._pieces(opts, x, loss_args)
         state = pass_state  # None: the passes start in this rank's first fold, from its boundaries
-        device = F.device_of([params[i] for i in self.stages], x if first else None, default=self.device)
+        device = B.device_of([params[i] for i in self.stages], x if first else None, default=self.device)
         meter = Meter(chain, tuple(i for i in opts.physical if i in self.stages), opts.budget)
         groups = tie_groups(chain, params)
         with self._guard():

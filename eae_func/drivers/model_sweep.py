@@ -113,7 +113,7 @@ def sweep_model(model: nn.Module, req: Request) -> Swept:
         update.averaging(Reducer(replicas))
     fresh = {n: b.detach().clone() for n, b in cast("dict[Any, Any]", {**kept, **(buffers or {})}).items()}
     given = {**leaves, **fresh}
-    device = F.device_of(leaves, x)
+    device = B.device_of(leaves, x)
     state = pass_state  # None: the passes start at the first cut reverse step, from the cuts (CutReverse.passes)
     pieces = M.split(x, loss_args, opts.microbatches, opts.reduction, opts.key)
 

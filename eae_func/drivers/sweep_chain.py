@@ -11,7 +11,7 @@ from typing import Any, cast
 import torch
 
 from ..adjoint import Measurements
-from ..core import fold as F
+from ..core import boundary as B
 from ..core import fsdp_reverse
 from ..core import microbatch as M
 from ..core import replay as R
@@ -62,7 +62,7 @@ def on_chain(chain: Chain, req: Request) -> SweepResult:
         if opts.update is not None or reducer is not None
         else (None, None)
     )
-    whole = Range(chain, 0, len(chain), params, opts, F.device_of(params, req.x), meter)
+    whole = Range(chain, 0, len(chain), params, opts, B.device_of(params, req.x), meter)
     pieces = M.split(req.x, req.loss_args, opts.microbatches, opts.reduction, opts.key)
     folded = _fold(whole, pieces, Folded(buffers, state, pending), updater, sharded)
     total = folded.losses[0] if len(folded.losses) == 1 else torch.stack(folded.losses).sum()

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ..adjoint import AdjointState
-from ..core import fold as F
+from ..core import boundary as B
 from ..core.boundary import is_differentiable
 from ..core.options import Options, make
 from . import cuts, model_sweep
@@ -66,7 +66,7 @@ class Switch:
     def __init__(self, model: nn.Module, split_at: Sequence[str], opts: Options):
         self.model, self.split_at, self.opts = model, list(split_at), opts
         self.names = cut_modules(model, split_at)
-        self.device = F.device_of(dict(model.named_parameters()))
+        self.device = B.device_of(dict(model.named_parameters()))
         self.pass_state: Any = None  # the passes start at the first cut reverse step (CutReverse.passes)
         self.listeners: list[Callable[[AdjointState], Any]] = []
         self.current: Step | None = None
