@@ -370,7 +370,7 @@ def rebuilt_vjp(
     if s.sharded is not None:
         return fsdp_reverse.local_vjp(s, buffers, floats, rebuild)[1]
     call: Callable[[Any, Any], Any] = lambda p, x: run(s.call, p, buffers, x)[0]
-    return V.local_vjp(call, params, floats, rebuild, entry.frozen, params_too, inputs_too)[1]
+    return V.local_vjp(call, params, floats, rebuild, entry.frozen, (params_too, inputs_too))[1]
 
 
 def reverse(

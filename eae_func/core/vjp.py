@@ -73,8 +73,7 @@ def local_vjp(
     floats: list[Any],
     rebuild: Callable[..., Any],
     frozen: frozenset[str] = frozenset(),
-    params_too: bool = True,
-    inputs_too: bool = True,
+    wrt: tuple[bool, bool] = (True, True),
     check: Callable[..., Any] | None = None,
     has_aux: bool = False,
 ) -> tuple[Any, ...]:
@@ -84,10 +83,11 @@ def local_vjp(
     for the cotangents of the output's differentiable leaves (``cotangent``): the first in params'
     structure, ``None`` where a leaf is not differentiated (named in ``frozen``, a top-level key;
     integer; or not read), the second one tensor per leaf of ``floats`` (zeros where the output does
-    not depend on it), ``None`` with ``inputs_too=False``. ``params_too=False`` / ``inputs_too=False``
-    build the graph of the inputs alone / the parameters alone (the I and W halves of a zero-bubble
-    backward). The output is still attached to the graph; ``check(output leaves, inputs)`` sees it
+    not depend on it), ``None`` with ``inputs_too=False``. ``wrt = (params_too, inputs_too)``:
+    ``(False, True)`` / ``(True, False)`` build the graph of the inputs alone / the parameters alone
+    (the I and W halves of a zero-bubble backward). The output is still attached to the graph; ``check(output leaves, inputs)`` sees it
     before the pullback is made."""
+    params_too, inputs_too = wrt
     unflatten: Callable[[list[Any]], Any]
     if type(cast(object, params)) is dict and all(isinstance(t, torch.Tensor) for t in params.values()):  # a module's
         names, leaves = list(params), list(params.values())

@@ -255,12 +255,9 @@ class CutReverse:
         stats = self.stats.setdefault(call.name, {})
         h = tuple(leaves[i] for i in probed)
         params = {n: call.params[n].detach() for n in names}
-        assert call.physical is not None  # a physical call's
         try:
             with timer(self.opts, stats, "vjp_s", f"eae/{call.name}/estimate"):
-                g_in, grads, cost = PC.estimate(
-                    call.name.split("#")[0], call.index, run, h, params, costates, self.opts, self.meter, call.physical
-                )
+                g_in, grads, cost = PC.estimate(call, run, h, params, costates, self.opts, self.meter)
         except Exception as e:
             note(e, f"the estimator at physical cut {call.name!r}")
             raise

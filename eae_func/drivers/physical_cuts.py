@@ -25,6 +25,7 @@ from ..core.options import Options
 from ..core.problem import Problem
 from ..program.chain import Chain, Stage
 from ..program.physical import Meter, ProbeChecks, rows_of
+from .cut_call import Call
 
 __all__ = ["charge_forward", "estimate", "needs_graph", "roster"]
 
@@ -63,21 +64,21 @@ def roster(opts: Options, names: Mapping[str, nn.Module]) -> Chain | None:
 
 
 def estimate(
-    name: str,
-    index: int,
+    call: Call,
     run: Any,
     h: tuple[Any, ...],
     params: dict[Any, Any],
     costates: list[Any],
     opts: Options,
     meter: Any,
-    at: int,
 ) -> tuple[tuple[Any, ...], dict[Any, Any], dict[Any, Any]]:
-    """``(input costates, parameter gradients, cost)`` of one call of physical stage ``at`` of the roster
-    (its ``index``-th cut call, cut module ``name``) from the estimator: ``run(params, h)`` the call
+    """``(input costates, parameter gradients, cost)`` of one ``call`` of a physical cut module (its
+    place in the roster: ``call.physical``) from the estimator: ``run(params, h)`` the call
     again at the parameters ``params`` (the ones it trains) and the inputs ``h`` (those that require
     grad), its outputs of the node; ``costates`` at those outputs. The estimator sees a lone input
     or output as the tensor itself (a twin is ``twin(params, x)`` as on a chain), several as a tuple."""
+    name, index, at = call.name.split("#")[0], call.index, call.physical
+    assert at is not None  # a physical call's
 
     one_in, one_out = len(h) == 1, len(costates) == 1  # a lone tensor is given as itself, as a chain's
 
