@@ -124,7 +124,7 @@ def test_the_zero_bubble_split_gives_the_full_backward_bit_for_bit(widths, seed,
     pieces = []
     for defer in (False, True):
         torch.manual_seed(seed)
-        piece = runner.backward(runner.forward(buffers, mb), buffers, mb, opts.passes.init(), defer_weights=defer)
+        piece = runner.backward(runner.forward(buffers, mb), mb, None, defer_weights=defer)
         grads = tuple(g.compute() if isinstance(g, Fold.Deferred) else g for g in piece.grads)
         pieces.append((piece, grads))
     (full, full_grads), (split, split_grads) = pieces

@@ -52,7 +52,6 @@ class Range(TP.Span):
     def backward(
         self,
         tape: TP.Tape,
-        buffers: tuple[Any, ...],
         mb: Microbatch,
         pass_state: Any,
         received: Any = None,
@@ -62,7 +61,7 @@ class Range(TP.Span):
         earlier: list[Any] | None = None,
     ) -> Piece:
         """The reverse fold of ``tape`` from the loss (the range ends the chain) or from the
-        ``received`` costate p_hi; ``buffers`` are those the forward ran with. ``updater``: fused
+        ``received`` costate p_hi. ``updater``: fused
         updates, ``pending`` threaded through the fold's carry from this value. ``defer_weights``:
         the parameter gradients of stages rebuilt from their boundary come as ``fold.Deferred``;
         ``earlier``: earlier microbatches' gradients, one entry per stage, added to this one's
@@ -84,7 +83,7 @@ class Range(TP.Span):
             adj = AdjointState(received, hi, C.boundary_name(chain, hi), fold_in(opts.key, hi))
             C.check_costate(chain, hi, adj, tape.entries[-1].out_layout)
             loss, head, start = None, (), [F.Carry(adj, pass_state, pending)]
-        problem = self.problem(tape, buffers, mb) if opts.physical else None
+        problem = self.problem(tape, mb) if opts.physical else None
         step = F.make_step(chain, self.params, opts, self.device, problem, updater, defer_weights, earlier)
         carry, outs = F.reverse(step, start, tape)
         trace = tuple(a for a in head + tuple(o.record for o in reversed(outs)) if a is not None)
@@ -116,7 +115,7 @@ class Range(TP.Span):
         if updater is None and plain.applies(self.opts, self.chain, self.lo, self.hi):
             return plain.run(self, buffers, mb, pass_state, pending, earlier)
         return self.backward(
-            self.forward(buffers, mb), buffers, mb, pass_state, updater=updater, pending=pending, earlier=earlier
+            self.forward(buffers, mb), mb, pass_state, updater=updater, pending=pending, earlier=earlier
         )
 
     def example(self, tape: TP.Tape) -> tuple[AdjointState, ...]:
@@ -147,10 +146,10 @@ class Range(TP.Span):
         whole = Range(probed.showing_all(), 0, len(probed), self.params, exact, self.device)
         return whole.run(buffers, piece, None).trace
 
-    def problem(self, tape: TP.Tape, buffers: tuple[Any, ...], mb: Microbatch) -> Problem:
+    def problem(self, tape: TP.Tape, mb: Microbatch) -> Problem:
         """What the estimators see of this microbatch: stages run as the tape ran them (digital
         stages' RNG replayed, physical ones drawing afresh), the exact trace from this runner."""
-        chain, opts, device = self.chain, self.at(mb), self.device
+        chain, opts, device, buffers = self.chain, self.at(mb), self.device, tape.ran_with
         rng = {e.index: e.rng for e in tape.entries if e.index not in opts.physical}
         modes = {e.index: e.modes for e in tape.entries}
         rounding = B.Policy(opts.boundary_dtype)

@@ -96,15 +96,17 @@ class Entry:
 
 class Tape:
     """The forward sweep's record of stages ``lo..hi-1``: one ``Entry`` per stage, the range's
-    output, the updated buffers and the forward's counters.
+    output, the buffers it ran with (``ran_with``, one entry per stage of the whole chain), the
+    updated buffers and the forward's counters.
 
     ``pop()`` hands out the last entry once, its boundary loaded back to the compute dtype and
     device, and starts loading the next one (a side CUDA stream with ``offload``);
     ``take_output()`` hands out x_hi once.
     """
 
-    def __init__(self, policy: B.Policy, device: torch.device):
+    def __init__(self, policy: B.Policy, device: torch.device, ran_with: tuple[Any, ...]):
         self.entries: list[Entry] = []
+        self.ran_with = ran_with
         self.output: Any = None
         self.buffers: dict[int, Mapping[Any, Any]] = {}
         self.stats: dict[str, dict[Any, Any]] = {}
@@ -153,7 +155,7 @@ def forward(r: Span, buffers: tuple[Any, ...], h: Any, opts: Options) -> Tape:
         else None
     )
     plan: remat.Plan
-    tape, plan = Tape(opts.boundary, device), opts.recompute.plan(measured)
+    tape, plan = Tape(opts.boundary, device, buffers), opts.recompute.plan(measured)
     if lo == 0:  # the caller's input: the first stage runs on a copy, which a write into it cannot leave
         h = map_tensors(lambda t: t.detach().clone(), h)
     upstream_params = False

@@ -113,7 +113,6 @@ class RangeStage(PipelineStage):
         self.runner: Range | None = None
         self.step: Step | None = None
         self.tapes: dict[int, Tape] = {}
-        self.ran_with: dict[int, tuple[Any, ...]] = {}
         self.done: dict[int, Piece] = {}
         self.inbox: dict[int, Any] = {}  # boundary states received, encoded
         self.outbox: dict[int, Any] = {}  # boundary states to send
@@ -126,7 +125,7 @@ class RangeStage(PipelineStage):
 
     def end(self) -> None:
         """Let go of a step's tapes, pieces, messages, runner and shared state."""
-        for d in (self.tapes, self.ran_with, self.done, self.inbox, self.outbox, self.costates_in, self.costates_out):
+        for d in (self.tapes, self.done, self.inbox, self.outbox, self.costates_in, self.costates_out):
             d.clear()
         self.runner = self.step = None
 
@@ -142,7 +141,6 @@ class RangeStage(PipelineStage):
                 if self.is_first
                 else self.specs[self.stage_index - 1].unflatten([enc.decode() for enc in self.inbox.pop(j)])
             )
-            self.ran_with[j] = step.buffers
             tape = runner.forward(step.buffers, step.pieces[j], h)
             lo, hi = self.lo, self.hi
             step.buffers = step.buffers[:lo] + tuple(tape.buffers[i] for i in range(lo, hi)) + step.buffers[hi:]
@@ -161,7 +159,6 @@ class RangeStage(PipelineStage):
                 received = received_costate(self._presence(j, flags), encoded, self.specs[self.stage_index])
             piece = runner.backward(
                 self.tapes.pop(j),
-                self.ran_with.pop(j),
                 step.pieces[j],
                 step.pass_state,
                 received,
