@@ -64,7 +64,7 @@ def train(model: torch.nn.Module, data: torch.Tensor, args, use_eae: bool):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_schedule(args.steps // 10 + 1, args.steps))
     chain, params = ef.from_module(model, loss=lm_loss)
     pipeline = ef.compose(*[PASSES[name]() for name in args.passes.split(",") if name and name != "none"])
-    pass_state = pipeline.init()
+    pass_state = None  # the sweep starts the passes from the boundaries it sees
     losses, norms = [], []
     stream = batches(data, args.batch, args.seq, seed=0)
     bar = tqdm(range(args.steps), desc="EAE" if use_eae else "autograd", dynamic_ncols=True)

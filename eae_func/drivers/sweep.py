@@ -75,7 +75,7 @@ def sweep(
 
     loss:           with a model or a function, ``loss(output, *loss_args)``.
     split_at:       with a model, the module paths (glob per dotted part) to cut at.
-    pass_state:     the passes' state (``None``: ``passes.init()``); the new one is returned.
+    pass_state:     the passes' state (``None``: ``passes.start(example)``, once the boundaries are known); the new one is returned.
     buffers:        one dict per stage (``None``: the modules' own); never modified,
                     updated ones come back in ``res.buffers``.
     options:        the fields of ``Options`` (``passes``, ``key``, ``recompute``, ``update``, ...),
