@@ -5,13 +5,14 @@ and kept in the trace as the options say.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, cast
 
 import optree
 import torch
 
 from ..adjoint import AdjointState, fold_in
-from ..passes import Context
+from ..passes import Context, examples
 from ..program.chain import Chain
 from ..tree import NAMESPACE
 from . import boundary as B
@@ -19,7 +20,7 @@ from .diagnose import note
 from .options import Options
 from .timing import timer
 
-__all__ = ["boundary_name", "check_costate", "part", "processed", "shown_as", "traced", "with_part"]
+__all__ = ["boundary_name", "check_costate", "example", "part", "processed", "shown_as", "traced", "with_part"]
 
 
 def boundary_name(chain: Chain, l: int) -> str:
@@ -134,3 +135,25 @@ def traced(adj: AdjointState | None, opts: Options) -> AdjointState | None:
     if adj is None or opts.keep_costates:
         return adj
     return AdjointState(None, adj.index, adj.stage, adj.key, adj.history, adj.meta)
+
+
+def example(chain: Chain, lo: int, hi: int, entries: Sequence[Any]) -> tuple[AdjointState, ...]:
+    """What the passes of a fold over stages ``lo..hi-1`` will be applied to (``passes.examples``), from
+    its forward's ``entries`` (``tape.Entry``, lo first): boundary L where the range ends the chain
+    (else p_hi came through them on the next range), then hi-1 down to lo, as the chain shows them
+    (``shown_as``), each costate's structure, shapes, dtypes and devices as the entries' layouts say."""
+    layouts = {e.index: e.layout for e in entries} | {hi: entries[-1].out_layout}
+    top = hi if hi == len(chain) else hi - 1
+    every = (AdjointState(_like(layouts[l]), l, boundary_name(chain, l)) for l in range(top, lo - 1, -1))
+    shown = (shown_as(chain, adj, 0) for adj in every)
+    return examples((adj.index, adj.stage, adj.value) for adj in shown if adj is not None)
+
+
+def _like(layout: B.Layout) -> Any:
+    """A tree of the boundary's structure whose differentiable leaves are one-element tensors expanded
+    to their shapes, in their dtypes and on their devices (``None`` where a leaf has no costate)."""
+    leaves = [
+        torch.empty((), dtype=dtype, device=device).expand(shape) if differentiable else None
+        for shape, (device, dtype), differentiable in zip(layout.shapes, layout.placements, layout.mask)
+    ]
+    return layout.spec.unflatten(leaves)

@@ -1,10 +1,10 @@
 """The fold over a plain range: the whole chain (each microbatch's, earlier ones' gradients added),
-no passes, estimator, fused update, stored-apart boundaries, autocast, compile, kept graphs, timers
-or kept costates (what ``ef.grad`` and ``ef.value_and_grad`` run by default), as two loops with
-nothing else in them.
+with its passes and kept costates, but no estimator, fused update, stored-apart boundaries,
+autocast, compile, kept graphs or timers (what ``ef.grad``, ``ef.value_and_grad`` and ``ef.sweep``
+run by default), as two loops with nothing else in them.
 
     forward:  x_l = h_l(W_l, x_{l-1}), each stage's input, RNG state and modes kept
-    reverse:  (grad W_l, p_{l-1}) = vjp(h_l rebuilt from x_{l-1})(p_l),  l = L..1
+    reverse:  (grad W_l, p_{l-1}) = vjp(h_l rebuilt from x_{l-1})(p_l), then the passes,  l = L..1
 
 Each stage's forward and reverse step is the general fold's (``tape.run_stage``'s checks,
 ``fold.rebuilt_vjp`` under ``replay_rng`` and ``in_modes``, early stop by ``fold.rebuild_kind``),
@@ -26,7 +26,7 @@ from ..tree import NAMESPACE, map_tensors
 from . import boundary as B
 from . import early_stop as ES
 from . import vjp as V
-from .costates import boundary_name, shown_as, traced
+from .costates import boundary_name, example, processed, shown_as, traced
 from .diagnose import check_closed_over, explain, note
 from .fold import boundary_condition, rebuild_kind, rebuilt_vjp
 from .microbatch import Microbatch, add
@@ -43,9 +43,8 @@ def applies(opts: Options, chain: Any, lo: int, hi: int) -> bool:
     return (
         lo == 0
         and hi == len(chain)
-        and opts.no_passes
         and not opts.physical
-        and not (opts.timers or opts.keep_costates or opts.offload)
+        and not (opts.timers or opts.offload)
         and opts.boundary_dtype is None
         and opts.autocast is None
         and opts.compile is None
@@ -66,17 +65,20 @@ def run(
     entries, output, new_buffers, counters = forward(r, buffers, mb.x)
     assert mb.scale is not None, "the range that computes the loss weighs its microbatches"
     stats: dict[Any, Any] = {"loss": {}}
+    if pass_state is None:  # the passes start here, seeing the boundaries they will be applied to
+        pass_state = opts.passes.start(example(chain, 0, len(chain), entries) if opts.passes.wants_example else ())
     loss, carry = boundary_condition(chain, output, mb.loss_args, opts, pass_state, mb.scale, stats["loss"])
     del output
-    costate, head = carry.adj.value, traced(carry.shown, opts)
+    costate, head, pass_state = carry.adj.value, traced(carry.shown, opts), carry.pass_state
     del carry  # p_L is held by ``costate`` alone: freed once stage L-1 has used it
     grads: list[Any] = [None] * len(entries)
     records = [head]
+    observed = opts.keep_costates or not opts.no_passes  # p_0 is read (kept, or seen by the passes)
     while entries:
         entry = entries.pop()
         i = entry.index
         try:
-            grads[i], costate = reverse_step(r, opts, entry, costate)
+            grads[i], costate = reverse_step(r, opts, entry, costate, i > 0 or observed)
         except Exception as e:
             note(e, f"the reverse step of {chain.where(i)}")
             raise
@@ -85,12 +87,16 @@ def run(
                 optree.tree_map(add, earlier[i], grads[i], none_is_leaf=True, namespace=NAMESPACE),
                 None,
             )
-        if chain.shown is None:  # the record as ``traced(shown_as(...))`` keeps it: no costate
+        if chain.shown is None and not observed:  # the record as ``traced(shown_as(...))`` keeps it: no costate
             records.append(AdjointState(None, i, boundary_name(chain, i), fold_in(opts.key, i)))
         else:
             adj = AdjointState(costate, i, boundary_name(chain, i), fold_in(opts.key, i))
-            records.append(traced(shown_as(chain, adj, opts.key), opts))
-            del adj
+            shown = shown_as(chain, adj, opts.key)
+            if not opts.no_passes:
+                adj, pass_state, shown = processed(chain, opts, adj, pass_state, entry.boundary, entry.layout, {})
+                costate = adj.value
+            records.append(traced(shown, opts))
+            del adj, shown
         del entry
     trace = tuple(a for a in records if a is not None)
     stats.update(counters)
@@ -163,10 +169,11 @@ def module_forward(s: Any, params: dict[Any, Any], h: Any) -> tuple[Any, dict[An
     return out, {}, frozen
 
 
-def reverse_step(r: Span, opts: Options, entry: Entry, costate: Any) -> tuple[Any, Any]:
+def reverse_step(r: Span, opts: Options, entry: Entry, costate: Any, inputs_too: bool) -> tuple[Any, Any]:
     """``(the stage's parameter gradients, the costate of its input)`` from ``costate``, its output's,
-    as ``fold.Step.local`` gives them for a digital stage rebuilt from its boundary."""
-    i, params, s, device = entry.index, r.params[entry.index], r.chain.stages[entry.index], r.device
+    as ``fold.Step.local`` gives them for a digital stage rebuilt from its boundary (the second
+    ``None`` without ``inputs_too``: the chain's input, whose costate nobody reads)."""
+    params, s, device = r.params[entry.index], r.chain.stages[entry.index], r.device
     if (
         isinstance(costate, torch.Tensor)
         and s.module is not None
@@ -179,7 +186,7 @@ def reverse_step(r: Span, opts: Options, entry: Entry, costate: Any) -> tuple[An
             slots = s.slots()
             if slots is not None:  # a module at given tensors, one floating tensor in and out, rebuilt in full
                 with replay_rng(entry.rng, device), in_modes(entry.modes):
-                    return module_vjp(s.module, slots, params, entry, costate, i > 0)
+                    return module_vjp(s.module, slots, params, entry, costate, inputs_too)
     floats, rebuild, costate_like = B.split_as(entry.boundary, entry.layout)
     flat = B.flat(costate, none_is_leaf=True)
     if all(c is None for c in flat):  # no costate flows here: nothing to do
@@ -191,7 +198,7 @@ def reverse_step(r: Span, opts: Options, entry: Entry, costate: Any) -> tuple[An
             return rebuilt_vjp(s, params, entry, floats, rebuild, run=run)
 
     pullback = attempt(ES.whole) if kind is None else ES.rebuilt(kind, attempt)
-    grads, g_in = pullback(V.cotangent(flat, entry.out_layout), i > 0)
+    grads, g_in = pullback(V.cotangent(flat, entry.out_layout), inputs_too)
     return grads, None if g_in is None else costate_like(g_in)
 
 

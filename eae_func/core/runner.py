@@ -19,10 +19,7 @@ import dataclasses
 import functools
 from typing import Any
 
-import torch
-
 from ..adjoint import AdjointState, fold_in
-from ..passes.base import examples
 from ..program.chain import Chain
 from ..program.physical import ProbeChecks
 from . import boundary as B
@@ -68,7 +65,7 @@ class Range(TP.Span):
         (``fold.make_step``)."""
         chain, lo, hi, opts = self.chain, self.lo, self.hi, self.at(mb)
         if pass_state is None:  # the passes start here, seeing the boundaries they will be applied to
-            pass_state = opts.passes.start(self.example(tape) if opts.passes.wants_example else ())
+            pass_state = opts.passes.start(C.example(chain, lo, hi, tape.entries) if opts.passes.wants_example else ())
         stats: dict[Any, Any] = {}
         if hi == len(chain):
             assert mb.scale is not None, "the range that computes the loss weighs its microbatches"
@@ -117,19 +114,6 @@ class Range(TP.Span):
         return self.backward(
             self.forward(buffers, mb), mb, pass_state, updater=updater, pending=pending, earlier=earlier
         )
-
-    def example(self, tape: TP.Tape) -> tuple[AdjointState, ...]:
-        """What the passes will be applied to (``passes.examples``): the boundaries the fold passes
-        them, L (where the range ends the chain; else p_hi came through them on the next range) then
-        hi-1 down to lo, as the chain shows them (``costates.shown_as``), each costate's structure,
-        shapes, dtypes and devices as the tape's layouts record them."""
-        layouts = {e.index: e.layout for e in tape.entries} | {self.hi: tape.entries[-1].out_layout}
-        top = self.hi if self.hi == len(self.chain) else self.hi - 1
-        every = (
-            AdjointState(_like(layouts[l]), l, C.boundary_name(self.chain, l)) for l in range(top, self.lo - 1, -1)
-        )
-        shown = (C.shown_as(self.chain, adj, 0) for adj in every)
-        return examples((adj.index, adj.stage, adj.value) for adj in shown if adj is not None)
 
     def exact_trace(self, probed: Chain, buffers: tuple[Any, ...], mb: Microbatch) -> tuple[Any, ...]:
         """The exact trace of ``probed`` (the chain with every boundary shown) on this microbatch: the
@@ -195,13 +179,3 @@ class Range(TP.Span):
             state,
             checks=checks,
         )
-
-
-def _like(layout: B.Layout) -> Any:
-    """A tree of the boundary's structure whose differentiable leaves are one-element tensors expanded
-    to their shapes, in their dtypes and on their devices (``None`` where a leaf has no costate)."""
-    leaves = [
-        torch.empty((), dtype=dtype, device=device).expand(shape) if differentiable else None
-        for shape, (device, dtype), differentiable in zip(layout.shapes, layout.placements, layout.mask)
-    ]
-    return layout.spec.unflatten(leaves)
