@@ -2,8 +2,9 @@
 
 import optree
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 import eae_func as ef
 from eae_func.adjoint import NAMESPACE
@@ -93,3 +94,57 @@ def test_a_tensor_shared_by_two_function_stages_inside_nested_params_gets_the_su
     leaf = w.clone().requires_grad_()
     torch.tanh(torch.tanh(x @ leaf) @ leaf).square().sum().backward()
     assert all(torch.allclose(g["a"]["w"], leaf.grad, rtol=1e-12, atol=0) for g in grads)
+
+
+class DrawsWhenOn(nn.Module):
+    """Adds noise from torch's generator only while ``on``: a stage that starts (or stops) drawing
+    after its first call."""
+
+    def __init__(self):
+        super().__init__()
+        self.on = False
+
+    def forward(self, h):
+        return h + 0.1 * torch.randn_like(h) if self.on else h
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    schedule=st.lists(st.tuples(st.sampled_from([0.0, 0.4]), st.booleans(), st.booleans()), min_size=2, max_size=4),
+    driver=st.sampled_from(["grad", "sweep", "cuts", "enable"]),
+)
+def test_a_stage_that_starts_or_stops_drawing_between_sweeps_gets_autograds_gradients(schedule, driver):
+    """Sweep after sweep, a dropout's p changed from 0 and back, the model switched between train and
+    eval, a stage that starts drawing after its first call: each sweep's gradients are autograd's on
+    the same RNG state (the rebuild replays exactly what the forward drew, and nothing where it drew
+    nothing); with ``ef.enable`` the model is switched to the other mode between the forward and the
+    backward, which the rebuild must not see."""
+    torch.manual_seed(0)
+    drop, noise = nn.Dropout(0.0), DrawsWhenOn()
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(5, 5), nn.Tanh()), nn.Sequential(nn.Linear(5, 5), drop, noise), nn.Linear(5, 5)
+    ).double()
+    x, y = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 5, dtype=torch.float64)
+    chain, params = ef.from_module(model, loss=mse)
+    for step, (p, train, on) in enumerate(schedule):
+        drop.p, noise.on = p, on
+        model.train(train)
+        torch.manual_seed(step)
+        _, reference = autograd_grads(model, mse, x, y)
+        torch.manual_seed(step)
+        if driver == "enable":
+            with ef.enable(model, split_at=["*"]):
+                model.zero_grad(set_to_none=True)
+                loss = mse(model(x), y)
+                model.train(not train)
+                loss.backward()
+            for q in model.parameters():
+                torch.testing.assert_close(q.grad, reference[q], rtol=1e-12, atol=1e-14)
+            continue
+        if driver == "cuts":
+            grads = ef.grad(model, dict(model.named_parameters()), x, y, loss=mse, split_at=["*"])
+            for name, q in model.named_parameters():
+                torch.testing.assert_close(grads[name], reference[q], rtol=1e-12, atol=1e-14)
+            continue
+        grads = ef.grad(chain, params, x, y) if driver == "grad" else ef.sweep(chain, params, x, y).grads
+        assert_grads_match(chain, grads, reference, rtol=1e-12, atol=1e-14)
