@@ -1,7 +1,7 @@
 """The fold over a plain range: the whole chain (each microbatch's, earlier ones' gradients added),
-with its passes and kept costates, but no estimator, fused update, stored-apart boundaries,
-autocast, compile, kept graphs or timers (what ``ef.grad``, ``ef.value_and_grad`` and ``ef.sweep``
-run by default), as two loops with nothing else in them.
+with its passes, kept costates and timers, but no estimator, fused update, stored-apart boundaries,
+autocast, compile or kept graphs (what ``ef.grad``, ``ef.value_and_grad`` and ``ef.sweep`` run by
+default), as two loops with nothing else in them.
 
     forward:  x_l = h_l(W_l, x_{l-1}), each stage's input, RNG state and modes kept
     reverse:  (grad W_l, p_{l-1}) = vjp(h_l rebuilt from x_{l-1})(p_l), then the passes,  l = L..1
@@ -15,6 +15,7 @@ checkpointing's to about half of it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -33,7 +34,8 @@ from .microbatch import Microbatch, add
 from .options import Options
 from .replay import HOST, check_modes, drew, host_kind, in_modes, modes_of, replay_rng, rng_state
 from .result import Piece
-from .tape import Entry, Span, check_floating, check_unwritten, with_host
+from .tape import STAGE_COUNTERS, Entry, Span, check_floating, check_unwritten, with_host
+from .timing import timer
 
 __all__ = ["applies", "run"]
 
@@ -44,7 +46,7 @@ def applies(opts: Options, chain: Any, lo: int, hi: int) -> bool:
         lo == 0
         and hi == len(chain)
         and not opts.physical
-        and not (opts.timers or opts.offload)
+        and not opts.offload
         and opts.boundary_dtype is None
         and opts.autocast is None
         and opts.compile is None
@@ -62,9 +64,9 @@ def run(
     entry per stage: the earlier microbatches' gradients), each stage's gradients plus its entry,
     which is let go at once, as ``fold.make_step`` adds them."""
     chain, opts = r.chain, r.at(mb)
-    entries, output, new_buffers, counters = forward(r, buffers, mb.x)
+    entries, output, new_buffers, counters = forward(r, opts, buffers, mb.x)
     assert mb.scale is not None, "the range that computes the loss weighs its microbatches"
-    stats: dict[Any, Any] = {"loss": {}}
+    stats: dict[Any, Any] = {"loss": {"forward_s": 0.0, "pass_s": 0.0} if opts.timers else {}}
     if pass_state is None:  # the passes start here, seeing the boundaries they will be applied to
         pass_state = opts.passes.start(example(chain, 0, len(chain), entries) if opts.passes.wants_example else ())
     loss, carry = boundary_condition(chain, output, mb.loss_args, opts, pass_state, mb.scale, stats["loss"])
@@ -78,7 +80,7 @@ def run(
         entry = entries.pop()
         i = entry.index
         try:
-            grads[i], costate = reverse_step(r, opts, entry, costate, i > 0 or observed)
+            grads[i], costate = reverse_step(r, opts, entry, costate, i > 0 or observed, counters[chain.names[i]])
         except Exception as e:
             note(e, f"the reverse step of {chain.where(i)}")
             raise
@@ -93,7 +95,9 @@ def run(
             adj = AdjointState(costate, i, boundary_name(chain, i), fold_in(opts.key, i))
             shown = shown_as(chain, adj, opts.key)
             if not opts.no_passes:
-                adj, pass_state, shown = processed(chain, opts, adj, pass_state, entry.boundary, entry.layout, {})
+                adj, pass_state, shown = processed(
+                    chain, opts, adj, pass_state, entry.boundary, entry.layout, counters[chain.names[i]]
+                )
                 costate = adj.value
             records.append(traced(shown, opts))
             del adj, shown
@@ -104,9 +108,12 @@ def run(
     return Piece(loss * mb.scale, tuple(grads), trace, new_buffers, pass_state, stats, costate, pending)
 
 
-def forward(r: Span, buffers: tuple[Any, ...], x: Any) -> tuple[list[Entry], Any, tuple[Any, ...], dict[Any, Any]]:
+def forward(
+    r: Span, opts: Options, buffers: tuple[Any, ...], x: Any
+) -> tuple[list[Entry], Any, tuple[Any, ...], dict[Any, Any]]:
     """Every stage on ``x`` with no autograd graph kept: ``(entries, x_L, updated buffers, counters)``,
-    as ``tape.forward`` leaves them for a plain range (the first stage runs on a copy of ``x``)."""
+    as ``tape.forward`` leaves them for a plain range (the first stage runs on a copy of ``x``; each
+    stage's counters are its reverse step's too)."""
     chain, params, device = r.chain, r.params, r.device
     entries: list[Entry]
     new_buffers: list[Any]
@@ -116,7 +123,8 @@ def forward(r: Span, buffers: tuple[Any, ...], x: Any) -> tuple[list[Entry], Any
     h = x.detach().clone() if isinstance(x, torch.Tensor) else map_tensors(lambda t: t.detach().clone(), x)
     upstream_params = False
     for i, s in enumerate(chain.stages):
-        stats[chain.names[i]] = {"boundary_bytes": B.nbytes(kept)}
+        counters = stats[chain.names[i]] = dict.fromkeys(STAGE_COUNTERS if opts.timers else ("boundary_bytes",), 0)
+        counters["boundary_bytes"] = B.nbytes(kept)
         simple = s.module is not None and not s.buffer_names and not buffers[i] and s.sharded is None
         frozen = None if simple else s.frozen()
         modes = modes_of(s.module)
@@ -125,7 +133,8 @@ def forward(r: Span, buffers: tuple[Any, ...], x: Any) -> tuple[list[Entry], Any
         inputs = B.flat(h)
         versions = [t._version for t in inputs]
         try:
-            with torch.enable_grad():  # nothing given requires grad: only a closure can make the output
+            with timer(opts, counters, "forward_s", f"eae/{s.name}/forward", device), torch.enable_grad():
+                # nothing given requires grad: only a closure can make the output
                 ran = module_forward(s, params[i], h) if simple else None
                 if ran is None:
                     frozen = s.frozen() if frozen is None else frozen
@@ -169,11 +178,18 @@ def module_forward(s: Any, params: dict[Any, Any], h: Any) -> tuple[Any, dict[An
     return out, {}, frozen
 
 
-def reverse_step(r: Span, opts: Options, entry: Entry, costate: Any, inputs_too: bool) -> tuple[Any, Any]:
+def reverse_step(
+    r: Span, opts: Options, entry: Entry, costate: Any, inputs_too: bool, stats: dict[Any, Any]
+) -> tuple[Any, Any]:
     """``(the stage's parameter gradients, the costate of its input)`` from ``costate``, its output's,
     as ``fold.Step.local`` gives them for a digital stage rebuilt from its boundary (the second
-    ``None`` without ``inputs_too``: the chain's input, whose costate nobody reads)."""
+    ``None`` without ``inputs_too``: the chain's input, whose costate nobody reads); the rebuild's and
+    the vjp's seconds added to ``stats`` with ``timers``."""
     params, s, device = r.params[entry.index], r.chain.stages[entry.index], r.device
+
+    def clock(part: str) -> Any:
+        return timer(opts, stats, f"{part}_s", f"eae/{s.name}/{part}", device)
+
     if (
         isinstance(costate, torch.Tensor)
         and s.module is not None
@@ -186,7 +202,7 @@ def reverse_step(r: Span, opts: Options, entry: Entry, costate: Any, inputs_too:
             slots = s.slots()
             if slots is not None:  # a module at given tensors, one floating tensor in and out, rebuilt in full
                 with replay_rng(entry.rng, device), in_modes(entry.modes):
-                    return module_vjp(s.module, slots, params, entry, costate, inputs_too)
+                    return module_vjp(s.module, slots, params, entry, costate, inputs_too, clock)
     floats, rebuild, costate_like = B.split_as(entry.boundary, entry.layout)
     flat = B.flat(costate, none_is_leaf=True)
     if all(c is None for c in flat):  # no costate flows here: nothing to do
@@ -194,11 +210,12 @@ def reverse_step(r: Span, opts: Options, entry: Entry, costate: Any, inputs_too:
     kind = rebuild_kind(opts, s, entry, floats, True, True)
 
     def attempt(run: Any) -> Any:
-        with replay_rng(entry.rng, device), in_modes(entry.modes):
+        with clock("recompute"), replay_rng(entry.rng, device), in_modes(entry.modes):
             return rebuilt_vjp(s, params, entry, floats, rebuild, run=run)
 
     pullback = attempt(ES.whole) if kind is None else ES.rebuilt(kind, attempt)
-    grads, g_in = pullback(V.cotangent(flat, entry.out_layout), inputs_too)
+    with clock("vjp"):
+        grads, g_in = pullback(V.cotangent(flat, entry.out_layout), inputs_too)
     return grads, None if g_in is None else costate_like(g_in)
 
 
@@ -208,15 +225,21 @@ def lone(layout: B.Layout) -> bool:
 
 
 def module_vjp(
-    module: Any, slots: Any, params: dict[Any, Any], entry: Entry, costate: torch.Tensor, inputs_too: bool
+    module: Any,
+    slots: Any,
+    params: dict[Any, Any],
+    entry: Entry,
+    costate: torch.Tensor,
+    inputs_too: bool,
+    clock: Callable[[str], Any],
 ) -> tuple[Any, ...]:
     """``(J_W^T p, J_x^T p or None)`` of a module stage rebuilt from its boundary, one floating tensor in
     and out, as ``vjp.local_vjp`` computes them: the module run on detached, requires-grad copies of
     its trainable parameters (``slots``: their places) and of its input (``J_x^T p`` asked for only
-    with ``inputs_too``), one engine call at ``p``."""
+    with ``inputs_too``), one engine call at ``p``; ``clock(part)`` times the rebuild and the vjp."""
     given: dict[Any, torch.Tensor]
     frozen, given = entry.frozen, {}
-    with torch.enable_grad():
+    with clock("recompute"), torch.enable_grad():
         for n, t in params.items():
             given[n] = t.detach().requires_grad_(n not in frozen and (t.is_floating_point() or t.is_complex()))
         h = entry.boundary.detach().requires_grad_()  # as the general rebuild: kernels may depend on it
@@ -230,7 +253,8 @@ def module_vjp(
     names, leaves = tuple(given), tuple(given.values())
     wanted = [t for t in leaves if t.requires_grad] + ([h] if inputs_too else [])
     dt = entry.out_layout.placements[0][1]
-    grads = iter(V.pull_back(V.places([out]), [costate if costate.dtype == dt else costate.to(dt)], wanted))
+    with clock("vjp"):
+        grads = iter(V.pull_back(V.places([out]), [costate if costate.dtype == dt else costate.to(dt)], wanted))
     del out
     full = {n: next(grads) if t.requires_grad else None for n, t in zip(names, leaves)}
     if not inputs_too:
