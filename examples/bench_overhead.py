@@ -6,7 +6,8 @@ is left is each method's Python and dispatch cost per stage. One step is forward
 
     autograd     loss.backward() through the whole model
     checkpoint   torch.utils.checkpoint.checkpoint(stage, h, use_reentrant=False) per stage
-    eae_func     ef.value_and_grad(chain, params, x) (and with compose(int8, clip_by_global_norm))
+    eae_func     ef.value_and_grad(chain, params, x) (and with compose(int8, clip_by_global_norm));
+                 ef.sweep with its defaults (per-stage timers, the costates kept in the trace)
     run-time cuts  ef.value_and_grad(model, dict(model.named_parameters()), x, loss=..., split_at=["*"])
     ef.enable    the model enabled (split_at=["*"]), then loss.backward()
     eae-runtime  eae_runtime 0.1.1's EAERuntime(model, None, RuntimeConfig(memory="none",
@@ -88,6 +89,7 @@ def methods(model: nn.Module, x: torch.Tensor, loss_fn, *loss_args, peers: bool 
         "autograd": autograd,
         "checkpoint": checkpointed,
         "eae_func": lambda: ef.value_and_grad(chain, params, x, *loss_args),
+        "ef.sweep (timers, kept costates)": lambda: ef.sweep(chain, params, x, *loss_args),
         "eae_func + int8, clip": lambda: ef.value_and_grad(chain, params, x, *loss_args, passes=passes),
         **more,
     }
@@ -162,6 +164,7 @@ def main() -> None:
     ids = torch.randint(0, 256, (batch, seq + 1))
     steps = methods(lm, ids[:, :-1], lm_loss, ids[:, 1:])
     steps.pop("eae_func + int8, clip")
+    steps.pop("ef.sweep (timers, kept costates)")
     med = interleaved(steps, args.reps)
     print(f"\n| method | tokens/s ({depth} blocks, width {width}, seq {seq}, batch {batch}) | vs checkpoint |")
     print("|---|---|---|")
