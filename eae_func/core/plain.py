@@ -32,10 +32,10 @@ from .diagnose import check_closed_over, explain, note
 from .fold import boundary_condition, rebuild_kind, rebuilt_vjp
 from .microbatch import Microbatch, add
 from .options import Options
-from .replay import HOST, check_modes, drew, host_kind, in_modes, modes_of, replay_rng, rng_state
+from .replay import HOST, NULL, check_modes, drew, host_kind, in_modes, modes_of, replay_rng, rng_state
 from .result import Piece
 from .tape import STAGE_COUNTERS, Entry, Span, check_floating, check_unwritten, with_host
-from .timing import timer
+from .timing import timed
 
 __all__ = ["applies", "run"]
 
@@ -133,7 +133,7 @@ def forward(
         inputs = B.flat(h)
         versions = [t._version for t in inputs]
         try:
-            with timer(opts, counters, "forward_s", f"eae/{s.name}/forward", device), torch.enable_grad():
+            with clock_of(opts, counters, s.name, device)("forward"), torch.enable_grad():
                 # nothing given requires grad: only a closure can make the output
                 ran = module_forward(s, params[i], h) if simple else None
                 if ran is None:
@@ -186,12 +186,11 @@ def reverse_step(
     ``None`` without ``inputs_too``: the chain's input, whose costate nobody reads); the rebuild's and
     the vjp's seconds added to ``stats`` with ``timers``."""
     params, s, device = r.params[entry.index], r.chain.stages[entry.index], r.device
-
-    def clock(part: str) -> Any:
-        return timer(opts, stats, f"{part}_s", f"eae/{s.name}/{part}", device)
+    clock = clock_of(opts, stats, s.name, device)
 
     if (
-        isinstance(costate, torch.Tensor)
+        not opts.timers  # timed, a module stage takes the rebuild below, which times its two parts
+        and isinstance(costate, torch.Tensor)
         and s.module is not None
         and not s.buffer_names
         and lone(entry.layout)
@@ -202,7 +201,7 @@ def reverse_step(
             slots = s.slots()
             if slots is not None:  # a module at given tensors, one floating tensor in and out, rebuilt in full
                 with replay_rng(entry.rng, device), in_modes(entry.modes):
-                    return module_vjp(s.module, slots, params, entry, costate, inputs_too, clock)
+                    return module_vjp(s.module, slots, params, entry, costate, inputs_too)
     floats, rebuild, costate_like = B.split_as(entry.boundary, entry.layout)
     flat = B.flat(costate, none_is_leaf=True)
     if all(c is None for c in flat):  # no costate flows here: nothing to do
@@ -219,27 +218,34 @@ def reverse_step(
     return grads, None if g_in is None else costate_like(g_in)
 
 
+def clock_of(opts: Options, stats: dict[Any, Any], name: str | None, device: torch.device) -> Callable[[str], Any]:
+    """``clock(part)``: with ``timers``, the seconds of stage ``name``'s ``part`` (``"forward"``,
+    ``"recompute"``, ``"vjp"``) added to ``stats[part + "_s"]``; else a context that does nothing
+    (made at no cost: a tiny stage's step is counted in microseconds)."""
+    if not opts.timers:
+        return untimed
+    return lambda part: timed(stats, f"{part}_s", f"eae/{name}/{part}", device)
+
+
+def untimed(part: str) -> Any:
+    return NULL
+
+
 def lone(layout: B.Layout) -> bool:
     """Whether a boundary of this layout is one floating-point tensor."""
     return layout.spec == B.TENSOR and layout.placements[0][1].is_floating_point
 
 
 def module_vjp(
-    module: Any,
-    slots: Any,
-    params: dict[Any, Any],
-    entry: Entry,
-    costate: torch.Tensor,
-    inputs_too: bool,
-    clock: Callable[[str], Any],
+    module: Any, slots: Any, params: dict[Any, Any], entry: Entry, costate: torch.Tensor, inputs_too: bool
 ) -> tuple[Any, ...]:
     """``(J_W^T p, J_x^T p or None)`` of a module stage rebuilt from its boundary, one floating tensor in
     and out, as ``vjp.local_vjp`` computes them: the module run on detached, requires-grad copies of
     its trainable parameters (``slots``: their places) and of its input (``J_x^T p`` asked for only
-    with ``inputs_too``), one engine call at ``p``; ``clock(part)`` times the rebuild and the vjp."""
+    with ``inputs_too``), one engine call at ``p``."""
     given: dict[Any, torch.Tensor]
     frozen, given = entry.frozen, {}
-    with clock("recompute"), torch.enable_grad():
+    with torch.enable_grad():
         for n, t in params.items():
             given[n] = t.detach().requires_grad_(n not in frozen and (t.is_floating_point() or t.is_complex()))
         h = entry.boundary.detach().requires_grad_()  # as the general rebuild: kernels may depend on it
@@ -253,8 +259,7 @@ def module_vjp(
     names, leaves = tuple(given), tuple(given.values())
     wanted = [t for t in leaves if t.requires_grad] + ([h] if inputs_too else [])
     dt = entry.out_layout.placements[0][1]
-    with clock("vjp"):
-        grads = iter(V.pull_back(V.places([out]), [costate if costate.dtype == dt else costate.to(dt)], wanted))
+    grads = iter(V.pull_back(V.places([out]), [costate if costate.dtype == dt else costate.to(dt)], wanted))
     del out
     full = {n: next(grads) if t.requires_grad else None for n, t in zip(names, leaves)}
     if not inputs_too:
