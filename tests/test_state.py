@@ -197,9 +197,9 @@ def _blocks():
     return model, torch.randn(6, 4), torch.randn(6, 4)
 
 
-def _on(driver, passes, pass_state):
-    """One sweep of ``_blocks`` on ``driver``: (its records, its pass state)."""
-    model, x, y = _blocks()
+def _on(driver, passes, pass_state, blocks=None):
+    """One sweep of ``blocks`` (default: ``_blocks()``) on ``driver``: (its records, its pass state)."""
+    model, x, y = blocks or _blocks()
     loss = lambda out, y: (out - y).square().mean()  # noqa: E731
     if driver == "switch":
         switch = ef.enable(model, split_at=["*"], passes=passes, keep_costates=True)
@@ -232,3 +232,21 @@ def test_the_passes_start_from_the_boundaries_they_will_be_applied_to(driver):
     _, again = _on(driver, passes, state)
     assert len(seen) == 1 and _shapes(again) == _shapes(state)
     assert set(state[1]["residuals"]) == {a.index for a in example}
+
+
+@pytest.mark.parametrize("driver", ["chain", "cuts", "switch"])
+def test_a_pass_whose_init_fails_is_named_and_nothing_is_updated(driver):
+    """An ``init(example)`` that raises stops the sweep before any gradient is written, naming the pass."""
+
+    def init(example):
+        raise ValueError("no state for you")
+
+    broken = P.Pass(init, lambda adj, state, ctx: (adj, state), "broken")
+    blocks = _blocks()
+    model = blocks[0]
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="no state for you") as caught:
+        _on(driver, ef.compose(broken, P.error_feedback(P.int8())), None, blocks)
+    assert any("init of pass 'broken'" in n for n in caught.value.__notes__)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

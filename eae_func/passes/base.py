@@ -106,8 +106,12 @@ class Pass:
 
     def start(self, example: Sequence[AdjointState] = ()) -> Any:
         """The state before the first boundary: ``init(example)``, or ``init()`` where ``init`` takes
-        no argument (a pass written before ``example``)."""
-        return self.init(example) if _takes_example(self.init) else self.init()
+        no argument (a pass written before ``example``); an error names the pass."""
+        try:
+            return self.init(example) if _takes_example(self.init) else self.init()
+        except Exception as e:
+            e.add_note(f"(eae_func: in the init of pass {self.name!r}, which starts its state)")
+            raise
 
     def describe(self) -> str:
         """The pass as text two processes agree on when they built equal passes: its value with
