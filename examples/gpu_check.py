@@ -28,6 +28,9 @@ the live tensor bytes of ``bench_memory.LiveBytes`` on the CPU; the ratios are p
         for identical blocks (one forward and one reverse expected, checked)
     (j) the remat curve at one point: the largest ``recompute=`` byte budget whose peak is within
         ``checkpoint_sequential``'s (3 segments; 2 with ``--quick``), its step beside that one's
+    (l) ``cuda_graphs=True`` on the memory workload cut at run time (dropout 0.1): gradients bit for
+        bit the eager sweep's over four steps, the graphs replayed from the third; the step against
+        the eager sweep, autograd and eae-runtime (``memory="none"``); on the CPU, refused
     (k) a training step with AdamW on a Llama of TinyLlama's 1.1B shape (bf16, 4 x 2048; with
         ``--quick`` and on the CPU a small fp32 one), ``examples/bench_train_hf.py``'s methods one at a
         time (each alone in memory, so not interleaved): the step and its peak above the weights and
@@ -445,6 +448,65 @@ def check_checkpointing(device, depth, dim, batch, seq, steps) -> None:
     )
 
 
+def check_cuda_graphs(device, depth, dim, batch, seq, steps) -> None:
+    """(l): ``cuda_graphs=True`` on the memory workload cut at run time, residual dropout 0.1: over
+    four steps on new data, gradients bit for bit the eager sweep's on the same seed, replays from the
+    third step on (a key's first replay is checked beside its eager step); then the step against
+    the eager sweep, autograd and eae-runtime. On the CPU: refused, naming the device."""
+    net = model(depth, dim, device, 0.1)
+    named = dict(net.named_parameters())
+
+    def sweep(x, target, seed, **options):
+        torch.manual_seed(seed)
+        return ef.sweep(net, named, x, target, loss=mse, split_at=["*"], timers=False, **options)
+
+    x, target = torch.randn(batch, seq, dim, device=device), torch.randn(batch, seq, dim, device=device)
+    if device.type != "cuda":
+        try:
+            sweep(x, target, 0, cuda_graphs=True)
+            report("(l) cuda_graphs=", False, "not refused on the CPU")
+        except ValueError as e:
+            report("(l) cuda_graphs=", "captures CUDA kernels" in str(e), f"refused on the CPU: {e}")
+        return
+    ef.clear_caches()
+    equal, replays = True, []
+    for k in range(4):
+        x, target = torch.randn(batch, seq, dim, device=device), torch.randn(batch, seq, dim, device=device)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            graphed = sweep(x, target, k, cuda_graphs=True)
+        eager = sweep(x, target, k)
+        equal &= all(torch.equal(graphed.grads[n], eager.grads[n]) for n in named)
+        replays.append(sum(s.get("graph_replays", 0) for n, s in graphed.stats.items() if n != "boundaries"))
+        for w in said:
+            print(f"    {w.message}")
+
+    def autograd():
+        net.zero_grad(set_to_none=True)
+        mse(net(x), target).backward()
+
+    runs = {
+        "cuda_graphs=True": lambda: sweep(x, target, 0, cuda_graphs=True),
+        "eager": lambda: sweep(x, target, 0),
+        "autograd": autograd,
+    }
+    try:  # the peer where it is installed (the bench extra)
+        from eae_runtime import EAERuntime, RuntimeConfig
+
+        runtime = EAERuntime(net, None, RuntimeConfig(memory="none", enable_profiler=False))
+        runs["eae-runtime"] = lambda: runtime.compute_gradients(x, lambda out: mse(out, target))
+    except ImportError:
+        pass
+    times = median_steps(device, runs, steps)
+    ratios = ", ".join(f"{times['cuda_graphs=True'] / times[n]:.2f}x {n}" for n in runs if n != "cuda_graphs=True")
+    peer = f"; eager {times['eager'] / times['eae-runtime']:.2f}x eae-runtime" if "eae-runtime" in times else ""
+    report(
+        "(l) cuda_graphs=",
+        equal and replays[:2] == [0, 0] and replays[2:] == [depth, depth],
+        f"gradients {'bit for bit' if equal else 'NOT'} the eager sweep's; replays per step {replays}; step {ratios}{peer}",
+    )
+
+
 def check_fsdp(device, depth, dim, batch, seq, steps) -> None:
     """(h): FSDP2 on one process: ``ef.grad`` on the model with ``fully_shard`` on each block and the
     root against FSDP2 + checkpoint per block; gradients, step and peak ratios. The process group
@@ -659,6 +721,7 @@ def main(argv=None) -> int:
     check_compile_against_torch(device, *workload, steps)
     check_remat_curve(device, *workload, steps, segments)
     check_train_hf(device, args.quick)
+    check_cuda_graphs(device, *workload, steps)
     failed = [name for name, ok, _ in RESULTS if not ok]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     print(

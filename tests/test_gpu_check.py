@@ -21,4 +21,4 @@ def test_the_checks_pass_on_the_cpu_with_small_shapes():
         [sys.executable, str(SCRIPT), "--device", "cpu", "--quick"], capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("PASS") == 13 and "FAIL" not in done.stdout
+    assert done.stdout.count("PASS") == 14 and "FAIL" not in done.stdout

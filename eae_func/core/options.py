@@ -117,6 +117,12 @@ class Options:
     saves, as ``torch.utils.checkpoint`` stops its recompute (``eae_func.core.early_stop``); the same
     gradients, bit for bit. ``False``: every rebuild runs its stage in full (a module that keeps its
     output in Python state, or reads it with ``.tolist()``, sees NaN in a stopped rebuild)."""
+    cuda_graphs: bool = False
+    """On a model cut at run time on a CUDA device: each cut call's rebuild and local vjp captured as a
+    CUDA graph once per module and call layout, then replayed, so the host launches one graph per cut
+    (``eae_func.drivers.cut_graphs``); each capture is checked bit for bit against its eager step. The
+    module's Python state (a dropout's ``p``) is fixed at the capture: ``ef.clear_caches()`` after
+    changing it. Refused on the CPU, on a chain and with ``compile=``."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -154,13 +160,18 @@ class Options:
                 raise TypeError(f"sweep: physical must be a list of stage names or indices, got {self.physical!r}")
             set_(self, "physical", tuple(self.physical))
         set_(self, "recompute", remat.policy(self.recompute))
-        for name in ("offload", "keep_costates", "timers", "early_stop"):
+        for name in ("offload", "keep_costates", "timers", "early_stop", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"sweep: {name} must be True or False, got {getattr(self, name)!r}")
         if self.update is not None and not isinstance(self.update, Fused):
             set_(self, "update", fused(self.update))
         set_(self, "data_parallel", replicas(self.data_parallel))
         set_(self, "compile", compiling(self.compile))
+        if self.cuda_graphs and self.compile is not None:
+            raise ValueError(
+                "sweep: cuda_graphs=True and compile= both make the cuts' reverse steps into graphs: give one "
+                "(compile={'mode': 'reduce-overhead'} makes CUDA graphs of the compiled steps)"
+            )
 
     @property
     def boundary(self) -> Policy:
@@ -176,6 +187,11 @@ class Options:
         """These options for ``chain``: ``physical`` as sorted stage indices (``None``: the stages
         marked physical), checked against the estimator (and by its ``check(chain, physical)``, if it has
         one); the stage names the passes apply at (``P.only``) checked against the chain's."""
+        if self.cuda_graphs:
+            raise ValueError(
+                "sweep: cuda_graphs=True captures the reverse steps of a model cut at run time (an nn.Module "
+                "with split_at=), not a chain's stages: give the module, or compile={'mode': 'reduce-overhead'}"
+            )
         given = [i for i, s in enumerate(chain.stages) if s.physical] if self.physical is None else self.physical
         physical = tuple(sorted({chain.index(p) for p in given}))
         digital_boxes = [
@@ -273,6 +289,7 @@ class SweepOptions(TypedDict, total=False):
     compile: bool | str | Mapping[str, Any] | None
     capture: str | None
     early_stop: bool
+    cuda_graphs: bool
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(Options))

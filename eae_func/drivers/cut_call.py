@@ -16,7 +16,7 @@ from ..core import boundary as B
 from ..program.capture import matches
 from ..program.slots import Slots
 
-__all__ = ["ACTIVE", "Call", "cut_modules", "holding", "refuse_caches", "routes", "sums", "walk"]
+__all__ = ["ACTIVE", "Call", "cut_modules", "holding", "local_params", "refuse_caches", "routes", "sums", "walk"]
 
 ACTIVE = threading.local()  # .depth: > 0 while a cut module runs (its forward, rebuild or estimate) on this thread
 
@@ -98,6 +98,14 @@ def walk(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any], tuple[Any, 
 
     visit(module, "")
     return params, buffers, tuple(modes)
+
+
+def local_params(call: Call) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """The call's parameters as the leaves of a new graph, one per distinct tensor (its aliases share
+    it), each requiring grad as the parameter does: by name, and the trained ones in ``call.trained``'s order."""
+    own: dict[int, torch.Tensor] = {}
+    local = {n: own.setdefault(id(p), p.detach().requires_grad_(p.requires_grad)) for n, p in call.params.items()}
+    return local, [own[id(p)] for p in call.trained]
 
 
 def routes(leaves: list[Any], call: Call) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

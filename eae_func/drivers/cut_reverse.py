@@ -30,8 +30,9 @@ from ..core.timing import timer
 from ..passes import Context, examples
 from ..program.physical import Meter
 from ..program.slots import module_lock
+from . import cut_graphs as CG
 from . import physical_cuts as PC
-from .cut_call import ACTIVE, Call, holding, sums
+from .cut_call import ACTIVE, Call, holding, local_params, sums
 from .input_writes import leaf_name, param_name
 
 __all__ = ["CutReverse"]
@@ -163,6 +164,15 @@ class CutReverse:
                 leaves[i] = t
         if call.physical is not None:
             return self.estimate(call, leaves, costates)
+        if self.opts.cuda_graphs and call.graph is None:
+            eager = functools.partial(self.eager, call, leaves, costates)
+            return CG.graphed(call, leaves, costates, self.device, self.opts, stats, eager)
+        return self.eager(call, leaves, costates)[0]
+
+    def eager(self, call: Call, leaves: list[Any], costates: list[Any]) -> tuple[list[Any], bool]:
+        """The call's reverse step as it runs without a graph: its kept graph or the module rebuilt, one
+        local vjp; ``(the input costates and trained gradients, whether its backward wrote a .grad)``."""
+        stats = self.stats.setdefault(call.name, {})
         if call.graph is not None:  # kept from the forward (recompute=): used once and let go
             (out, inputs, trained), written, call.graph = call.graph, (), None
         else:
@@ -176,7 +186,8 @@ class CutReverse:
             grads = V.pull_back(edges, costates, [*inputs, *trained])
         # the parameters' gradients, plus what a custom Function's own backward accumulated into .grad
         # (Reformer's reversible layers run torch.autograd.backward on their parameters, as under autograd)
-        return [*grads[: len(inputs)], *(M.add(g, p.grad) for g, p in zip(grads[len(inputs) :], trained))]
+        wrote = any(p.grad is not None for p in trained)
+        return [*grads[: len(inputs)], *(M.add(g, p.grad) for g, p in zip(grads[len(inputs) :], trained))], wrote
 
     def rebuild(
         self, call: Call, leaves: list[Any], stats: dict[Any, Any]
@@ -185,8 +196,7 @@ class CutReverse:
         inputs as the forward had them), RNG, modes, Python's generators and autocast replayed, the
         ops' outputs the forward kept (``remat.save``) reused: ``(output, the leaves it wrote into,
         the inputs and the parameters its graph starts from)``."""
-        own: dict[Any, Any] = {}
-        local = {n: own.setdefault(id(p), p.detach().requires_grad_(p.requires_grad)) for n, p in call.params.items()}
+        local, trained = local_params(call)
         inputs = [leaves[i].requires_grad_() for i in call.inputs]  # detached when kept
         args, kwargs = T.unflatten(leaves, call.spec)
         cached, call.cached = call.cached, None
@@ -226,7 +236,7 @@ class CutReverse:
         finally:
             ACTIVE.depth -= 1
         check_rebuilt(call, out, written)
-        return out, written, inputs, [own[id(p)] for p in call.trained]
+        return out, written, inputs, trained
 
     def estimate(self, call: Call, leaves: list[Any], costates: list[Any]) -> list[Any]:
         """A physical cut's reverse step from the estimator (``physical_cuts``): the call run again at

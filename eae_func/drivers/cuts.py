@@ -38,8 +38,9 @@ from ..core.diagnose import note
 from ..core.options import Options
 from ..core.timing import timer
 from ..program.physical import Meter
+from . import cut_graphs as CG
 from . import physical_cuts as PC
-from .cut_call import ACTIVE, Call, cut_modules, holding, refuse_caches, routes, sums, walk
+from .cut_call import ACTIVE, Call, cut_modules, holding, local_params, refuse_caches, routes, sums, walk
 from .cut_reverse import CutReverse
 from .input_writes import WRITES, leaf_name
 
@@ -63,6 +64,8 @@ class Sweep(CutReverse):
         meter: Meter | None = None,
     ):
         self.opts, self.pass_state, self.device = opts, pass_state, device
+        if opts.cuda_graphs:
+            CG.check_device(device)
         self.policy = opts.boundary
         self.stores = self.policy.dtype is not None or self.policy.offload
         self.prefetch = B.Prefetcher(self.policy, device) if self.stores else None
@@ -245,17 +248,16 @@ class Sweep(CutReverse):
             with torch.no_grad():
                 yield lambda out: None
             return
-        own: dict[Any, Any] = {}
-        local = {n: own.setdefault(id(p), p.detach().requires_grad_(p.requires_grad)) for n, p in call.params.items()}
+        local, trained = local_params(call)
         inputs = [call.leaves[i].requires_grad_() for i in call.inputs]  # the call's own detached leaves
-        saved = R.SavedBytes([*own.values(), *inputs]) if plan.counts else None
+        saved = R.SavedBytes([*{id(p): p for p in local.values()}.values(), *inputs]) if plan.counts else None
 
         def keep(out: Any) -> None:
             if saving is not None:  # its graph was built to run the ops as the rebuild will: let go
                 call.cached = saving.replay  # None where the forward wrote into a kept output
                 return
             if saved is None or plan.kept(k, saved.bytes):
-                call.graph = (out, inputs, [own[id(p)] for p in call.trained])
+                call.graph = (out, inputs, trained)
                 self.graphs[k] = call
             for j in plan.evicted():  # a later graph took its place in the byte budget: rebuilt instead
                 self.graphs.pop(j).graph = None

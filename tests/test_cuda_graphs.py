@@ -1,0 +1,298 @@
+"""``cuda_graphs=True`` (``eae_func.drivers.cut_graphs``) on the CPU: refused there, on a chain and with
+``compile=``, nothing written; its capture plan (which calls share a graph, which run eagerly); and,
+with a stand-in capture that replays by running the captured step again on the graph's static
+tensors (what a CUDA graph's replay reads and writes), gradients bit for bit the eager sweep's over
+steps whose inputs, dropout masks and modes change; a replay that differs from its eager step, and
+a backward that writes a ``.grad`` itself, stay eager with a warning. The CUDA capture itself runs
+only on a GPU: ``examples/gpu_check.py`` (l)."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import eae_func as ef
+from eae_func import tree as T
+from eae_func.drivers import cut_graphs as CG
+
+from helpers import mse
+
+
+def replaying(step, device):
+    """A capture whose replay runs ``step`` again and writes its results into the outputs it returned."""
+    outs = step()
+
+    def replay():
+        for out, new in zip(outs, step()):
+            if out is not None:
+                out.copy_(new)
+
+    return replay, outs
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    monkeypatch.setitem(CG.CAPTURE, "cpu", replaying)
+    ef.clear_caches()
+    yield
+    ef.clear_caches()
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, p: float):
+        super().__init__()
+        self.lin, self.drop = nn.Linear(width, width), nn.Dropout(p)
+        self.register_buffer("count", torch.zeros((), dtype=torch.double))
+
+    def forward(self, h, mask=None, gain: float = 1.0):
+        if self.training:
+            self.count += 1  # a buffer the forward writes: the rebuild reads it as it was before the call
+        h = self.drop(torch.tanh(self.lin(h))) * (1.0 + 0.1 * self.count) * gain
+        return h if mask is None else h * mask
+
+
+class Model(nn.Module):
+    def __init__(self, depth: int, width: int, p: float):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width, p) for _ in range(depth))
+        self.seen: list = []  # the costates at the blocks' boundaries, as a hook sees and keeps them
+
+    def forward(self, x, mask):
+        for k, b in enumerate(self.blocks):
+            x = b(x, mask, gain=1.0 + k)
+            if x.requires_grad:
+                x.register_hook(self.seen.append)
+        return x
+
+
+def model(depth=3, width=5, p=0.0, seed=0):
+    torch.manual_seed(seed)
+    return Model(depth, width, p).double()
+
+
+def step(net, x, target, seed, **options):
+    torch.manual_seed(seed)
+    return ef.sweep(
+        net, dict(net.named_parameters()), (x, torch.ones_like(x)), target, loss=mse, split_at=["blocks.*"],
+        **options,
+    )  # fmt: skip
+
+
+def counts(res, key):
+    return sum(s.get(key, 0) for n, s in res.stats.items() if n != "boundaries")
+
+
+def test_refused_on_the_cpu_nothing_written():
+    net = model()
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    x = torch.randn(4, 5, dtype=torch.double)
+    with pytest.raises(ValueError, match=r"cuda_graphs=True captures CUDA kernels, and the model runs on cpu"):
+        step(net, x, x, 0, cuda_graphs=True)
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in net.named_parameters())
+
+
+def test_refused_on_a_chain_and_with_compile(on_cpu):
+    net = model()
+    chain, params = ef.from_module(nn.Sequential(*net.blocks), loss=mse)
+    x = torch.randn(4, 5, dtype=torch.double)
+    with pytest.raises(ValueError, match="cuda_graphs=True captures the reverse steps of a model cut at run time"):
+        ef.grad(chain, params, x, x, cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs=True and compile= both"):
+        step(net, x, x, 0, cuda_graphs=True, compile=True)
+    with pytest.raises(TypeError, match="cuda_graphs must be True or False"):
+        step(net, x, x, 0, cuda_graphs=1)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    depth=st.integers(1, 3),
+    p=st.sampled_from([0.0, 0.4]),
+    steps=st.lists(st.sampled_from([(2, True), (2, False), (3, True)]), min_size=7, max_size=7),
+    passes=st.booleans(),
+)
+def test_replays_equal_the_eager_sweep(depth, p, steps, passes):
+    """Step after step (the batch size, the inputs, the masks and the train/eval mode change), the
+    graphs' gradients, loss and costates are the eager sweep's bit for bit; a key seen twice before
+    replays (its first replay is checked beside the eager step)."""
+    CG.CAPTURE["cpu"] = replaying
+    try:
+        ef.clear_caches()
+        net = model(depth, p=p)
+        options = {"passes": ef.passes.clip_by_global_norm(0.5)} if passes else {}
+        seen, results, buffers = [], [], None
+        for k, (b, train) in enumerate(steps):  # 7 steps of 3 kinds: one kind replays
+            net.train(train)
+            x, target = torch.randn(b, 5, dtype=torch.double), torch.randn(b, 5, dtype=torch.double)
+            graphed = step(net, x, target, k, cuda_graphs=True, buffers=buffers, **options)
+            graphed_seen, net.seen = net.seen, []
+            eager = step(net, x, target, k, buffers=buffers, **options)
+            results.append((graphed, eager, graphed_seen, net.seen))
+            net.seen = []
+            assert all(torch.equal(graphed.buffers[n], eager.buffers[n]) for n in eager.buffers)
+            buffers = graphed.buffers  # the counts go on: each capture's static buffers are stale
+            assert torch.equal(graphed.loss, eager.loss)
+            assert all(torch.equal(graphed.grads[n], eager.grads[n]) for n in eager.grads)
+            assert all(torch.equal(a.value, e.value) for a, e in zip(graphed.adjoints, eager.adjoints, strict=True))
+            assert counts(graphed, "graph_replays") == (depth if seen.count((b, train)) >= 2 else 0)
+            seen.append((b, train))
+        for graphed, eager, graphed_seen, eager_seen in results:  # a later replay wrote into none of them
+            assert all(torch.equal(graphed.grads[n], eager.grads[n]) for n in eager.grads)
+            assert all(torch.equal(a, b) for a, b in zip(graphed_seen, eager_seen, strict=True))
+    finally:
+        del CG.CAPTURE["cpu"]
+        ef.clear_caches()
+
+
+def test_enabled_model(on_cpu):
+    """``ef.enable(..., cuda_graphs=True)``: loss.backward() replays too, with the eager gradients."""
+    net, ref = model(p=0.3), model(p=0.3)
+    ef.enable(net, split_at=["blocks.*"], cuda_graphs=True)
+    ef.enable(ref, split_at=["blocks.*"])
+    for k in range(4):
+        x = torch.randn(3, 5, dtype=torch.double)
+        for m in (net, ref):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(k)
+            mse(m(x, torch.ones_like(x)), x).backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(net.parameters(), ref.parameters()))
+    assert len(CG.GRAPHS) == 3
+
+
+def plan_of(net, *calls):
+    """The graph keys (or why-eager reasons) of the first block's calls on ``calls`` (args, kwargs)."""
+    from eae_func.drivers.cut_call import Call, walk
+
+    out = []
+    for args, kwargs in calls:
+        leaves, spec = T.flatten_call(args, kwargs)
+        params, buffers, modes = walk(net.blocks[0])
+        call = Call(1, "b", net.blocks[0], net.blocks[0].forward, leaves, spec, [0], params, buffers, None, (), modes)
+        call.trained = list(params.values())
+        why = CG.why_eager(call, leaves, torch.device("cpu"))
+        costates = [torch.zeros(args[0].shape, dtype=args[0].dtype)]
+        out.append(why or CG.key_of(call, leaves, costates))
+    return out
+
+
+def test_the_plan():
+    """One graph per module and call layout: the same shapes and plain values share one; another batch
+    size, dtype, plain value or module mode is another; an object argument runs eagerly."""
+    net = model()
+    h, m = torch.randn(4, 5, dtype=torch.double), torch.ones(4, 5, dtype=torch.double)
+    a, b, c, d = plan_of(net, ((h, m), {}), ((h + 1, m * 2), {}), ((h[:2], m[:2]), {}), ((h, m), {"gain": 2.0}))
+    assert a == b and len({a, c, d}) == 3
+    net.eval()
+    (e,) = plan_of(net, ((h, m), {}))
+    assert e != a
+    (f,) = plan_of(net, ((h.float(), m.float()), {}))
+    assert f != a
+    (g,) = plan_of(net, ((h, m), {"gain": [1.0]}))  # a list is a pytree: its float is a plain leaf
+    assert g != a and not isinstance(g, str)
+    (why,) = plan_of(net, ((h, m), {"gain": object()}))
+    assert why == "it is passed an argument of type object, which a graph would fix at its capture"
+
+
+class Writes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+
+    def forward(self, h):
+        out = torch.tanh(self.lin(h.clone()))
+        h.mul_(1.0)  # a write into its input (which nothing saved)
+        return out
+
+
+class Draws(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h)) * random.random()
+
+
+@pytest.mark.parametrize("cls", [Writes, Draws])
+def test_calls_that_cannot_replay_run_eagerly(on_cpu, cls):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 5), cls(), cls()).double()
+    for k in range(2):
+        x = torch.randn(3, 5, dtype=torch.double)
+        random.seed(k)
+        graphed = ef.sweep(net, dict(net.named_parameters()), x, x, loss=mse, split_at=["1", "2"], cuda_graphs=True)
+        random.seed(k)
+        eager = ef.sweep(net, dict(net.named_parameters()), x, x, loss=mse, split_at=["1", "2"])
+        assert all(torch.equal(graphed.grads[n], eager.grads[n]) for n in eager.grads)
+        assert counts(graphed, "graph_eager") == 2 and counts(graphed, "graph_replays") == 0
+    assert not CG.GRAPHS  # nothing captured
+
+
+def test_a_replay_that_differs_stays_eager(monkeypatch):
+    """A capture that bakes in its first values (as a graph bakes what its module read on the host) is
+    caught at its first replay, on the next call's values: a warning, and the key's steps stay
+    eager, with the eager gradients."""
+
+    def baked(step, device):
+        return (lambda: None), step()  # the replay writes nothing: the capture's values stay
+
+    monkeypatch.setitem(CG.CAPTURE, "cpu", baked)
+    ef.clear_caches()
+    net = model()
+    for k in range(4):
+        x = torch.randn(3, 5, dtype=torch.double)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            graphed = step(net, x, x * 2, k, cuda_graphs=True)
+        eager = step(net, x, x * 2, k)
+        assert all(torch.equal(graphed.grads[n], eager.grads[n]) for n in eager.grads)
+        assert counts(graphed, "graph_replays") == 0
+        said = [str(w.message) for w in caught if "cuda_graphs" in str(w.message)]
+        assert len(said) == (3 if k == 1 else 0)
+        assert all("its replay differs from its eager step" in m for m in said)
+    ef.clear_caches()
+
+
+class Accumulates(torch.autograd.Function):
+    """A backward that runs autograd on the parameter itself, as Reformer's reversible layers do."""
+
+    @staticmethod
+    def forward(ctx, h, w):
+        ctx.save_for_backward(h, w)
+        return h @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w = ctx.saved_tensors
+        with torch.enable_grad():
+            torch.autograd.backward(h.detach() @ w, g)
+        return g @ w.T, None
+
+
+class SelfAccumulating(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 5))
+
+    def forward(self, h):
+        return Accumulates.apply(h, self.w)
+
+
+def test_a_backward_that_writes_grad_stays_eager(on_cpu):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 5), SelfAccumulating()).double()
+    for k in range(2):
+        x = torch.randn(3, 5, dtype=torch.double)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            graphed = ef.sweep(net, dict(net.named_parameters()), x, x, loss=mse, split_at=["1"], cuda_graphs=True)
+        eager = ef.sweep(net, dict(net.named_parameters()), x, x, loss=mse, split_at=["1"])
+        assert all(torch.equal(graphed.grads[n], eager.grads[n]) for n in eager.grads)
+        assert counts(graphed, "graph_replays") == 0
+        if k == 0:
+            assert any("writes a parameter's .grad itself" in str(w.message) for w in caught)
