@@ -120,9 +120,11 @@ class Options:
     cuda_graphs: bool = False
     """On a model cut at run time on a CUDA device: each cut call's rebuild and local vjp captured as a
     CUDA graph once per module and call layout, then replayed, so the host launches one graph per cut
-    (``eae_func.drivers.cut_graphs``); each capture is checked bit for bit against its eager step. The
-    module's Python state (a dropout's ``p``) is fixed at the capture: ``ef.clear_caches()`` after
-    changing it. Refused on the CPU, on a chain and with ``compile=``."""
+    (``eae_func.drivers.cut_graphs``); each graph's first replay is checked bit for bit against its
+    eager step. A graph reads the module's parameters where they are stored and keeps static copies
+    of its call's inputs, costates and buffers and of its gradients (one more set of the cut modules'
+    parameter gradients in all). The module's Python state (a dropout's ``p``) is fixed at the
+    capture: ``ef.clear_caches()`` after changing it. Refused on the CPU, on a chain and with ``compile=``."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
