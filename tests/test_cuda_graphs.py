@@ -182,7 +182,8 @@ def plan_of(net, *calls):
 
 def test_the_plan():
     """One graph per module and call layout: the same shapes and plain values share one; another batch
-    size, dtype, plain value or module mode is another; an object argument runs eagerly."""
+    size, dtype, plain value, module mode or plain attribute of a module is another; an object
+    argument runs eagerly."""
     net = model()
     h, m = torch.randn(4, 5, dtype=torch.double), torch.ones(4, 5, dtype=torch.double)
     a, b, c, d = plan_of(net, ((h, m), {}), ((h + 1, m * 2), {}), ((h[:2], m[:2]), {}), ((h, m), {"gain": 2.0}))
@@ -194,6 +195,12 @@ def test_the_plan():
     assert f != a
     (g,) = plan_of(net, ((h, m), {"gain": [1.0]}))  # a list is a pytree: its float is a plain leaf
     assert g != a and not isinstance(g, str)
+    net.train()
+    net.blocks[0].drop.p = 0.5  # a plain attribute of one of its modules
+    (k,) = plan_of(net, ((h, m), {}))
+    assert k != a
+    net.blocks[0].drop.p = 0.0
+    assert plan_of(net, ((h, m), {})) == [a]
     (why,) = plan_of(net, ((h, m), {"gain": object()}))
     assert why == "it is passed an argument of type object, which a graph would fix at its capture"
 
@@ -296,3 +303,46 @@ def test_a_backward_that_writes_grad_stays_eager(on_cpu):
         assert counts(graphed, "graph_replays") == 0
         if k == 0:
             assert any("writes a parameter's .grad itself" in str(w.message) for w in caught)
+
+
+def baking(net):
+    """A capture whose replay runs the step with every module of ``net`` holding the plain attributes
+    it had at the capture, as a CUDA graph's kernels keep what the Python decided then."""
+
+    def capture(step, device):
+        frozen = {m: {k: v for k, v in vars(m).items() if isinstance(v, CG.PLAIN)} for m in net.modules()}
+        outs = step()
+
+        def replay():
+            now = {m: {k: vars(m)[k] for k in d} for m, d in frozen.items()}
+            for m, d in frozen.items():
+                vars(m).update(d)
+            try:
+                new = step()
+            finally:
+                for m, d in now.items():
+                    vars(m).update(d)
+            for out, n in zip(outs, new):
+                if out is not None:
+                    out.copy_(n)
+
+        return replay, outs
+
+    return capture
+
+
+def test_a_changed_dropout_p_is_another_graph(monkeypatch):
+    """A dropout's p changed between steps: the graphs captured at the old p are not replayed for
+    the new one (a graph would keep the old p), and the gradients stay the eager sweep's."""
+    net = model(2, p=0.2)
+    monkeypatch.setitem(CG.CAPTURE, "cpu", baking(net))
+    ef.clear_caches()
+    for k, p in enumerate([0.2, 0.2, 0.2, 0.5, 0.5, 0.5, 0.2]):
+        for b in net.blocks:
+            b.drop.p = p
+        x = torch.randn(3, 5, dtype=torch.double)
+        graphed = step(net, x, x, k, cuda_graphs=True)
+        eager = step(net, x, x, k)
+        assert all(torch.equal(graphed.grads[n], eager.grads[n]) for n in eager.grads)
+        assert counts(graphed, "graph_replays") == (2 if k in (2, 5, 6) else 0)
+    ef.clear_caches()

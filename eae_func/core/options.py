@@ -123,8 +123,9 @@ class Options:
     (``eae_func.drivers.cut_graphs``); each graph's first replay is checked bit for bit against its
     eager step. A graph reads the module's parameters where they are stored and keeps static copies
     of its call's inputs, costates and buffers and of its gradients (one more set of the cut modules'
-    parameter gradients in all). The module's Python state (a dropout's ``p``) is fixed at the
-    capture: ``ef.clear_caches()`` after changing it. Refused on the CPU, on a chain and with ``compile=``."""
+    parameter gradients in all). A module's plain attributes (a dropout's ``p``) are part of a graph's
+    key; other Python state it reads (a config object) is fixed at the capture: ``ef.clear_caches()``
+    after changing it. Refused on the CPU, on a chain and with ``compile=``."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

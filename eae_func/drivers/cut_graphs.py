@@ -13,9 +13,9 @@ graph per cut instead of every kernel of the rebuild and the vjp.
     the first replay:     on other values than the capture's, beside the eager step: bit for bit
                           its gradients, or the key runs eagerly from then on, with a warning
 
-A graph replays the kernels it captured: what the module's Python decides (a dropout's ``p``, a
-branch on a flag, a shape computed from a config) is fixed at its capture. Change such state and
-call ``ef.clear_caches()``. A call that cannot be replayed runs eagerly (``why_eager``): it writes
+A graph replays the kernels it captured: the plain attributes of the cut's modules (a dropout's
+``p``) are part of its key, but what else the module's Python reads (a config object, a global
+flag) is fixed at its capture: change such state and call ``ef.clear_caches()``. A call that cannot be replayed runs eagerly (``why_eager``): it writes
 into its inputs, draws from Python's or numpy's generator, reseeds torch's, is passed a tensor on
 another device or an object other than a plain value, reuses kept op outputs (``remat.save``), or its
 backward writes a parameter's ``.grad`` itself (Reformer's reversible layers).
@@ -106,6 +106,9 @@ def check_device(device: torch.device) -> None:
         )
 
 
+PLAIN = (bool, int, float, str, type(None))  # values a key holds as they are
+
+
 def why_eager(call: Call, leaves: list[Any], device: torch.device) -> str | None:
     """Why ``call``'s reverse step cannot be replayed from a graph (``None``: it can)."""
     if call.written:
@@ -120,7 +123,7 @@ def why_eager(call: Call, leaves: list[Any], device: torch.device) -> str | None
         if isinstance(t, torch.Tensor):
             if t.device != device:
                 return f"it is passed a tensor on {t.device}"
-        elif not (t is None or isinstance(t, (bool, int, float, str))):
+        elif not isinstance(t, PLAIN):
             return f"it is passed an argument of type {type(t).__name__}, which a graph would fix at its capture"
     return None
 
@@ -128,8 +131,10 @@ def why_eager(call: Call, leaves: list[Any], device: torch.device) -> str | None
 def key_of(call: Call, leaves: list[Any], costates: list[torch.Tensor]) -> Hashable:
     """What a graph of ``call``'s reverse step is captured for: the module and its parameters'
     storage, the layouts of the inputs (plain values as they are), costates and buffers, which
-    inputs and parameters are differentiated, the modes, autocast and whether it draws."""
+    inputs and parameters are differentiated, the modes and the plain attributes of its modules (a
+    dropout's ``p``, a norm's ``eps``), autocast and whether it draws."""
     trained = {id(p) for p in call.trained}
+    attributes = tuple(tuple((k, v) for k, v in m.__dict__.items() if isinstance(v, PLAIN)) for m, _ in call.modes)
     return (
         id(call.module),
         tuple((n, p.data_ptr(), p.requires_grad, id(p) in trained) for n, p in call.params.items()),
@@ -140,6 +145,7 @@ def key_of(call: Call, leaves: list[Any], costates: list[torch.Tensor]) -> Hasha
         tuple((n, ES.layout(b)) for n, b in call.buffers.items()),
         call.through,
         tuple(training for _, training in call.modes),
+        attributes,
         call.autocast,
         call.rng is None,
     )
