@@ -346,3 +346,16 @@ def test_a_changed_dropout_p_is_another_graph(monkeypatch):
         assert all(torch.equal(graphed.grads[n], eager.grads[n]) for n in eager.grads)
         assert counts(graphed, "graph_replays") == (2 if k in (2, 5, 6) else 0)
     ef.clear_caches()
+
+
+def test_under_autocast(on_cpu):
+    """``autocast=``: the graphs' step runs under the call's autocast (without its cache of cast
+    weights) and gives the eager sweep's gradients bit for bit."""
+    net = model(2, p=0.3).float()
+    for k in range(4):
+        x = torch.randn(3, 5)
+        graphed = step(net, x, x, k, cuda_graphs=True, autocast=torch.bfloat16)
+        eager = step(net, x, x, k, autocast=torch.bfloat16)
+        assert all(torch.equal(graphed.grads[n], eager.grads[n]) for n in eager.grads)
+        assert counts(graphed, "graph_replays") == (2 if k >= 2 else 0)
+    assert graphed.grads["blocks.0.lin.weight"].dtype == torch.float32

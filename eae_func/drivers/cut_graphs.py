@@ -155,6 +155,8 @@ def step_of(call: Call, graph: Graph) -> Step:
     """The call's reverse step on the graph's static copies: the module rebuilt with grad at its
     parameters (their own storage), then one vjp; the input costates and trained gradients."""
 
+    kind, enabled, dtype = call.autocast
+
     def step() -> list[torch.Tensor | None]:
         local, trained = local_params(call)
         fed = list(graph.leaves)
@@ -166,7 +168,9 @@ def step_of(call: Call, graph: Graph) -> Step:
             with (
                 torch.enable_grad(),
                 replay.in_modes(call.modes),
-                replay.replay_autocast(call.autocast),
+                # autocast as the call ran, without its cache of cast weights, which a graph would read
+                # where a cast made outside the capture was (as make_graphed_callables requires)
+                torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=False),
                 module_lock(call.module),
                 holding(call.module, {**local, **{n: b.clone() for n, b in graph.buffers.items()}}),
             ):
