@@ -193,7 +193,8 @@ class Options:
         if self.cuda_graphs:
             raise ValueError(
                 "sweep: cuda_graphs=True captures the reverse steps of a model cut at run time (an nn.Module "
-                "with split_at=), not a chain's stages: give the module, or compile={'mode': 'reduce-overhead'}"
+                "with split_at= and a flat params dict, without FSDP2 shards), not a chain's stages: give such "
+                "a module, or compile={'mode': 'reduce-overhead'}"
             )
         given = [i for i, s in enumerate(chain.stages) if s.physical] if self.physical is None else self.physical
         physical = tuple(sorted({chain.index(p) for p in given}))
