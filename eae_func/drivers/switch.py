@@ -202,7 +202,8 @@ class Step(cuts.Sweep):
 def enable(model: nn.Module, split_at: Sequence[str], **options: Unpack[SweepOptions]) -> Switch:
     """Cut ``model`` at run time at the module paths ``split_at`` for every forward from now on, so any
     backward through its output runs the EAE reverse steps with ``options`` (``passes``, ``key``,
-    ``keep_costates``, ``timers``, ``early_stop``, ``autocast``, ``boundary_dtype``, ``offload``, and
+    ``keep_costates``, ``timers``, ``early_stop``, ``autocast``, ``boundary_dtype``, ``offload``,
+    ``cuda_graphs`` (checked at each forward: the model may move to a GPU after this call), and
     ``update=`` a torch.optim optimizer over the model's parameters: stepped inside each backward);
     returns the ``Switch``. Also a context manager: ``with ef.enable(model, ...):`` turns it off on exit.
     Options that need the sweep to own the step (``microbatches=``, ``data_parallel=``, a pure update)
