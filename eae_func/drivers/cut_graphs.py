@@ -238,10 +238,11 @@ def capture(call: Call, leaves: list[Any], costates: list[torch.Tensor], device:
 
 def graphed(
     call: Call, leaves: list[Any], costates: list[torch.Tensor], device: torch.device, opts: Options,
-    stats: dict[Any, Any], eager: Callable[[], tuple[list[Any], bool]],
+    stats: dict[Any, Any], eager: Callable[[], tuple[list[Any], list[Any]]],
 ) -> list[Any]:  # fmt: skip
     """The call's input costates and trained gradients: replayed from its key's graph, or ``eager()``'s
-    (``(gradients, whether its backward wrote a parameter's .grad itself)``) where it cannot be, where
+    (``(gradients, its graph's parameter leaves)``, whose ``.grad`` a backward that accumulates into
+    them sets) where it cannot be, where
     the key is new (its step is then captured) and at the key's first replay, which must equal it bit
     for bit (else the key runs eagerly, with a warning). ``stats`` count ``graph_replays`` (timed as
     ``graph_s``), ``graph_captures`` and ``graph_eager``."""
@@ -255,7 +256,7 @@ def graphed(
         with timer(opts, stats, "graph_s", f"eae/{call.name}/graph"):
             return run(graph, call, leaves, costates, device)
     stats["graph_eager"] = stats.get("graph_eager", 0) + 1
-    grads, wrote = eager()
+    grads, trained = eager()
     if key is None or graph is not None and graph.replay is None:  # eager for good
         return grads
     if graph is not None:  # its first replay, on other values than its capture's
@@ -265,7 +266,7 @@ def graphed(
             graph.replay, graph.outs = None, []
             warn(call, "its replay differs from its eager step (the module reads a value its capture fixed)")
         return grads
-    if wrote:
+    if any(p.grad is not None for p in trained):
         graph = Graph(weakref.ref(call.module), [], [], {})
         warn(call, "its backward writes a parameter's .grad itself")
     else:

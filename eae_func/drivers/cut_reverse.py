@@ -165,14 +165,16 @@ class CutReverse:
         if call.physical is not None:
             return self.estimate(call, leaves, costates)
         if self.opts.cuda_graphs and call.graph is None:
-            eager = functools.partial(self.eager, call, leaves, costates)
+            eager = functools.partial(self.eager, call, leaves, costates, stats)
             return CG.graphed(call, leaves, costates, self.device, self.opts, stats, eager)
-        return self.eager(call, leaves, costates)[0]
+        return self.eager(call, leaves, costates, stats)[0]
 
-    def eager(self, call: Call, leaves: list[Any], costates: list[Any]) -> tuple[list[Any], bool]:
+    def eager(
+        self, call: Call, leaves: list[Any], costates: list[Any], stats: dict[Any, Any]
+    ) -> tuple[list[Any], list[Any]]:
         """The call's reverse step as it runs without a graph: its kept graph or the module rebuilt, one
-        local vjp; ``(the input costates and trained gradients, whether its backward wrote a .grad)``."""
-        stats = self.stats.setdefault(call.name, {})
+        local vjp; ``(the input costates and trained gradients, the leaves its graph's parameters are)``
+        (a leaf's ``.grad`` set: a custom Function's backward accumulated into it)."""
         if call.graph is not None:  # kept from the forward (recompute=): used once and let go
             (out, inputs, trained), written, call.graph = call.graph, (), None
         else:
@@ -186,8 +188,7 @@ class CutReverse:
             grads = V.pull_back(edges, costates, [*inputs, *trained])
         # the parameters' gradients, plus what a custom Function's own backward accumulated into .grad
         # (Reformer's reversible layers run torch.autograd.backward on their parameters, as under autograd)
-        wrote = any(p.grad is not None for p in trained)
-        return [*grads[: len(inputs)], *(M.add(g, p.grad) for g, p in zip(grads[len(inputs) :], trained))], wrote
+        return [*grads[: len(inputs)], *(M.add(g, p.grad) for g, p in zip(grads[len(inputs) :], trained))], trained
 
     def rebuild(
         self, call: Call, leaves: list[Any], stats: dict[Any, Any]
