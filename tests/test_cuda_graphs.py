@@ -359,3 +359,19 @@ def test_under_autocast(on_cpu):
         assert all(torch.equal(graphed.grads[n], eager.grads[n]) for n in eager.grads)
         assert counts(graphed, "graph_replays") == (2 if k >= 2 else 0)
     assert graphed.grads["blocks.0.lin.weight"].dtype == torch.float32
+
+
+def test_replays_read_nothing_on_the_host(on_cpu):
+    """Once its keys are checked, a sweep's replays (copies in, replay, clones out) read no tensor
+    value on the host: no ``.item()``, ``bool()``, ``torch.equal`` or ``nonzero`` (``test_host_waits``' spy)."""
+    from test_host_waits import spying
+
+    net = model(3, p=0.2)
+    x = torch.randn(4, 5, dtype=torch.double)
+    for k in range(2):  # the capture, then the checked first replay (one torch.equal per gradient)
+        step(net, x, x, k, cuda_graphs=True)
+    with spying() as reads:
+        for k in range(2):
+            res = step(net, x, x, k, cuda_graphs=True)
+    assert counts(res, "graph_replays") == 3
+    assert not reads, dict(reads)
