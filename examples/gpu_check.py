@@ -28,8 +28,8 @@ the live tensor bytes of ``bench_memory.LiveBytes`` on the CPU; the ratios are p
         for identical blocks (one forward and one reverse expected, checked)
     (j) the remat curve at one point: the largest ``recompute=`` byte budget whose peak is within
         ``checkpoint_sequential``'s (3 segments; 2 with ``--quick``), its step beside that one's
-    (l) ``cuda_graphs=True`` on the memory workload cut at run time (dropout 0.1): gradients bit for
-        bit the eager sweep's over four steps, the graphs replayed from the third; the step against
+    (l) ``cuda_graphs=True`` on the memory workload cut at run time (dropout 0.1): gradients within
+        1e-5 of the eager sweep's over four steps, the graphs replayed from the third; the step against
         the eager sweep, autograd and eae-runtime (``memory="none"``); on the CPU, refused
     (k) a training step with AdamW on a Llama of TinyLlama's 1.1B shape (bf16, 4 x 2048; with
         ``--quick`` and on the CPU a small fp32 one), ``examples/bench_train_hf.py``'s methods one at a
@@ -450,7 +450,8 @@ def check_checkpointing(device, depth, dim, batch, seq, steps) -> None:
 
 def check_cuda_graphs(device, depth, dim, batch, seq, steps) -> None:
     """(l): ``cuda_graphs=True`` on the memory workload cut at run time, residual dropout 0.1: over
-    four steps on new data, gradients bit for bit the eager sweep's on the same seed, replays from the
+    four steps on new data, gradients the eager sweep's on the same seed (within 1e-5: attention's
+    backward adds with atomics; bit for bit or not, it says), replays from the
     third step on (a key's first replay is checked beside its eager step); then the step against
     the eager sweep, autograd and eae-runtime. On the CPU: refused, naming the device."""
     net = model(depth, dim, device, 0.1)
@@ -469,7 +470,7 @@ def check_cuda_graphs(device, depth, dim, batch, seq, steps) -> None:
             report("(l) cuda_graphs=", "captures CUDA kernels" in str(e), f"refused on the CPU: {e}")
         return
     ef.clear_caches()
-    equal, replays = True, []
+    equal, err, replays = True, 0.0, []
     for k in range(4):
         x, target = torch.randn(batch, seq, dim, device=device), torch.randn(batch, seq, dim, device=device)
         with warnings.catch_warnings(record=True) as said:
@@ -477,6 +478,7 @@ def check_cuda_graphs(device, depth, dim, batch, seq, steps) -> None:
             graphed = sweep(x, target, k, cuda_graphs=True)
         eager = sweep(x, target, k)
         equal &= all(torch.equal(graphed.grads[n], eager.grads[n]) for n in named)
+        err = max(err, relative(cat(graphed.grads.values()), cat(eager.grads.values())))
         replays.append(sum(s.get("graph_replays", 0) for n, s in graphed.stats.items() if n != "boundaries"))
         for w in said:
             print(f"    {w.message}")
@@ -502,8 +504,9 @@ def check_cuda_graphs(device, depth, dim, batch, seq, steps) -> None:
     peer = f"; eager {times['eager'] / times['eae-runtime']:.2f}x eae-runtime" if "eae-runtime" in times else ""
     report(
         "(l) cuda_graphs=",
-        equal and replays[:2] == [0, 0] and replays[2:] == [depth, depth],
-        f"gradients {'bit for bit' if equal else 'NOT'} the eager sweep's; replays per step {replays}; step {ratios}{peer}",
+        err < 1e-5 and replays[:2] == [0, 0] and replays[2:] == [depth, depth],
+        f"gradients {'bit for bit' if equal else f'within {err:.1e} of'} the eager sweep's; replays per step "
+        f"{replays}; step {ratios}{peer}",
     )
 
 

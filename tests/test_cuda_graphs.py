@@ -375,3 +375,21 @@ def test_replays_read_nothing_on_the_host(on_cpu):
             res = step(net, x, x, k, cuda_graphs=True)
     assert counts(res, "graph_replays") == 3
     assert not reads, dict(reads)
+
+
+def test_same_gradient():
+    """A replay's gradient is its eager step's when bit for bit equal, or within 8 epsilons of its
+    dtype in norm (atomics' last bits); not when off by more, of another dtype or shape, or NaN
+    where the other is not."""
+    torch.manual_seed(0)
+    b = torch.randn(64, 32)
+    eps = torch.finfo(b.dtype).eps
+    assert CG.same(b, b.clone()) and CG.same(None, None) and not CG.same(b, None)
+    assert CG.same(b.clone().fill_(float("nan")), b.clone().fill_(float("nan")))  # the same bytes
+    assert CG.same(b * (1 + eps), b)
+    assert not CG.same(b * (1 + 16 * eps), b)
+    assert not CG.same(b.double(), b) and not CG.same(b[:2], b)
+    nan = b.clone()
+    nan[0, 0] = float("nan")
+    assert not CG.same(nan, b) and not CG.same(b, nan)
+    assert not CG.same(torch.zeros(3), torch.ones(3))
