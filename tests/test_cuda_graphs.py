@@ -182,8 +182,8 @@ def plan_of(net, *calls):
 
 def test_the_plan():
     """One graph per module and call layout: the same shapes and plain values share one; another batch
-    size, dtype, plain value, module mode or plain attribute of a module is another; an object
-    argument runs eagerly."""
+    size, dtype, plain value, module mode, plain attribute of a module or kernel setting of torch is
+    another; an object argument runs eagerly."""
     net = model()
     h, m = torch.randn(4, 5, dtype=torch.double), torch.ones(4, 5, dtype=torch.double)
     a, b, c, d = plan_of(net, ((h, m), {}), ((h + 1, m * 2), {}), ((h[:2], m[:2]), {}), ((h, m), {"gain": 2.0}))
@@ -201,6 +201,12 @@ def test_the_plan():
     assert k != a
     net.blocks[0].drop.p = 0.0
     assert plan_of(net, ((h, m), {})) == [a]
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")  # a setting that picks other kernels
+    try:
+        assert plan_of(net, ((h, m), {})) != [a]
+    finally:
+        torch.set_float32_matmul_precision(precision)
     (why,) = plan_of(net, ((h, m), {"gain": object()}))
     assert why == "it is passed an argument of type object, which a graph would fix at its capture"
 

@@ -15,8 +15,9 @@ graph per cut instead of every kernel of the rebuild and the vjp.
                           or the key runs eagerly from then on, with a warning
 
 A graph replays the kernels it captured: the plain attributes of the cut's modules (a dropout's
-``p``) are part of its key, but what else the module's Python reads (a config object, a global
-flag) is fixed at its capture: change such state and call ``ef.clear_caches()``. A call that cannot be replayed runs eagerly (``why_eager``): it writes
+``p``) and torch's kernel settings (TF32, the attention backends) are part of its key, but what else
+the module's Python reads (a config object, a global flag of its own) is fixed at its capture:
+change such state and call ``ef.clear_caches()``. A call that cannot be replayed runs eagerly (``why_eager``): it writes
 into its inputs, draws from Python's or numpy's generator, reseeds torch's, is passed a tensor on
 another device or an object other than a plain value, reuses kept op outputs (``remat.save``), or its
 backward writes a parameter's ``.grad`` itself (Reformer's reversible layers).
@@ -129,11 +130,29 @@ def why_eager(call: Call, leaves: list[Any], device: torch.device) -> str | None
     return None
 
 
+def numerics() -> tuple[Any, ...]:
+    """torch's global settings that pick kernels (TF32, reduced-precision reductions, deterministic
+    algorithms, the attention backends): a graph keeps the kernels picked at its capture."""
+    matmul, sdp = torch.backends.cuda.matmul, torch.backends.cuda
+    return (
+        torch.get_float32_matmul_precision(),
+        matmul.allow_tf32,
+        matmul.allow_bf16_reduced_precision_reduction,
+        matmul.allow_fp16_reduced_precision_reduction,
+        torch.backends.cudnn.allow_tf32,
+        torch.are_deterministic_algorithms_enabled(),
+        sdp.flash_sdp_enabled(),
+        sdp.mem_efficient_sdp_enabled(),
+        sdp.math_sdp_enabled(),
+        sdp.cudnn_sdp_enabled(),
+    )
+
+
 def key_of(call: Call, leaves: list[Any], costates: list[torch.Tensor]) -> Hashable:
     """What a graph of ``call``'s reverse step is captured for: the module and its parameters'
     storage, the layouts of the inputs (plain values as they are), costates and buffers, which
     inputs and parameters are differentiated, the modes and the plain attributes of its modules (a
-    dropout's ``p``, a norm's ``eps``), autocast and whether it draws."""
+    dropout's ``p``, a norm's ``eps``), autocast, whether it draws, and torch's kernel settings."""
     trained = {id(p) for p in call.trained}
     attributes = tuple(tuple((k, v) for k, v in m.__dict__.items() if isinstance(v, PLAIN)) for m, _ in call.modes)
     return (
@@ -149,6 +168,7 @@ def key_of(call: Call, leaves: list[Any], costates: list[torch.Tensor]) -> Hasha
         attributes,
         call.autocast,
         call.rng is None,
+        numerics(),
     )
 
 
