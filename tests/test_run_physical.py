@@ -240,3 +240,33 @@ def test_a_physical_block_of_gpt2(monkeypatch):
     probed = ef.grad(model, params, ids, ids, physical=["transformer.h.1"], estimator=E.zbp(E.Probes(4)), **cut)
     assert all(torch.isfinite(g).all() for g in probed.values() if g is not None)
     assert not torch.equal(probed["transformer.h.0.mlp.c_fc.weight"], reference["transformer.h.0.mlp.c_fc.weight"])
+
+
+class ModeScaled(nn.Module):
+    """Twice its layer's output in train mode, once in eval mode."""
+
+    def __init__(self, width=6):
+        super().__init__()
+        self.linear = nn.Linear(width, width, dtype=F64)
+
+    def forward(self, h):
+        return torch.tanh(self.linear(h)) * (2.0 if self.training else 1.0)
+
+
+def test_a_physical_cut_is_estimated_in_the_modes_its_forward_ran_in():
+    """``ef.enable``, the model switched to eval between the forward and the backward: ``E.exact()`` at
+    the physical cut differentiates it in the train mode its forward ran in, so ``.grad`` is autograd's
+    of the model in train mode (the mode at the backward would halve the gradients through it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6, dtype=F64), ModeScaled(), nn.Linear(6, 2, dtype=F64)).train()
+    x, y = batch()
+    y = y[:, :2]
+    F.mse_loss(model(x), y).backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with ef.enable(model, split_at=["1"], physical=["1"], estimator=E.exact()):
+        loss = F.mse_loss(model(x), y)
+        model.eval()
+        loss.backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, reference[n], rtol=1e-12, atol=1e-14)
