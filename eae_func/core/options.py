@@ -123,7 +123,8 @@ class Options:
     (``eae_func.drivers.cut_graphs``); each graph's first replay is checked against its eager step (bit
     for bit, or within 8 epsilons in norm where kernels add with atomics). A graph reads the module's
     parameters where they are stored and keeps static copies of its call's inputs, costates and
-    buffers and of its gradients (one more set of the cut modules' parameter gradients in all). A module's plain attributes (a dropout's ``p``) are part of a graph's
+    buffers and of its gradients (one more set of the cut modules' parameter gradients in all). Its
+    modules' plain attributes (a dropout's ``p``) and torch's kernel settings are part of a graph's
     key; other Python state it reads (a config object) is fixed at the capture: ``ef.clear_caches()``
     after changing it. Refused on the CPU, on a chain and with ``compile=``."""
 

@@ -102,7 +102,8 @@ def walk(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any], tuple[Any, 
 
 def local_params(call: Call) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
     """The call's parameters as the leaves of a new graph, one per distinct tensor (its aliases share
-    it), each requiring grad as the parameter does: by name, and the trained ones in ``call.trained``'s order."""
+    it), each requiring grad as the parameter does: by name, and the trained ones in
+    ``call.trained``'s order."""
     own: dict[int, torch.Tensor] = {}
     local = {n: own.setdefault(id(p), p.detach().requires_grad_(p.requires_grad)) for n, p in call.params.items()}
     return local, [own[id(p)] for p in call.trained]

@@ -175,7 +175,6 @@ def key_of(call: Call, leaves: list[Any], costates: list[torch.Tensor]) -> Hasha
 def step_of(call: Call, graph: Graph) -> Step:
     """The call's reverse step on the graph's static copies: the module rebuilt with grad at its
     parameters (their own storage), then one vjp; the input costates and trained gradients."""
-
     kind, enabled, dtype = call.autocast
 
     def step() -> list[torch.Tensor | None]:
@@ -252,7 +251,7 @@ def capture(call: Call, leaves: list[Any], costates: list[torch.Tensor], device:
         with forked:  # the warm-up and the capture draw nothing the caller's generators would see
             graph.replay, graph.outs = CAPTURE[device.type](step_of(call, graph), device)
     except Exception as e:  # a host read or a data-dependent shape in the module: no graph of it
-        graph.replay, graph.outs = None, []
+        eager_for_good(graph)
         warn(call, f"its capture failed ({type(e).__name__}: {e})")
     return graph
 
@@ -263,10 +262,10 @@ def graphed(
 ) -> list[Any]:  # fmt: skip
     """The call's input costates and trained gradients: replayed from its key's graph, or ``eager()``'s
     (``(gradients, its graph's parameter leaves)``, whose ``.grad`` a backward that accumulates into
-    them sets) where it cannot be, where
-    the key is new (its step is then captured) and at the key's first replay, which must give its
-    gradients (``same``; else the key runs eagerly, with a warning). ``stats`` count ``graph_replays`` (timed as
-    ``graph_s``), ``graph_captures`` and ``graph_eager``."""
+    them sets) where the call cannot be replayed, where its key is new (its step is then captured)
+    and at the key's first replay, which must give the eager gradients (``same``; else the key runs
+    eagerly from then on, with a warning). ``stats`` count ``graph_replays`` (timed as ``graph_s``),
+    ``graph_captures`` and ``graph_eager``."""
     why = why_eager(call, leaves, device)
     key = None if why is not None else key_of(call, leaves, costates)
     graph = cast("Graph | None", GRAPHS.get(key))
@@ -284,7 +283,7 @@ def graphed(
         if all(same(a, b) for a, b in zip(run(graph, call, leaves, costates, device), grads, strict=True)):
             graph.checked = True
         else:
-            graph.replay, graph.outs = None, []
+            eager_for_good(graph)
             warn(call, "its replay differs from its eager step (the module reads a value its capture fixed)")
         return grads
     if any(p.grad is not None for p in trained):
@@ -298,6 +297,11 @@ def graphed(
     while len(GRAPHS) > LIMIT:
         del GRAPHS[next(iter(GRAPHS))]
     return grads
+
+
+def eager_for_good(graph: Graph) -> None:
+    """The key runs eagerly from now on: its graph and static copies let go."""
+    graph.replay, graph.outs, graph.leaves, graph.costates, graph.buffers = None, [], [], [], {}
 
 
 def warn(call: Call, why: str) -> None:
