@@ -268,6 +268,7 @@ def test_a_replay_that_differs_stays_eager(monkeypatch):
         said = [str(w.message) for w in caught if "cuda_graphs" in str(w.message)]
         assert len(said) == (3 if k == 1 else 0)
         assert all("its replay differs from its eager step" in m for m in said)
+    assert len(CG.GRAPHS) == 3 and all(g.replay is None and not g.leaves and not g.outs for g in CG.GRAPHS.values())
     ef.clear_caches()
 
 
