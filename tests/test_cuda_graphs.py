@@ -407,3 +407,17 @@ def test_same_gradient():
     nan[0, 0] = float("nan")
     assert not CG.same(nan, b) and not CG.same(b, nan)
     assert not CG.same(torch.zeros(3), torch.ones(3))
+
+
+def test_a_fused_update_steps_from_the_replayed_gradients(on_cpu):
+    """``update=`` a torch.optim optimizer stepped in the backward: over five steps the parameters
+    follow the eager sweep's bit for bit (each module stepped once its replayed gradients exist)."""
+    graphed_net, eager_net = model(3, p=0.2), model(3, p=0.2)
+    graphed_opt = torch.optim.SGD(graphed_net.parameters(), lr=0.1, momentum=0.9)
+    eager_opt = torch.optim.SGD(eager_net.parameters(), lr=0.1, momentum=0.9)
+    for k in range(5):
+        x = torch.randn(4, 5, dtype=torch.double)
+        res = step(graphed_net, x, x, k, cuda_graphs=True, update=graphed_opt)
+        step(eager_net, x, x, k, update=eager_opt)
+        assert all(torch.equal(a, b) for a, b in zip(graphed_net.parameters(), eager_net.parameters()))
+    assert counts(res, "graph_replays") == 3
