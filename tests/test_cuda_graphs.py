@@ -2,9 +2,10 @@
 ``compile=``, nothing written; its capture plan (which calls share a graph, which run eagerly); and,
 with a stand-in capture that replays by running the captured step again on the graph's static
 tensors (what a CUDA graph's replay reads and writes), gradients bit for bit the eager sweep's over
-steps whose inputs, dropout masks and modes change; a replay that differs from its eager step, and
-a backward that writes a ``.grad`` itself, stay eager with a warning. The CUDA capture itself runs
-only on a GPU: ``examples/gpu_check.py`` (l)."""
+steps whose inputs, dropout masks, modes and dropout ``p`` change (with passes, stored boundaries,
+microbatches, autocast, a fused update, ``ef.enable``), and no host reads in a replay; a replay
+that differs from its eager step, and a backward that writes a ``.grad`` itself, stay eager with a
+warning. The CUDA capture itself runs only on a GPU: ``examples/gpu_check.py`` (l)."""
 
 from __future__ import annotations
 
