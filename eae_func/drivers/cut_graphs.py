@@ -208,17 +208,13 @@ def load(graph: Graph, call: Call, leaves: list[Any], costates: list[torch.Tenso
     """The call's values copied into the graph's static tensors (no graph of the copies: a rebuilt
     input requires grad)."""
     with torch.no_grad():
-        _load(graph, call, leaves, costates)
-
-
-def _load(graph: Graph, call: Call, leaves: list[Any], costates: list[torch.Tensor]) -> None:
-    for s, t in zip(graph.leaves, leaves):
-        if isinstance(s, torch.Tensor):
+        for s, t in zip(graph.leaves, leaves):
+            if isinstance(s, torch.Tensor):
+                s.copy_(t)
+        for s, t in zip(graph.costates, costates):
             s.copy_(t)
-    for s, t in zip(graph.costates, costates):
-        s.copy_(t)
-    for n, b in call.buffers.items():
-        graph.buffers[n].copy_(b)
+        for n, b in call.buffers.items():
+            graph.buffers[n].copy_(b)
 
 
 def run(graph: Graph, call: Call, leaves: list[Any], costates: list[torch.Tensor], device: torch.device) -> list[Any]:
