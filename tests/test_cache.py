@@ -204,6 +204,7 @@ def test_clear_caches_empties_every_cache_and_changes_no_result():
     from eae_func.cache import caches
     from eae_func.core import early_stop
     from eae_func.drivers import input_writes, sweep_model
+    from eae_func.program.capture import matches
 
     class Doubles(nn.Module):  # writes into its input: learned by run-time cuts
         def forward(self, h):
@@ -221,10 +222,18 @@ def test_clear_caches_empties_every_cache_and_changes_no_result():
 
     before = both()
     assert len(sweep_model._CAPTURED) and len(input_writes.WRITES.seen) and adjoint.fold_in.cache_info().currsize
-    assert {"captured models", "compiled", "early_stop", "input writes", "boundary keys"} <= set(caches())
+    assert matches.cache_info().currsize
+    assert {
+        "captured models",
+        "compiled",
+        "early_stop",
+        "input writes",
+        "boundary keys",
+        "module paths matched",
+    } <= set(caches())
     ef.clear_caches()
     assert not len(sweep_model._CAPTURED) and not len(input_writes.WRITES.seen) and not early_stop._KINDS
-    assert adjoint.fold_in.cache_info().currsize == 0
+    assert adjoint.fold_in.cache_info().currsize == 0 and matches.cache_info().currsize == 0
     after = both()
     for got, want in zip(after, before):
         assert all(torch.equal(got[n], want[n]) for n in want)

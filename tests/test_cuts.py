@@ -819,3 +819,50 @@ def test_a_rebuild_that_returns_another_structure_is_refused():
     model, x, y = ShiftyNet(), torch.randn(3, 4), torch.randn(3, 4)
     with pytest.raises(ValueError, match=r"cut 'block': its rebuild returned another structure than its forward"):
         ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, split_at=["block"])
+
+
+class Pick(nn.Module):
+    """A cut whose output is ``kind``: an integer tensor, the data it was given (as ``nn.Identity`` and
+    an eval-mode dropout hand it back), or that data beside a value of its own."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.scale, self.kind = nn.Parameter(torch.ones(())), kind
+
+    def forward(self, x):
+        if self.kind == "integer":
+            return (x * self.scale).argmax(-1, keepdim=True)
+        if self.kind == "data":
+            return x
+        return x, x * self.scale
+
+
+class Hands(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.block, self.pick = nn.Linear(4, 4), Pick(kind)
+
+    def forward(self, x):
+        return self.block(x) + self.pick(x)[-1].to(x.dtype)
+
+
+@pytest.mark.parametrize("kind", ["integer", "data", "data and a value"])
+def test_a_cut_whose_output_has_no_floating_tensor_of_its_own_is_refused(kind):
+    """A cut's costate is that of the floating tensors it makes: one that returns an integer tensor, or
+    hands back the data it was given, has none, and is refused naming it; the data beside a value of
+    its own reaches the caller as the data (no node's output), the value gets autograd's gradient."""
+    torch.manual_seed(0)
+    model, x = Hands(kind).double(), torch.randn(3, 4, dtype=F64)
+    loss = lambda out: out.square().sum()
+    params = dict(model.named_parameters())
+    if kind != "data and a value":
+        with pytest.raises(TypeError, match=r"cut 'pick': its output \(Tensor\) has no floating tensor of its own"):
+            ef.grad(model, params, x, loss=loss, split_at=["pick"])
+        return
+    seen = []
+    model.pick.register_forward_hook(lambda m, args, out: seen.append(out[0]))
+    got = ef.grad(model, params, x, loss=loss, split_at=["pick"])
+    assert [t.data_ptr() == x.data_ptr() and t.grad_fn is None and not t.requires_grad for t in seen] == [True]
+    model.zero_grad(set_to_none=True)
+    loss(model(x)).backward()
+    assert_exact(got, {n: p.grad for n, p in model.named_parameters()})

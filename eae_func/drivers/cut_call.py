@@ -114,6 +114,8 @@ def routes(leaves: list[Any], call: Call) -> tuple[tuple[Any, ...], tuple[Any, .
     forward returned it: a non-tensor, an integer tensor, an input that requires no grad returned as
     it was given); and each node tensor's first position. A floating tensor returned twice is one
     tensor of the node, with one costate (the sum of both uses')."""
+    if len(leaves) == 1 and _new_floating(leaves[0], call.leaves):  # one tensor of its own: the common case
+        return _ONE, _ONE
     given = {id(call.leaves[i]) for i in call.inputs}
     constant = {id(t) for t in call.leaves if isinstance(t, torch.Tensor)} - given
     first: dict[int, int] = {}  # a node tensor's id -> its index among the node's outputs
@@ -124,6 +126,14 @@ def routes(leaves: list[Any], call: Call) -> tuple[tuple[Any, ...], tuple[Any, .
         for t in leaves
     )
     return route, tuple(route.index(k) for k in range(len(first)))
+
+
+_ONE = (0,)
+
+
+def _new_floating(t: Any, given: list[Any]) -> bool:
+    """Whether ``t`` is a floating tensor that is none of the call's input leaves."""
+    return isinstance(t, torch.Tensor) and B.is_differentiable(t) and all(t is not g for g in given)
 
 
 def refuse_caches(name: str, leaves: list[Any], split_at: list[str]) -> None:

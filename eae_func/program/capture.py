@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import fnmatch
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.node import map_arg
 from torch.fx.passes.split_module import split_module
 
+from ..cache import register
 from ..compat import pytree as torch_pytree
 from .captured_stage import CapturedStage, Piece, layout, register_output_types
 from .exporting import Refused, data_dependent, exported
@@ -56,10 +58,16 @@ class _Exportable(nn.Module):
         return self.model(*args, **kwargs)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def matches(path: str, pattern: str) -> bool:
-    """``pattern`` matches module ``path`` part by part (``fnmatch`` globs per dotted part)."""
+    """``pattern`` matches module ``path`` part by part (``fnmatch`` globs per dotted part); cached,
+    since a sweep cut at run time matches every module of the model at every step."""
     parts, globs = path.split("."), pattern.split(".")
     return len(parts) == len(globs) and all(fnmatch.fnmatchcase(p, g) for p, g in zip(parts, globs))
+
+
+register("module paths matched", "split_at: whether a pattern matches a module path, the 65,536 used last",
+         matches.cache_clear)  # fmt: skip
 
 
 def as_call(x: Any) -> tuple[tuple[Any, ...], dict[Any, Any]]:

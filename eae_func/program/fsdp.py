@@ -68,8 +68,9 @@ def lazy_init(model: nn.Module) -> None:
 
 
 def holds_shards(model: nn.Module) -> bool:
-    """Whether ``model`` has FSDP2 (``fully_shard``) modules."""
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    """Whether ``model`` has FSDP2 (``fully_shard``) modules: none before ``fully_shard`` has made a
+    class of them (a subclass of ``FSDPModule``, a plain class: no virtual subclasses), so no walk then."""
+    return bool(FSDPModule.__subclasses__()) and any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def refuse_capture(model: nn.Module) -> None:
