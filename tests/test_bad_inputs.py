@@ -626,7 +626,7 @@ class Writer(nn.Module):
 
 class Writers(nn.Module):
     """Blocks cut at run time that may write into their inputs; their input requires grad (an
-    embedding before them) or not; the glue reads a block's (written) input again after its call
+    embedding before them) or not, and was written before the first call; the glue reads a block's (written) input again after its call
     (``reuse``), or writes into it (``glue_write``)."""
 
     def __init__(self, width, writes, embed, reuse=False, glue_write=False):
@@ -638,6 +638,7 @@ class Writers(nn.Module):
 
     def forward(self, x):
         h = self.embed(x) if self.embed is not None else x * 1.0
+        h.mul_(1.0)  # written once before the first call: its version is not 0
         for block in self.blocks:
             y = block(h)
             if self.glue_write:
@@ -700,6 +701,26 @@ def test_a_cut_input_written_after_the_call_is_named(write, embed, seed):
         return  # its rebuild starts from its own copy
     with pytest.raises(ValueError, match=r"cut 'blocks.0': its input args\[0\] was written in place after the call"):
         _cut_grads(model, x.clone(), early_stop=False)
+
+
+def test_a_parameter_written_between_the_forward_and_the_backward_is_named():
+    """An optimizer step between an enabled model's forward and its backward: the rebuild would run at
+    the new values, so the cut names the parameter (plain autograd refuses it too: the block's product
+    saved the weight)."""
+    torch.manual_seed(0)
+    model = Writers(3, ["none", "none"], embed=True).double()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    loss = model(x).pow(2).mean()
+    with torch.no_grad():
+        model.blocks[1].lin.weight.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with ef.enable(model, split_at=["blocks.*"]):
+        loss = model(x).pow(2).mean()
+        with torch.no_grad():
+            model.blocks[1].lin.weight.add_(1)
+        with pytest.raises(ValueError, match=r"cut 'blocks.1': its parameter 'lin.weight' was written in place after"):
+            loss.backward()
 
 
 def test_a_write_its_first_call_did_not_make_is_refused_then_copied():

@@ -866,3 +866,41 @@ def test_a_cut_whose_output_has_no_floating_tensor_of_its_own_is_refused(kind):
     model.zero_grad(set_to_none=True)
     loss(model(x)).backward()
     assert_exact(got, {n: p.grad for n, p in model.named_parameters()})
+
+
+class Counter(nn.Module):
+    """A block whose output reads a buffer its forward advances in place (a step counter), and which
+    records whether its weight requires grad each time it runs (``torch.matmul`` picks its kernels by
+    which inputs require grad)."""
+
+    def __init__(self, width=4):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.register_buffer("count", torch.zeros(()))
+        self.seen = []
+
+    def forward(self, h):
+        self.count.add_(1)
+        self.seen.append(self.lin.weight.requires_grad)
+        return torch.tanh(self.lin(h)) * self.count
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_cut_rebuilds_from_the_buffers_and_requires_grad_its_forward_saw(frozen):
+    """A cut whose output reads a buffer its forward advances: the rebuild starts from the buffer as it
+    was before the call (not as the forward left it), and its parameters require grad as in the
+    forward; the gradients and the advanced buffer are autograd's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Counter(), nn.Linear(4, 1)).double()
+    model[1].lin.weight.requires_grad_(not frozen)
+    x = torch.randn(3, 4, dtype=F64)
+    loss = lambda out: out.square().sum()
+    reference_model = copy.deepcopy(model)
+    loss(reference_model(x)).backward()
+    reference = {n: p.grad for n, p in reference_model.named_parameters() if p.requires_grad}
+    model[1].seen.clear()
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    res = ef.sweep(model, params, x, loss=loss, split_at=["1"])
+    assert_exact(res.grads, reference)
+    assert torch.equal(res.buffers["1.count"], reference_model[1].count)
+    assert model[1].seen == [not frozen, not frozen]  # the forward and its rebuild
