@@ -62,12 +62,17 @@ class Noisy(nn.Module):
 
 
 def stage(kind: str, width: int) -> nn.Module:
+    """A stage of ``kind``, taking a tuple boundary (a pair's) or a tensor."""
+    return nn.Sequential(Unpair(), _kind(kind, width))
+
+
+def _kind(kind: str, width: int) -> nn.Module:
     return {
         "linear": lambda: nn.Sequential(nn.Linear(width, width), nn.Tanh()),
         "dropout": lambda: nn.Sequential(nn.Linear(width, width), nn.Dropout(0.3)),
         "frozen": lambda: nn.Sequential(nn.Linear(width, width).requires_grad_(False), nn.GELU()),
         "batchnorm": lambda: nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width)),
-        "pair": lambda: nn.Sequential(Pair(width), Unpair()),
+        "pair": lambda: Pair(width),  # a tuple boundary: the next stage's Unpair reads it
         "noisy": lambda: nn.Sequential(nn.Linear(width, width), Noisy()),
         "eval dropout": lambda: nn.Sequential(nn.Linear(width, width), nn.Dropout(0.5).eval()),
         "constant": lambda: Constant(width),
@@ -154,7 +159,7 @@ def test_plain_fold_equals_general_fold(kinds, tokens, microbatches, seed, passe
     torch.manual_seed(seed)
     width = 5
     head = [nn.Embedding(11, width)] if tokens else []
-    model = nn.Sequential(*head, *(stage(k, width) for k in kinds)).train()
+    model = nn.Sequential(*head, *(stage(k, width) for k in kinds), Unpair()).train()
     x = torch.randint(0, 11, (6,)) if tokens else torch.randn(6, width)
     target = torch.randn(6, width)
     chain, params = ef.from_module(model, loss=mse)
@@ -229,3 +234,29 @@ def test_options_that_are_not_plain_take_the_general_fold(option, monkeypatch):
     assert not calls
     ef.sweep(chain, params, torch.randn(4, 4), torch.randn(4, 4), timers=False, keep_costates=False)
     assert calls
+
+
+def test_the_plain_rebuild_runs_in_the_modes_its_forward_saw():
+    """A pass switching the model to eval between the forward and the reverse steps (as another thread
+    could): each stage's rebuild still runs its dropout in train mode with the forward's mask, so the
+    gradients are autograd's; the switch stands after."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_kind("dropout", 5), _kind("linear", 5)).train()
+    x, target = torch.randn(6, 5), torch.randn(6, 5)
+    torch.manual_seed(1)
+    reference = dict(
+        zip(dict(model.named_parameters()), torch.autograd.grad(mse(model(x), target), model.parameters()))
+    )
+    chain, params = ef.from_module(model, loss=mse)
+
+    def switch(adj):
+        model.eval()
+        return adj
+
+    torch.manual_seed(1)
+    res = ef.sweep(chain, params, x, target, passes=switch, timers=False)
+    assert not model.training
+    got = {f"{k}.{n}": g for k, stage in enumerate(res.grads) for n, g in stage.items()}
+    assert got.keys() == reference.keys()
+    for n, g in got.items():
+        torch.testing.assert_close(g, reference[n], rtol=1e-6, atol=1e-7, msg=n)

@@ -273,6 +273,67 @@ def test_per_stage_clipping_clips_each_cut_module_by_its_own_norm():
             torch.testing.assert_close(before[n] - params[n], scale * grads[n], rtol=1e-6, atol=1e-12, msg=n)
 
 
+class Nested(nn.Module):
+    """Blocks of two linear layers, each block and its first layer cut (a cut inside a cut's call)."""
+
+    def __init__(self, width=6, depth=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width)) for _ in range(depth)
+        )
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_a_cut_inside_a_cut_is_clipped_with_the_outer_one():
+    """A cut inside another cut's call runs as part of it: its parameters are the outer cut module's
+    group, clipped by that whole module's norm."""
+    torch.manual_seed(0)
+    model = Nested().double()
+    x = torch.randn(4, 6, dtype=F64)
+    loss = lambda out: out.square().sum()
+    params = dict(model.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    split_at = ["blocks.*", "blocks.*.0"]
+    grads = ef.grad(model, params, x, loss=loss, split_at=split_at)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ef.sweep(model, params, x, loss=loss, split_at=split_at, update=ef.fused(opt, max_norm=1e-3))
+    for k in range(2):
+        names = [n for n in params if n.startswith(f"blocks.{k}.")]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(grads[n]) for n in names]))
+        scale = min(1.0, 1e-3 / (norm.item() + 1e-6))
+        for n in names:
+            torch.testing.assert_close(before[n] - params[n], scale * grads[n], rtol=1e-6, atol=1e-12, msg=n)
+
+
+def test_a_failure_in_the_last_microbatch_leaves_no_gradient_on_a_tensor_beside_the_model():
+    """A tensor the loss reads beside the model, stepped by the fused update: the first microbatch's
+    gradient accumulates in its ``.grad``; a failure in the second microbatch leaves it ``None`` again,
+    as it was before the sweep."""
+    torch.manual_seed(0)
+    model = Body().double()
+    ids, labels = data()
+    scale = nn.Parameter(torch.ones((), dtype=F64))
+    calls = []
+
+    def fails_the_second_time(out, y):
+        calls.append(scale.grad is None)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return ce(out * scale, y)
+
+    opt = torch.optim.SGD([*model.parameters(), scale], lr=0.1)
+    with pytest.raises(RuntimeError, match="boom"):
+        ef.sweep(
+            model, dict(model.named_parameters()), ids, labels, loss=fails_the_second_time,
+            split_at=["blocks.*"], update=opt, microbatches=2,
+        )  # fmt: skip
+    assert calls == [True, False] and scale.grad is None
+
+
 def test_a_failure_in_the_backward_names_the_stages_already_stepped():
     torch.manual_seed(0)
     model = Body().double()

@@ -357,3 +357,24 @@ def test_the_switch_holds_what_ef_grad_holds_to_the_byte():
     with ef.enable(model, split_at=["0", "1", "2", "3"]), LiveBytes() as switched:
         F.cross_entropy(model(x), y).backward()
     assert switched.peak == swept.peak, (switched.peak, swept.peak)
+
+
+def test_a_backward_under_another_autocast_rebuilds_in_the_forwards():
+    """The forward under bfloat16 autocast, the backward inside a float16 one: each cut's rebuild runs
+    in the autocast its forward ran in (its dtype too, not only whether it was on), so the gradients
+    are eager autograd's bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = reference(x).float().square().mean()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss.backward()
+    with ef.enable(model, split_at=["1"]):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss.backward()
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), n
