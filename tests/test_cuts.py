@@ -904,3 +904,31 @@ def test_a_cut_rebuilds_from_the_buffers_and_requires_grad_its_forward_saw(froze
     assert_exact(res.grads, reference)
     assert torch.equal(res.buffers["1.count"], reference_model[1].count)
     assert model[1].seen == [not frozen, not frozen]  # the forward and its rebuild
+
+
+@pytest.mark.parametrize("how", ["sweep", "kept graphs", "enable"])
+def test_a_cut_inside_a_cut_runs_as_part_of_it(how):
+    """Each block and its first layer cut: the inner cut's calls (in the outer's forward, with a graph
+    where ``recompute=`` keeps it, and again in its rebuild, where an enabled model's cuts are still
+    in place) run as part of the outer call, so the stages are the blocks alone, with autograd's
+    gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)) for _ in range(2))).double()
+    x = torch.randn(3, 4, dtype=F64)
+    loss = lambda out: out.square().sum()
+    model.zero_grad(set_to_none=True)
+    loss(model(x)).backward()
+    reference = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    split_at = ["*", "*.0"]
+    if how == "enable":
+        with ef.enable(model, split_at=split_at):
+            loss(model(x)).backward()
+            stages = list(ef.records(model))
+        grads = {n: p.grad for n, p in model.named_parameters()}
+    else:
+        recompute = ef.remat.never() if how == "kept graphs" else ef.remat.always()
+        res = ef.sweep(model, dict(model.named_parameters()), x, loss=loss, split_at=split_at, recompute=recompute)
+        grads, stages = res.grads, [a.stage for a in res.adjoints]
+    assert stages == ["1", "0"]
+    assert_exact(grads, reference)

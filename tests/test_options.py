@@ -124,6 +124,26 @@ def test_same_key_bit_identical_other_key_different(key):
     assert all(adj.history == ("noise",) for adj in a.adjoints)
 
 
+def test_each_microbatch_draws_with_its_own_key_and_keeps_its_own_records():
+    """microbatches=2 on a batch of two equal halves: each piece draws its own noise (piece j's key is
+    fold_in(key, -1 - j)), each boundary's record keeps every piece's measurements, and a stage's
+    boundary bytes are one piece's (what is held at once), not the pieces' sum."""
+    model, x, target = build("mlp", 3, torch.float64, 0)
+    chain, params = ef.from_module(model, loss=mse)
+    both = ef.sweep(chain, params, torch.cat([x, x]), torch.cat([target, target]), passes=noise, microbatches=2, key=5)
+    alone = [ef.sweep(chain, params, x, target, passes=noise, key=ef.fold_in(5, -1 - j)) for j in range(2)]
+    clean = ef.sweep(chain, params, x, target)
+    n = len(x)
+    for adj, plain, *pieces in zip(both.adjoints, clean.adjoints, *(r.adjoints for r in alone)):
+        halves = (adj.value[:n], adj.value[n:])
+        for half, piece in zip(halves, pieces):  # half the loss (a mean over twice the rows), the same noise
+            torch.testing.assert_close(half, piece.value - plain.value / 2, rtol=1e-10, atol=1e-12)
+        assert not torch.equal(*halves)
+        assert adj.meta["microbatches"] == (dict(pieces[0].meta), dict(pieces[1].meta))
+    for name in chain.names:
+        assert both.stats[name]["boundary_bytes"] == alone[0].stats[name]["boundary_bytes"] > 0
+
+
 def test_stats_and_profiler_ranges_name_every_stage():
     model, x, target = build("mlp", 3, torch.float32, 0)
     chain, params = ef.from_module(model, loss=mse)
