@@ -254,3 +254,30 @@ def test_a_compiled_cut_that_writes_into_its_input_is_autograd(no_export):
         torch.manual_seed(step)
         F.mse_loss(model(x), y).backward()
         assert max((got[n] - p.grad).abs().max().item() for n, p in model.named_parameters()) < 1e-12
+
+
+def test_a_compiled_reverse_step_runs_in_the_modes_its_forward_saw():
+    """A pass switching the blocks to eval between the forward and the reverse steps (as another thread
+    could): the compiled recompute still runs them in train mode with the forward's dropout masks, so
+    the gradients are the eager sweep's."""
+    chain, params = _chain()
+    blocks = [s.module for s in chain.stages[:2]]
+    x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 4)
+
+    def switch(adj):
+        for b in blocks:
+            b.eval()
+        return adj
+
+    runs = []
+    for compile in (True, None):
+        for b in blocks:
+            b.train()
+        torch.manual_seed(0)
+        runs.append(ef.sweep(chain, params, x, y, compile=compile, passes=switch))
+        assert not blocks[0].training
+    for got, want in zip(*(r.grads for r in runs)):
+        for n in want:
+            assert (want[n] is None) == (got[n] is None)
+            if want[n] is not None:
+                assert (got[n] - want[n]).abs().max().item() < 1e-5, n

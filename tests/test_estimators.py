@@ -418,3 +418,36 @@ def test_problem_states_are_the_forward_measured_inputs_until_the_fold_hands_the
     assert seen == {1: True, 3: True}
     for a, b in zip(ef.tree_leaves(res.grads), ef.tree_leaves(ef.sweep(chain, params, x, y).grads), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_a_frozen_parameter_of_a_physical_stage_gets_no_gradient():
+    """The estimators' parameter vectors are dense: the fold drops what they estimate for a frozen
+    parameter of a physical stage, as autograd gives it none."""
+    model, x, y = mlp_problem()
+    model[1][0].weight.requires_grad_(False)
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    ref = ef.sweep(chain, params, x, y)
+    res = ef.sweep(chain, params, x, y, estimator=E.exact(), physical=[1])
+    assert ref.grads[1]["0.weight"] is None and res.grads[1]["0.weight"] is None
+    assert_trees_close(res.grads, ref.grads, rtol=0, atol=0)
+
+
+class WrongShape:
+    """An estimator whose input costate has one row too many."""
+
+    def prepare(self, problem):
+        return None
+
+    def stage_vjp(self, problem, prepared, i, h_in, costate):
+        grads, g_in = E.exact().stage_vjp(problem, prepared, i, h_in, costate)[:2]
+        return grads, torch.cat([g_in, g_in[:1]]), {}
+
+
+def test_an_estimators_costate_of_another_shape_is_refused_naming_the_stage():
+    model, x, y = mlp_problem()
+    chain, params = ef.from_module(model, loss=F.mse_loss)
+    with pytest.raises(
+        ValueError,
+        match=r"costate entering stage 1 .* at boundary 2: costate shape \(6, 4\) differs from the stage output shape \(5, 4\)",
+    ):
+        ef.sweep(chain, params, x, y, estimator=WrongShape(), physical=[2])

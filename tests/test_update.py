@@ -338,3 +338,22 @@ def test_a_row_budget_holds_the_updates_until_a_physical_first_stage_is_charged(
     for new, old, grads in zip(res.params, params, plain.grads):
         for n in old:
             torch.testing.assert_close(new[n], old[n] - 0.1 * grads[n], rtol=1e-12, atol=1e-14)
+
+
+def test_a_failure_in_the_fold_names_the_stages_already_stepped():
+    """A torch.optim update steps each stage in the reverse fold: a failure at a later boundary says which
+    stages were already stepped (an update cannot be taken back)."""
+    model, data = lm(dropout=0.0)
+    chain, params = ef.from_module(model, loss=lm_loss)
+    x, y = data[0]
+
+    def fails_at_1(adj):
+        if adj.index == 1:
+            raise RuntimeError("boom")
+        return adj
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="boom") as caught:
+        ef.sweep(chain, params, x, y, update=opt, passes=fails_at_1)
+    notes = [n for n in getattr(caught.value, "__notes__", []) if "already stepped" in n]
+    assert len(notes) == 1 and chain.where(len(chain) - 1) in notes[0] and chain.where(0) not in notes[0]
