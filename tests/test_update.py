@@ -357,3 +357,51 @@ def test_a_failure_in_the_fold_names_the_stages_already_stepped():
         ef.sweep(chain, params, x, y, update=opt, passes=fails_at_1)
     notes = [n for n in getattr(caught.value, "__notes__", []) if "already stepped" in n]
     assert len(notes) == 1 and chain.where(len(chain) - 1) in notes[0] and chain.where(0) not in notes[0]
+
+
+def _small():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)
+    ).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    return model, x, torch.nn.functional.mse_loss, torch.randn(6, 1, dtype=torch.float64)
+
+
+def test_a_fused_step_is_autograds_step_with_hooks_a_frozen_weight_and_one_step_call():
+    """One optimizer over the trainable parameters alone (a frozen weight is not in it, and stays), a
+    parameter hook that halves its gradient (run on it before the step, as autograd runs it before
+    ``optimizer.step()``), and the optimizer's own ``step()`` called once a sweep (its hooks and
+    schedulers count one step): the parameters of autograd + ``optimizer.step()``, bit for bit."""
+    model, x, loss, y = _small()
+    model[2].weight.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m[4].weight.register_hook(lambda g: g / 2)
+    opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        loss(reference(x), y).backward()
+        opt.step()
+    chain, params = ef.from_module(model, loss=loss)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    steps = []
+    opt.register_step_post_hook(lambda *a: steps.append(1))
+    for _ in range(2):
+        ef.sweep(chain, params, x, y, update=opt)
+    assert len(steps) == 2
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_a_function_stage_given_a_detached_parameter_is_stepped_in_place():
+    """A function stage's tensor found in the optimizer by its storage (the params hold ``w.detach()``,
+    the optimizer ``w``): stepped as autograd + ``optimizer.step()`` steps ``w``."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    chain = ef.Chain([ef.stage(lambda p, h: torch.tanh(h @ p["w"]), name="f")], loss=torch.nn.functional.mse_loss)
+    want = w.detach().clone()
+    want -= 0.1 * torch.autograd.grad(torch.nn.functional.mse_loss(torch.tanh(x @ w), y), w)[0]
+    ef.sweep(chain, ({"w": w.detach()},), x, y, update=torch.optim.SGD([w], lr=0.1))
+    assert torch.equal(w.detach(), want)
