@@ -440,13 +440,14 @@ def test_a_mode_switched_while_a_cut_runs_is_named():
     assert not norm.training
     res, _, reference = sweep_and_autograd(model, x, y)
     assert_exact(res.grads, reference)
-    chain, params = ef.from_module(nn.Sequential(*model.blocks), loss=F.mse_loss)  # the fold's forward alike
-    handle = norm.register_forward_pre_hook(once)
-    norm.train()
-    with pytest.raises(
-        ValueError, match=r"stage 1 \('Sequential_1'\): a BatchNorm1d in it switched to eval mode while"
-    ):
-        ef.sweep(chain, params, torch.randn(5, 6, dtype=F64), torch.randn(5, 6, dtype=F64))
+    chain, params = ef.from_module(nn.Sequential(*model.blocks), loss=F.mse_loss)  # the fold's forwards alike
+    for general in ({}, {"recompute": False}):  # the plain fold's, the general one's
+        handle = norm.register_forward_pre_hook(once)
+        norm.train()
+        with pytest.raises(
+            ValueError, match=r"stage 1 \('Sequential_1'\): a BatchNorm1d in it switched to eval mode while"
+        ):
+            ef.sweep(chain, params, torch.randn(5, 6, dtype=F64), torch.randn(5, 6, dtype=F64), **general)
 
 
 def test_parameter_hooks_act_as_under_autograd():

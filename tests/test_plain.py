@@ -203,13 +203,14 @@ def test_a_first_stage_on_a_batch_of_sequences():
     assert_same(results(fast), results(general))
 
 
-def test_a_first_stage_that_writes_into_its_input_is_refused_and_the_input_kept():
+@pytest.mark.parametrize("general", [{}, {"autocast": torch.bfloat16}], ids=["plain", "general"])
+def test_a_first_stage_that_writes_into_its_input_is_refused_and_the_input_kept(general):
     model = nn.Sequential(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4)), nn.Linear(4, 4))
     chain, params = ef.from_module(model, loss=mse)
     x = torch.randn(3, 4)
     before = x.clone()
     with pytest.raises(ValueError, match="modified its input in place"):
-        ef.value_and_grad(chain, params, x, torch.randn(3, 4))
+        ef.value_and_grad(chain, params, x, torch.randn(3, 4), **general)
     assert torch.equal(x, before)
 
 
