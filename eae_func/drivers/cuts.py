@@ -101,17 +101,17 @@ class Sweep(CutReverse):
         """The cut modules' ``forward`` replaced by a cut (an instance attribute, so the module's hooks
         run around it and a ``module.forward(x)`` call goes through it too), put back on exit."""
         replaced: list[tuple[nn.Module, Any]] = []
-        try:  # in the instance's __dict__ itself: nn.Module's __setattr__ checks would cost more than the stages
+        try:
             for name, module in self.names.items():
                 replaced.append((module, module.__dict__.get("forward")))
-                module.__dict__["forward"] = self.cut(name, module, module.forward)
+                module.forward = self.cut(name, module, module.forward)
             yield
         finally:
             for module, own in replaced:
                 if own is None:
-                    del module.__dict__["forward"]
+                    del module.forward
                 else:
-                    module.__dict__["forward"] = own
+                    module.forward = own
 
     def cut(self, name: str, module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
         return cutting(lambda: self, name, module, forward)
