@@ -247,6 +247,17 @@ def test_int8_stochastic_rounding_is_unbiased(seed):
     )
 
 
+def test_int8_stochastic_rounding_stays_on_the_grid_at_its_largest_entry():
+    """In float32, 119/997 over its own step max|t| / 127 is 127 and an ulp: a uniform draw above
+    1 - 1.5e-5 floors it to 128, which int8 cannot hold (it would wrap to -128, a sign flip). The
+    levels are clamped to [-127, 127], so every entry stays within one step; key 121 draws one."""
+    value = torch.full((1000,), 119 / 997.0)
+    step = value.abs().max() / 127
+    assert (value / step).max().item() > 127
+    out = apply1(P.int8(stochastic=True), record(value, key=121)).value
+    assert ((out - value).abs() <= step * (1 + 1e-5)).all()
+
+
 @pytest.mark.parametrize("seed,ratio", [(0, 0.25), (1, 0.5)])
 def test_randk_is_unbiased(seed, ratio):
     """sent_i = p_i n/k with probability k/n: variance p_i^2 (n/k - 1), so the mean of K draws is
@@ -648,6 +659,24 @@ def test_clip_by_value_clamps_each_entry(value, limit):
         assert torch.equal(o, v.clamp(-limit, limit))
     changed = sum(int((v.abs() > limit).sum()) for v in leaves(value))
     assert out.meta["clipped_fraction"] == pytest.approx(changed / sum(v.numel() for v in leaves(value)))
+
+
+def test_clip_by_value_counts_only_the_entries_beyond_the_limit():
+    out = apply1(P.clip_by_value(0.5), record(torch.tensor([0.5, -0.5, 0.75, -2.0, 0.0])))
+    assert torch.equal(out.value, torch.tensor([0.5, -0.5, 0.5, -0.5, 0.0]))
+    assert float(out.meta["clipped_fraction"]) == pytest.approx(2 / 5)
+
+
+@pytest.mark.parametrize("make", [P.topk, P.randk])
+def test_a_sparsifier_keeps_at_least_one_entry_and_a_zero_costate_sends_all_its_energy(make):
+    """k = ceil(ratio n) is at least one entry of a non-empty tensor, however small the ratio; topk's
+    energy ratio of an all-zero costate is 1 (nothing was lost)."""
+    value = torch.tensor([0.1, -3.0, 0.2, 0.4])
+    out = apply1(make(1e-12), record(value))
+    assert int((out.value != 0).sum()) == 1
+    if make is P.topk:
+        assert out.value[1].item() == -3.0
+        assert float(apply1(make(0.5), record(torch.zeros(4))).meta["topk_energy"]) == 1.0
 
 
 class HostReads(TorchDispatchMode):
