@@ -151,8 +151,9 @@ def test_data_parallel_takes_a_group_or_a_1d_mesh():
     assert all(g is not None for g in grads.values())
 
 
-def _replicas_differ(case):
-    """One data_parallel= step where rank 1's replica is not rank 0's: every rank's outcome."""
+def _replicas_differ(case, split_at=None):
+    """One data_parallel= step where rank 1's replica is not rank 0's (a chain, or cut at run time
+    at ``split_at``): every rank's outcome."""
     rank = dist.get_rank()
     model = _model()
     if rank == 1 and case == "extra layer":
@@ -161,7 +162,10 @@ def _replicas_differ(case):
         model[0].requires_grad_(False)
     x, y = _batch(rank)
     try:
-        ef.grad(model, dict(model.named_parameters()), x, y, loss=F.mse_loss, data_parallel=dist.group.WORLD)
+        ef.grad(
+            model, dict(model.named_parameters()), x, y, loss=F.mse_loss, data_parallel=dist.group.WORLD,
+            split_at=split_at,
+        )  # fmt: skip
     except Exception as e:  # noqa: BLE001 - the message is the result
         return f"{type(e).__name__}: {e}"
     return "returned gradients"
@@ -182,6 +186,13 @@ def test_replicas_that_differ_make_every_rank_raise_naming_the_difference(case, 
         assert out.startswith("PeerError: sweep: data_parallel= replicas differ"), out
         assert re.search(named, out), out
         assert "give every replica the same model" in out
+
+
+def test_replicas_cut_at_run_time_that_differ_in_what_trains_raise_naming_it():
+    """At run-time cuts the replicas agree on the model's parameters by name, trained or frozen."""
+    for out in D.run(_replicas_differ, 2, "frozen layer", ["*"], timeout=120, pg_timeout=30):
+        assert out.startswith("PeerError: sweep: data_parallel= replicas differ"), out
+        assert re.search(r"'0.weight': trained on rank 0, frozen \(requires_grad=False\) on rank 1", out), out
 
 
 def _a_replica_its_forward_fails_on(capture):
