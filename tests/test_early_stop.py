@@ -58,6 +58,8 @@ class Tail(nn.Module):
             h = h * 2.0 if h.abs().max().item() > 1e9 else h
         elif self.tail == "function":
             h = Halve.apply(h)
+        elif self.tail in ("mean over rows", "mean over columns"):  # the same ops on other arguments
+            h = h + h.mean(dim=0 if self.tail == "mean over rows" else 1, keepdim=True)
         elif self.tail == "hooked":
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 h = self.b(torch.tanh(self.a(h)))
@@ -136,6 +138,26 @@ def test_a_rebuild_that_goes_another_way_runs_again_in_full_and_twice_stops_the_
         model[0].tail = "residual"
         grads(model, x)
         assert len(skipped) == 2  # never again
+
+
+def test_a_tail_of_the_same_ops_on_other_arguments_runs_again_in_full():
+    """Learned as a mean over rows, then a mean over columns: the same ops, whose arguments (the
+    dim) and outputs' shapes differ, so the stopped rebuild misses at that op and runs in full."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Tail(4, "mean over rows")).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with stopping():
+        grads(model, x)
+        model[0].tail = "mean over columns"
+        full = grads(model, x, early_stop=False)
+        assert_bitwise(full, grads(model, x))
+
+
+def test_a_skipped_kernels_output_is_nan_where_it_is_floating():
+    """What a read of a skipped output would see (the module docstring): NaN, never a stale value."""
+    t = ES.allocated(torch.Size([2, 3]), (3, 1), torch.float32, torch.device("cpu"))
+    assert t.shape == (2, 3) and t.stride() == (3, 1) and t.isnan().all()
+    assert ES.allocated(torch.Size([2]), (1,), torch.int64, torch.device("cpu")).dtype == torch.int64
 
 
 @pytest.mark.parametrize("tail", ["random", "kept", "item", "function", "hooked"])
